@@ -1,0 +1,263 @@
+"""The phase barrier: arrivals from every rank, one release from the master.
+
+    rank r:  publish arrive-r.json -> heartbeat.arrived = (N, K)
+    master:  poll the heartbeats of the ranks still missing; once one says
+             arrived (N, K), open its arrival record (it exists by then)
+             all arrived -> decide -> publish release.json -> heartbeat.released = (N, K)
+    worker:  poll the master's heartbeat (one file); once it says released
+             (N, K) for this session, open release.json
+
+Waiters only open files whose writer has announced them, so a client-side
+negative lookup cache on NFS never hides a record (docs/PROTOCOL.md, rule 4).
+Per poll a worker reads one file and the master reads one per missing rank.
+Each poll also feeds the lease tracker, so a wait notices a dead rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator import layout
+from coordinator.errors import MalformedRecordError, PhaseFailedError
+from coordinator.liveness import HeartbeatPublisher, Monitor, abort_error, describe_phase
+from coordinator.polling import Backoff, Clock, Wait, Waker
+from coordinator.records import (
+    Abort,
+    Arrival,
+    ArrivalStatus,
+    Decision,
+    Heartbeat,
+    NodeState,
+    Release,
+)
+from coordinator.runtime import Runtime
+from coordinator.store import Store, publish_record, read_record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Membership:
+    """Who is in this session of the group, as the master's session record says."""
+
+    run_id: str
+    generation: int
+    session: str
+    rank: int
+    token: str
+    members: Mapping[int, str]
+    hosts: Mapping[int, str]
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+class Barrier:
+    def __init__(
+        self,
+        store: Store,
+        membership: Membership,
+        *,
+        heartbeat: HeartbeatPublisher,
+        monitor: Monitor,
+        runtime: Runtime,
+        backoff: Backoff,
+        progress_interval_s: float,
+        retry_s: float,
+        clock: Clock | None = None,
+        waker: Waker | None = None,
+        heartbeat_path: Callable[[int], Any] | None = None,
+    ) -> None:
+        self.store = store
+        self.m = membership
+        self.heartbeat = heartbeat
+        self.monitor = monitor
+        self.runtime = runtime
+        self.backoff = backoff
+        self.progress_interval_s = progress_interval_s
+        self.retry_s = retry_s
+        self.clock = clock or Clock()
+        self.waker = waker
+        self.heartbeat_path = heartbeat_path
+        self.last_wait: Wait | None = None
+
+    # -- every rank -------------------------------------------------------
+    def arrive(
+        self, iteration: int, phase: int, *, status: ArrivalStatus, error: str | None,
+        done: tuple[int, ...], payload: Mapping[str, Any],
+    ) -> Arrival:
+        record = Arrival(
+            run_id=self.m.run_id, generation=self.m.generation, session=self.m.session,
+            rank=self.m.rank, token=self.m.token, iteration=iteration, phase=phase,
+            status=status, error=error, done=done, payload=dict(payload),
+        )
+        publish_record(self.store, layout.arrival(iteration, phase, self.m.rank), record)
+        state = NodeState.WAITING if status is ArrivalStatus.OK else NodeState.FAILED
+        self.heartbeat.update(arrived=(iteration, phase), state=state, error=error)
+        return record
+
+    # -- master -------------------------------------------------------------
+    def collect(
+        self, iteration: int, phase: int, *, own: Arrival, deadline_s: float
+    ) -> dict[int, Arrival]:
+        """Wait until every rank arrived; raise on a failed arrival or a lost rank."""
+        arrivals: dict[int, Arrival] = {self.m.rank: own}
+        missing = sorted(r for r in self.m.members if r != self.m.rank)
+        last_seen: dict[int, Heartbeat | None] = {}
+
+        def probe() -> dict[int, Arrival] | None:
+            for rank in list(missing):
+                hb = read_record(self.store, layout.heartbeat(rank), Heartbeat,
+                                 retry_s=self.retry_s)
+                self.monitor.observe(rank, hb)
+                last_seen[rank] = hb
+                if not self._announced(hb, rank, "arrived", (iteration, phase)):
+                    continue
+                record = self._read_arrival(iteration, phase, rank)
+                if record is None:
+                    continue
+                if record.status is ArrivalStatus.FAILED:
+                    raise PhaseFailedError(
+                        f"rank {rank} (host {self.m.hosts.get(rank, '?')}) failed iteration "
+                        f"{iteration} {describe_phase(phase)}: {record.error}",
+                        rank=rank, iteration=iteration, phase=phase, cause=record.error or "",
+                    )
+                arrivals[rank] = record
+                missing.remove(rank)
+            if not missing:
+                return arrivals
+            self.monitor.judge()
+            self._watch(missing)
+            return None
+
+        def describe() -> str:
+            return self._describe_missing(missing, last_seen, iteration, phase)
+
+        return self._wait(probe, describe, deadline_s)
+
+    def release(
+        self, iteration: int, phase: int, payload: Mapping[str, Any]
+    ) -> Release:
+        record = Release(
+            run_id=self.m.run_id, generation=self.m.generation, session=self.m.session,
+            iteration=iteration, phase=phase, decision=Decision.CONTINUE, abort=None,
+            payload=dict(payload),
+        )
+        publish_record(self.store, layout.release(iteration, phase), record)
+        self.heartbeat.update(released=(iteration, phase), state=NodeState.RUNNING,
+                              waiting_for="")
+        return record
+
+    def abort(self, iteration: int, phase: int, abort: Abort) -> None:
+        """Publish an abort release and put the abort into the heartbeat."""
+        record = Release(
+            run_id=self.m.run_id, generation=self.m.generation, session=self.m.session,
+            iteration=iteration, phase=phase, decision=Decision.ABORT, abort=abort, payload={},
+        )
+        try:
+            publish_record(self.store, layout.release(iteration, phase), record)
+        finally:
+            self.heartbeat.update(abort=abort, released=(iteration, phase),
+                                  state=NodeState.FAILED, error=abort.reason)
+
+    # -- worker -------------------------------------------------------------
+    def wait_release(self, iteration: int, phase: int, *, deadline_s: float) -> Release:
+        master = 0
+        last_seen: dict[int, Heartbeat | None] = {}
+
+        def probe() -> Release | None:
+            hb = read_record(self.store, layout.heartbeat(master), Heartbeat,
+                             retry_s=self.retry_s)
+            self.monitor.observe(master, hb)
+            last_seen[master] = hb
+            if hb is not None and hb.token == self.m.members[master] and hb.abort is not None:
+                raise abort_error(hb.abort)
+            if self._announced(hb, master, "released", (iteration, phase)):
+                record = read_record(self.store, layout.release(iteration, phase), Release,
+                                     retry_s=self.retry_s)
+                if record is not None and self._current(record):
+                    if record.decision is Decision.ABORT and record.abort is not None:
+                        raise abort_error(record.abort)
+                    return record
+            self.monitor.judge()
+            self._watch([master])
+            return None
+
+        def describe() -> str:
+            return self._describe_missing([master], last_seen, iteration, phase,
+                                          what="the master's release of")
+
+        return self._wait(probe, describe, deadline_s)
+
+    # -- helpers ------------------------------------------------------------
+    def _wait(self, probe: Callable[[], Any], describe: Callable[[], str], deadline_s: float) -> Any:
+        text = describe()
+        self.heartbeat.update(waiting_for=text)
+        wait = Wait(
+            deadline_s=deadline_s, backoff=self.backoff,
+            progress_interval_s=self.progress_interval_s, describe=describe, clock=self.clock,
+            wake=self.waker.event if self.waker else None, check=self.runtime.check,
+            on_progress=lambda t: self.heartbeat.update(waiting_for=t), logger=log,
+        )
+        self.last_wait = wait
+        return wait.until(probe)
+
+    def _announced(self, hb: Heartbeat | None, rank: int, field: str, at: tuple[int, int]) -> bool:
+        if hb is None or hb.token != self.m.members[rank]:
+            return False
+        if hb.run_id != self.m.run_id or hb.generation != self.m.generation:
+            return False
+        if field == "released" and hb.session != self.m.session:
+            return False
+        return getattr(hb, field) == at
+
+    def _current(self, record: Arrival | Release) -> bool:
+        ok = (record.run_id == self.m.run_id and record.generation == self.m.generation
+              and record.session == self.m.session)
+        if not ok:
+            log.info("ignoring %s from run %s generation %d session %s (current: %s/%d/%s)",
+                     type(record).__name__.lower(), record.run_id, record.generation,
+                     record.session, self.m.run_id, self.m.generation, self.m.session)
+        return ok
+
+    def _read_arrival(self, iteration: int, phase: int, rank: int) -> Arrival | None:
+        try:
+            record = read_record(self.store, layout.arrival(iteration, phase, rank), Arrival,
+                                 retry_s=self.retry_s)
+        except MalformedRecordError as exc:
+            log.warning("unreadable arrival of rank %d: %s", rank, exc)
+            return None
+        if record is None or not self._current(record):
+            return None
+        if record.token != self.m.members[rank] or (record.iteration, record.phase) != (
+            iteration, phase
+        ):
+            return None
+        return record
+
+    def _watch(self, ranks: list[int]) -> None:
+        if self.waker is not None and self.heartbeat_path is not None:
+            self.waker.watch(self.heartbeat_path(r) for r in ranks)
+
+    def _describe_missing(
+        self, missing: list[int], seen: Mapping[int, Heartbeat | None], iteration: int,
+        phase: int, what: str = "",
+    ) -> str:
+        if not missing:
+            return "nothing"
+        rank = missing[0]
+        tracker = self.monitor.tracker
+        age = tracker.age(rank, self.clock.now()) if rank in tracker.peers else float("nan")
+        hb = seen.get(rank)
+        host = hb.host if hb else self.m.hosts.get(rank, "?")
+        at = f"iteration {iteration} {describe_phase(phase)}"
+        where = ""
+        if hb is not None and what == "":
+            where = f" (it is at iteration {hb.iteration} {describe_phase(hb.phase)}, {hb.state.value})"
+        subject = f"{what} {at}" if what else f"rank {rank} at {at}{where}"
+        more = f" and {len(missing) - 1} more rank(s): {missing[1:6]}" if len(missing) > 1 else ""
+        return (f"{subject}, last heartbeat {age:.1f} s ago on host {host}{more}")

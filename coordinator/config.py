@@ -1,0 +1,284 @@
+"""Run configuration: one file (TOML or YAML), defaults that run the demo.
+
+The configuration is a tree of frozen, keyword-only dataclasses, each
+validated in `__post_init__`.  `from_mapping` builds one from a parsed file
+strictly: an unknown key or a mistyped value is an error naming the key, the
+value and the fix.  The master writes the resolved tree (every default filled
+in) into the run manifest; workers read it from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final, TypeVar, Union
+
+from coordinator.errors import UsageError
+from coordinator.phases import RlPhase, RolloutSplit, TimeoutKey
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PhaseTimeouts:
+    """Barrier deadlines per kind of phase, in seconds (see PROTOCOL.md)."""
+
+    sync: float = 600.0
+    rollout: float = 21600.0
+    aggregate: float = 3600.0
+    engine: float = 1800.0
+    train: float = 43200.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _positive(f"coordination.phase_timeouts_s.{f.name}", getattr(self, f.name))
+
+    def of(self, key: TimeoutKey) -> float:
+        return float(getattr(self, key.value))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoordinationConfig:
+    """Heartbeats, leases, polling and deadlines (all operational)."""
+
+    heartbeat_interval_s: float = 2.0
+    lease_s: float = 15.0
+    poll_initial_s: float = 0.002
+    poll_factor: float = 1.5
+    poll_ceiling_s: float = 1.0
+    progress_interval_s: float = 10.0
+    join_timeout_s: float = 1800.0
+    cancel_grace_s: float = 2.0
+    read_retry_s: float = 5.0
+    probe_timeout_s: float = 5.0
+    phase_timeouts_s: PhaseTimeouts = dataclasses.field(default_factory=PhaseTimeouts)
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "lease_s", "poll_initial_s", "poll_ceiling_s",
+                     "progress_interval_s", "join_timeout_s", "cancel_grace_s",
+                     "read_retry_s", "probe_timeout_s"):
+            _positive(f"coordination.{name}", getattr(self, name))
+        if self.heartbeat_interval_s >= self.lease_s:
+            raise UsageError(
+                f"coordination.heartbeat_interval_s={self.heartbeat_interval_s} must be below "
+                f"coordination.lease_s={self.lease_s}: a peer must get several heartbeats into "
+                "one lease; e.g. heartbeat 2 s, lease 15 s"
+            )
+        if self.poll_factor < 1.0:
+            raise UsageError(
+                f"coordination.poll_factor={self.poll_factor} is below 1: polls would speed up "
+                "forever; use 1.5"
+            )
+        if self.poll_initial_s > self.poll_ceiling_s:
+            raise UsageError(
+                f"coordination.poll_initial_s={self.poll_initial_s} exceeds "
+                f"poll_ceiling_s={self.poll_ceiling_s}: the first poll cannot be the slowest"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSection:
+    """What the run does; `iterations` and `progress` are operational."""
+
+    iterations: int = 8
+    rl_phase: RlPhase = RlPhase.BOTH
+    eval_interval: int = 2
+    eval_before_train: bool = True
+    rollout_split: RolloutSplit = RolloutSplit.BOTH
+    seed: int = 0
+    actions: str = "rl"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.iterations < 1_000_000:
+            raise UsageError(
+                f"run.iterations={self.iterations} is outside 1..999999: give the number of "
+                "RL iterations to run, e.g. --iterations 8"
+            )
+        if self.eval_interval < 0:
+            raise UsageError(
+                f"run.eval_interval={self.eval_interval} is negative: use 0 to never evaluate, "
+                "K to evaluate every K-th iteration"
+            )
+
+
+# Keys an operator may change on a restart without changing the experiment.
+OPERATIONAL_KEYS: Final = (("coordination",), ("run", "iterations"), ("run", "progress"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The whole configuration; sections beyond run/coordination belong to actions."""
+
+    run: RunSection = dataclasses.field(default_factory=RunSection)
+    coordination: CoordinationConfig = dataclasses.field(default_factory=CoordinationConfig)
+    sections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"run": to_plain(self.run), "coordination": to_plain(self.coordination)}
+        out.update({k: to_plain(v) for k, v in self.sections.items()})
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> RunConfig:
+        raw = dict(raw)
+        run = from_mapping(RunSection, raw.pop("run", {}), "run")
+        coordination = from_mapping(CoordinationConfig, raw.pop("coordination", {}), "coordination")
+        return cls(run=run, coordination=coordination, sections=raw)
+
+    def hash(self) -> str:
+        return config_hash(self.to_dict())
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of the config without its operational keys."""
+    pruned = json.loads(json.dumps(config))
+    for path in OPERATIONAL_KEYS:
+        node = pruned
+        for key in path[:-1]:
+            node = node.get(key, {})
+        node.pop(path[-1], None)
+    canonical = json.dumps(pruned, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    """Parse a TOML (.toml) or YAML (.yaml/.yml) config file into a dict."""
+    if not path.is_file():
+        raise UsageError(f"--config {path} does not exist or is not a file: give a .toml or .yaml file")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            raise UsageError(
+                f"--config {path} has suffix {path.suffix!r}: use .toml, .yaml or .yml"
+            )
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        if isinstance(exc, UsageError):
+            raise
+        raise UsageError(f"--config {path} cannot be parsed: {exc}") from exc
+    except Exception as exc:  # yaml.YAMLError has no common base we import eagerly
+        raise UsageError(f"--config {path} cannot be parsed: {exc}") from exc
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _positive(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise UsageError(f"{name}={value} must be a positive number of seconds")
+
+
+def to_plain(obj: Any) -> Any:
+    """A dataclass tree as JSON-ready builtins (enums by value, tuples as lists)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def from_mapping(cls: type[T], raw: Any, where: str) -> T:
+    """Build dataclass `cls` from a parsed mapping, strictly."""
+    if isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise UsageError(f"[{where}] must be a table of keys, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise UsageError(
+            f"unknown key {where}.{unknown[0]}: known keys of [{where}] are "
+            f"{', '.join(sorted(fields))}"
+        )
+    hints = typing.get_type_hints(cls)
+    values = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in raw.items()}
+    try:
+        return cls(**values)
+    except UsageError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"[{where}]: {exc}") from exc
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(hint)):
+            return None
+        last: Exception | None = None
+        for arg in args:
+            try:
+                return _coerce(value, arg, name)
+            except UsageError as exc:
+                last = exc
+        raise last or UsageError(f"{name}={value!r} has the wrong type")
+    if dataclasses.is_dataclass(hint):
+        return from_mapping(hint, value, name)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            allowed = ", ".join(str(m.value) for m in hint)
+            raise UsageError(f"{name}={value!r} is not one of: {allowed}") from None
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise UsageError(f"{name}={value!r} must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UsageError(f"{name}={value!r} must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UsageError(f"{name}={value!r} must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise UsageError(f"{name}={value!r} must be a string")
+        return value
+    if hint is Path:
+        if not isinstance(value, (str, Path)):
+            raise UsageError(f"{name}={value!r} must be a path string")
+        return Path(value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise UsageError(f"{name}={value!r} must be a list")
+        args = typing.get_args(hint)
+        return tuple(_coerce(v, args[0], name) for v in value)
+    return value

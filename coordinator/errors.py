@@ -1,0 +1,129 @@
+"""Exceptions of the coordinator and the exit codes they map to.
+
+Every error carries the facts an operator needs at 3 a.m. as attributes
+(rank, host, phase, iteration, path) and a message that names the value, the
+rule and the fix.  `ExitCode` is documented in docs/PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    INTERNAL = 1
+    USAGE = 2
+    PEER_LOST = 3
+    PHASE_FAILED = 4
+    TIMEOUT = 5
+    FENCED = 6
+    INTERRUPTED = 130
+
+
+EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
+    ExitCode.OK: "every iteration completed (or the run was already complete)",
+    ExitCode.INTERNAL: "an unexpected error; the message and traceback say where",
+    ExitCode.USAGE: "a bad flag or config value, or the rank is already held by a live daemon",
+    ExitCode.PEER_LOST: "a rank was lost (lease expired), left, or was restarted under us",
+    ExitCode.PHASE_FAILED: "an action failed on some rank, or the master aborted the iteration",
+    ExitCode.TIMEOUT: "a wait passed its deadline",
+    ExitCode.FENCED: "this daemon is superseded: the generation was bumped or its claim was taken",
+    ExitCode.INTERRUPTED: "SIGINT or SIGTERM; the daemon published that it left",
+}
+
+
+class CoordinatorError(Exception):
+    """Root of every error this package raises on purpose."""
+
+    exit_code: ExitCode = ExitCode.INTERNAL
+
+
+class UsageError(CoordinatorError, ValueError):
+    """A bad flag or configuration value; the message names it and the fix."""
+
+    exit_code = ExitCode.USAGE
+
+
+class RankHeldError(CoordinatorError):
+    """Another live daemon holds this rank."""
+
+    exit_code = ExitCode.USAGE
+
+    def __init__(self, message: str, *, rank: int, host: str, pid: int) -> None:
+        super().__init__(message)
+        self.rank, self.host, self.pid = rank, host, pid
+
+
+class MalformedRecordError(CoordinatorError, ValueError):
+    """A file in the run directory is not a valid record of its schema."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path, self.problem = path, problem
+
+
+class WaitTimeout(CoordinatorError, TimeoutError):
+    """A wait passed its deadline; the message says what it waited for."""
+
+    exit_code = ExitCode.TIMEOUT
+
+
+class PeerLostError(CoordinatorError):
+    """A rank this daemon needs is gone: lease expired, left, or restarted."""
+
+    exit_code = ExitCode.PEER_LOST
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        host: str = "?",
+        iteration: int | None = None,
+        phase: int | None = None,
+        heartbeat_age_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank, self.host = rank, host
+        self.iteration, self.phase = iteration, phase
+        self.heartbeat_age_s = heartbeat_age_s
+
+
+class PhaseFailedError(CoordinatorError):
+    """An action failed on some rank, or the master aborted the phase."""
+
+    exit_code = ExitCode.PHASE_FAILED
+
+    def __init__(
+        self, message: str, *, rank: int | None, iteration: int, phase: int, cause: str
+    ) -> None:
+        super().__init__(message)
+        self.rank, self.iteration, self.phase, self.cause = rank, iteration, phase, cause
+
+
+class FencedError(CoordinatorError):
+    """This daemon is superseded and must stop writing."""
+
+    exit_code = ExitCode.FENCED
+
+
+class Interrupted(CoordinatorError):
+    """SIGINT or SIGTERM arrived."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
+
+
+class ActionError(CoordinatorError):
+    """Raised by an action to fail its phase with a message for every rank."""
+
+    exit_code = ExitCode.PHASE_FAILED
+
+
+class Cancelled(CoordinatorError):
+    """The running action was cancelled because the group is stopping."""

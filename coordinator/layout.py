@@ -1,0 +1,59 @@
+"""Where each record lives in the run directory (see docs/PROTOCOL.md).
+
+Keys are relative POSIX paths.  Ranks, iterations and phases are checked
+before they become part of a path, so a corrupt or hostile record can never
+steer a daemon to read or write outside the run directory.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from coordinator.records import check_iteration, check_phase, check_rank
+
+MANIFEST: Final = "run.json"
+SESSION: Final = "session.json"
+RANKS: Final = "ranks"
+ITERATIONS: Final = "iterations"
+CHECKPOINTS: Final = "checkpoints"
+ARCHIVE: Final = "archive"
+
+
+def rank_dir(rank: int) -> str:
+    return f"{RANKS}/{check_rank(rank)}"
+
+
+def claim(rank: int) -> str:
+    return f"{rank_dir(rank)}/claim.json"
+
+
+def heartbeat(rank: int) -> str:
+    return f"{rank_dir(rank)}/heartbeat.json"
+
+
+def journal(rank: int) -> str:
+    return f"{rank_dir(rank)}/journal.json"
+
+
+def logs(rank: int) -> str:
+    return f"{rank_dir(rank)}/logs"
+
+
+def iteration_dir(iteration: int) -> str:
+    return f"{ITERATIONS}/{check_iteration(iteration):06d}"
+
+
+def phase_dir(iteration: int, phase: int) -> str:
+    return f"{iteration_dir(iteration)}/phase-{check_phase(phase):02d}"
+
+
+def arrival(iteration: int, phase: int, rank: int) -> str:
+    return f"{phase_dir(iteration, phase)}/arrive-{check_rank(rank)}.json"
+
+
+def release(iteration: int, phase: int) -> str:
+    return f"{phase_dir(iteration, phase)}/release.json"
+
+
+def checkpoint(iteration: int) -> str:
+    return f"{CHECKPOINTS}/iter-{check_iteration(iteration):06d}"

@@ -1,0 +1,278 @@
+"""Heartbeats and leases.
+
+Each daemon publishes a heartbeat record every `heartbeat_interval_s` (and at
+once on every state change) with a counter that only grows.  A peer is lost
+when its counter has not advanced for `lease_s` on the *observer's*
+monotonic clock, counted from the moment the observer first saw the current
+value: clock skew between nodes and cached mtimes cannot matter.
+
+`PeerTracker` turns observations into verdicts (a pure function of what was
+read and when); `Monitor` is the thread that reads the heartbeats a daemon
+needs and reports the first verdict to the `Runtime`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from coordinator import layout
+from coordinator.errors import FencedError, PeerLostError, PhaseFailedError
+from coordinator.phases import Phase
+from coordinator.records import Abort, AbortKind, Claim, Heartbeat, Manifest, NodeState
+from coordinator.runtime import Runtime
+from coordinator.store import Store, publish_record, read_record
+
+log = logging.getLogger(__name__)
+
+# Check our own claim and the manifest every this many beats: cheap fencing
+# against a `recover --force` or a replacement daemon taking our rank.
+FENCE_CHECK_EVERY = 5
+
+
+class HeartbeatPublisher:
+    """Owns this daemon's heartbeat record; thread-safe `update` + periodic beat."""
+
+    def __init__(
+        self, store: Store, *, base: Heartbeat, interval_s: float, runtime: Runtime,
+        fence: Callable[[], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.interval_s = interval_s
+        self.runtime = runtime
+        self.fence = fence
+        self._record = base
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self.key = layout.heartbeat(base.rank)
+
+    @property
+    def record(self) -> Heartbeat:
+        return self._record
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def update(self, **changes: Any) -> Heartbeat:
+        """Change fields and publish at once (state changes must not wait a beat)."""
+        return self.beat(**changes)
+
+    def beat(self, **changes: Any) -> Heartbeat:
+        with self._lock:
+            record = dataclasses.replace(
+                self._record, counter=self._record.counter + 1, wall_time=time.time(), **changes
+            )
+            # Rewritten every few seconds, so the directory fsync buys nothing.
+            publish_record(self.store, self.key, record, durable=False)
+            self._record = record
+            return record
+
+    def stop(self, **final: Any) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.interval_s + 1)
+        if final:
+            try:
+                self.beat(**final)
+            except OSError as exc:  # shutdown path: report, do not raise
+                log.error("could not publish the final heartbeat: %s", exc)
+
+    def _run(self) -> None:
+        beats = 0
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+                beats += 1
+                if self.fence is not None and beats % FENCE_CHECK_EVERY == 0:
+                    self.fence()
+            except FencedError as exc:
+                self.runtime.fail(exc)
+                return
+            except OSError as exc:
+                # A transient filesystem error costs one beat; the lease is
+                # several beats long, so peers do not notice.
+                log.warning("heartbeat publish failed (will retry): %s", exc)
+
+
+def fence_check(store: Store, *, rank: int, token: str, run_id: str, generation: int,
+                retry_s: float) -> None:
+    """Raise FencedError when our claim was taken or the generation was bumped."""
+    claim = read_record(store, layout.claim(rank), Claim, retry_s=retry_s)
+    if claim is None or claim.token != token:
+        holder = f"pid {claim.pid} on {claim.host}" if claim else "nobody"
+        raise FencedError(
+            f"rank {rank}'s claim is now held by {holder}, not by this daemon: stopping so that "
+            "two daemons never write for one rank"
+        )
+    manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=retry_s)
+    if manifest is not None and (manifest.run_id != run_id or manifest.generation > generation):
+        raise FencedError(
+            f"run {manifest.run_id} generation {manifest.generation} superseded this daemon's "
+            f"run {run_id} generation {generation} (coordinator recover or a new run): "
+            "restart the daemon with its original command"
+        )
+
+
+@dataclasses.dataclass
+class PeerView:
+    rank: int
+    token: str
+    host: str
+    counter: int = -1
+    changed_at: float = 0.0
+    last: Heartbeat | None = None
+
+
+def describe_phase(phase: int) -> str:
+    try:
+        return Phase(phase).label
+    except ValueError:
+        return f"phase {phase}"
+
+
+class PeerTracker:
+    """Lease bookkeeping for the peers a daemon needs; pure given `now`."""
+
+    def __init__(self, *, lease_s: float, run_id: str, generation: int) -> None:
+        self.lease_s = lease_s
+        self.run_id = run_id
+        self.generation = generation
+        self.peers: dict[int, PeerView] = {}
+
+    def expect(self, rank: int, *, token: str, host: str, now: float) -> None:
+        self.peers[rank] = PeerView(rank=rank, token=token, host=host, changed_at=now)
+
+    def observe(self, rank: int, hb: Heartbeat | None, now: float) -> None:
+        view = self.peers[rank]
+        if hb is None or hb.run_id != self.run_id or hb.generation < self.generation:
+            return  # absent or from another run/older generation: not a sign of life
+        if hb.token != view.token:
+            view.last = hb  # a new incarnation: the verdict reports it
+            return
+        if hb.counter != view.counter:
+            view.counter, view.changed_at = hb.counter, now
+        view.last = hb
+
+    def age(self, rank: int, now: float) -> float:
+        return now - self.peers[rank].changed_at
+
+    def where(self, rank: int) -> str:
+        hb = self.peers[rank].last
+        if hb is None:
+            return "before its first heartbeat"
+        return f"at iteration {hb.iteration} {describe_phase(hb.phase)}"
+
+    def verdict(self, rank: int, now: float) -> PeerLostError | PhaseFailedError | None:
+        view = self.peers[rank]
+        hb = view.last
+        who = f"rank {rank} (host {view.host})"
+        if hb is not None and hb.token != view.token:
+            return PeerLostError(
+                f"{who} was restarted (new pid {hb.pid} on {hb.host}) while the group was "
+                f"running: run `coordinator recover` and restart every node",
+                rank=rank, host=hb.host, iteration=hb.iteration, phase=hb.phase,
+            )
+        if hb is not None and hb.state is NodeState.LEFT:
+            return PeerLostError(
+                f"{who} left {self.where(rank)} (SIGTERM or Ctrl-C)",
+                rank=rank, host=view.host, iteration=hb.iteration, phase=hb.phase,
+            )
+        if hb is not None and hb.state is NodeState.FAILED:
+            return PhaseFailedError(
+                f"{who} failed {self.where(rank)}: {hb.error or 'no reason given'}",
+                rank=rank, iteration=hb.iteration, phase=hb.phase, cause=hb.error or "",
+            )
+        if hb is not None and hb.state is NodeState.FINISHED:
+            return None
+        age = self.age(rank, now)
+        if age > self.lease_s:
+            return PeerLostError(
+                f"{who} lost {self.where(rank)}: its heartbeat has not advanced for {age:.1f} s "
+                f"(lease {self.lease_s:g} s)",
+                rank=rank, host=view.host,
+                iteration=hb.iteration if hb else None, phase=hb.phase if hb else None,
+                heartbeat_age_s=age,
+            )
+        return None
+
+    def master_abort(self, rank: int) -> Abort | None:
+        hb = self.peers[rank].last
+        return hb.abort if hb is not None and hb.token == self.peers[rank].token else None
+
+
+def abort_error(abort: Abort, *, by: str = "the master") -> PeerLostError | PhaseFailedError:
+    """The error a worker raises when the master's heartbeat or release aborts."""
+    message = f"{by} aborted the run: {abort.reason}"
+    if abort.kind is AbortKind.LOST:
+        return PeerLostError(message, rank=abort.rank if abort.rank is not None else -1,
+                             iteration=abort.iteration, phase=abort.phase)
+    error = PhaseFailedError(message, rank=abort.rank, iteration=abort.iteration or 0,
+                             phase=abort.phase or 0, cause=abort.reason)
+    error.exit_code = abort.kind.exit_code
+    return error
+
+
+class Monitor:
+    """Reads the needed peers' heartbeats and fails the runtime on a verdict."""
+
+    def __init__(
+        self, store: Store, tracker: PeerTracker, runtime: Runtime, *, interval_s: float,
+        retry_s: float, clock: Callable[[], float] = time.monotonic,
+        master_rank: int | None = None,
+    ) -> None:
+        self.store = store
+        self.tracker = tracker
+        self.runtime = runtime
+        self.interval_s = interval_s
+        self.retry_s = retry_s
+        self.clock = clock
+        self.master_rank = master_rank  # set on workers: obey the master's abort
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def observe(self, rank: int, hb: Heartbeat | None) -> None:
+        """Feed an observation made elsewhere (a barrier poll) into the tracker."""
+        with self._lock:
+            self.tracker.observe(rank, hb, self.clock())
+
+    def sweep(self, ranks: Mapping[int, Any] | None = None) -> None:
+        for rank in list(ranks or self.tracker.peers):
+            hb = read_record(self.store, layout.heartbeat(rank), Heartbeat, retry_s=self.retry_s)
+            self.observe(rank, hb)
+        self.judge()
+
+    def judge(self) -> None:
+        with self._lock:
+            now = self.clock()
+            if self.master_rank is not None and self.master_rank in self.tracker.peers:
+                abort = self.tracker.master_abort(self.master_rank)
+                if abort is not None:
+                    self.runtime.fail(abort_error(abort))
+                    return
+            for rank in self.tracker.peers:
+                verdict = self.tracker.verdict(rank, now)
+                if verdict is not None:
+                    self.runtime.fail(verdict)
+                    return
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self.runtime.failure is not None:
+                return
+            try:
+                self.sweep()
+            except Exception as exc:  # a bad read must not kill the watcher
+                log.warning("heartbeat sweep failed (will retry): %s", exc)

@@ -1,0 +1,276 @@
+"""Joining the group: rank claims, finding the master, forming a session.
+
+Exclusive claim: `ranks/<R>/claim.json` is created with link(2), which fails
+when the file exists.  A claim held by a live daemon makes a second daemon
+exit with code 2 naming the holder; a claim whose holder is provably dead (a
+PID gone on this host, a heartbeat that says it left or failed, or no
+heartbeat progress for a whole lease) is moved aside and taken over.  A
+daemon that took a claim re-reads it every few beats (liveness.fence_check),
+so two daemons racing for one dead claim cannot both keep writing.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+from coordinator import layout, netaddr
+from coordinator.errors import RankHeldError, UsageError
+from coordinator.polling import Backoff, Clock, Wait
+from coordinator.records import Claim, Heartbeat, Manifest, NodeState, Session
+from coordinator.store import Store, publish_record, read_record
+
+log = logging.getLogger(__name__)
+LIVE_STATES = (NodeState.STARTING, NodeState.RUNNING, NodeState.WAITING)
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def pid_is_dead_here(claim: Claim) -> bool:
+    """True when the holder ran on this host and its process is gone."""
+    if claim.host != hostname():
+        return False
+    try:
+        proc = psutil.Process(claim.pid)
+        # A reused PID belongs to a process started after the claim.
+        return proc.create_time() > claim.started + 1.0
+    except psutil.NoSuchProcess:
+        return True
+
+
+@dataclass
+class _Progress:
+    counter: int = -1
+    changed_at: float = 0.0
+
+
+def holder_alive(
+    store: Store, claim: Claim, *, lease_s: float, clock: Clock, retry_s: float,
+    backoff: Backoff, progress_interval_s: float,
+) -> bool:
+    """Decide whether a claim's holder lives: at most one lease of watching."""
+    if pid_is_dead_here(claim):
+        return False
+    seen = _Progress(changed_at=clock.now())
+    first = True
+
+    def probe() -> bool | None:
+        nonlocal first
+        hb = read_record(store, layout.heartbeat(claim.rank), Heartbeat, retry_s=retry_s)
+        now = clock.now()
+        if hb is None or hb.token != claim.token:
+            if now - seen.changed_at > lease_s:
+                return False
+            return None
+        if hb.state not in LIVE_STATES:
+            return False
+        if hb.counter != seen.counter:
+            if not first:
+                return True  # it advanced while we watched: alive
+            seen.counter, seen.changed_at = hb.counter, now
+        first = False
+        if now - seen.changed_at > lease_s:
+            return False
+        return None
+
+    wait = Wait(
+        deadline_s=lease_s * 2 + 1, backoff=backoff, progress_interval_s=progress_interval_s,
+        describe=lambda: f"a sign of life from rank {claim.rank}'s holder (pid {claim.pid} on "
+        f"host {claim.host}), to decide whether it can be replaced",
+        clock=clock,
+    )
+    return wait.until(probe)
+
+
+def claim_rank(
+    store: Store, claim: Claim, *, lease_s: float, clock: Clock, retry_s: float,
+    backoff: Backoff, progress_interval_s: float,
+) -> None:
+    """Take rank `claim.rank` exclusively, or raise RankHeldError naming the holder."""
+    key = layout.claim(claim.rank)
+    for _ in range(5):
+        if store.create_exclusive(key, claim.to_bytes()):
+            mine = read_record(store, key, Claim, retry_s=retry_s)
+            if mine is not None and mine.token == claim.token:
+                return
+            continue
+        holder = read_record(store, key, Claim, retry_s=retry_s)
+        if holder is None:
+            continue  # its holder removed it between our link and our read
+        stale = holder.run_id != claim.run_id or holder.generation < claim.generation
+        if not stale and holder_alive(
+            store, holder, lease_s=lease_s, clock=clock, retry_s=retry_s, backoff=backoff,
+            progress_interval_s=progress_interval_s,
+        ):
+            raise RankHeldError(
+                f"rank {claim.rank} of run {claim.run_id} is already held by pid {holder.pid} "
+                f"on host {holder.host} (started {time.ctime(holder.started)}): stop that daemon "
+                "first, or give this one another rank",
+                rank=claim.rank, host=holder.host, pid=holder.pid,
+            )
+        why = "another run" if stale else "a dead holder"
+        log.warning("taking over rank %d from %s (pid %d on %s)", claim.rank, why,
+                    holder.pid, holder.host)
+        try:
+            store.rename(key, f"{layout.rank_dir(claim.rank)}/claim.stale-{holder.token}.json")
+        except FileNotFoundError:
+            pass  # someone else moved it first; try again
+    raise RankHeldError(
+        f"could not claim rank {claim.rank}: other daemons kept claiming it; is a second daemon "
+        "for this rank starting on another host?",
+        rank=claim.rank, host="?", pid=-1,
+    )
+
+
+def release_claim(store: Store, rank: int, token: str, *, retry_s: float) -> None:
+    """Remove our claim at exit, but only if it is still ours."""
+    key = layout.claim(rank)
+    try:
+        current = read_record(store, key, Claim, retry_s=retry_s)
+        if current is not None and current.token == token:
+            store.remove(key)
+    except Exception as exc:  # shutdown path: log and carry on
+        log.warning("could not remove the claim of rank %d: %s", rank, exc)
+
+
+@dataclass(frozen=True)
+class MasterInfo:
+    manifest: Manifest
+    claim: Claim
+
+
+def wait_for_master(
+    store: Store, *, log_path: str, join_timeout_s: float, backoff: Backoff,
+    progress_interval_s: float, retry_s: float, probe_timeout_s: float,
+    clock: Clock | None = None, check: Callable[[], None] | None = None,
+) -> MasterInfo:
+    """Worker: wait until a live master announces a run, then check it is reachable."""
+    clock = clock or Clock()
+    state = {"why": f"the master: no run manifest at {log_path}/run.json yet (start "
+             "`coordinator run --master ...` with the same --log-path)"}
+    first: dict[str, int] = {}
+
+    def probe() -> MasterInfo | None:
+        manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=retry_s)
+        if manifest is None:
+            return None
+        claim = read_record(store, layout.claim(0), Claim, retry_s=retry_s)
+        hb = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
+        if claim is None or hb is None or claim.run_id != manifest.run_id or \
+                hb.token != claim.token or claim.generation != manifest.generation:
+            state["why"] = (f"the master of run {manifest.run_id}: it has not registered yet "
+                            f"(no current {log_path}/ranks/0/claim.json and heartbeat)")
+            return None
+        if hb.state not in LIVE_STATES:
+            state["why"] = (f"the master of run {manifest.run_id}: its last heartbeat says "
+                            f"{hb.state.value} (pid {hb.pid} on {hb.host}); restart it")
+            return None
+        seen = first.setdefault(hb.token, hb.counter)
+        if hb.counter == seen:
+            state["why"] = (f"a heartbeat from the master of run {manifest.run_id} (pid "
+                            f"{hb.pid} on {hb.host}) to prove it is alive")
+            return None
+        return MasterInfo(manifest=manifest, claim=claim)
+
+    info = Wait(
+        deadline_s=join_timeout_s, backoff=backoff, progress_interval_s=progress_interval_s,
+        describe=lambda: state["why"], clock=clock, check=check,
+    ).until(probe)
+    address, port = info.claim.address, info.claim.probe_port
+    if port is not None:
+        errors: list[str] = []
+
+        def reach() -> bool | None:
+            try:
+                netaddr.probe(address, port, timeout_s=probe_timeout_s)
+                return True
+            except OSError as exc:
+                errors[:] = [str(exc)]
+                return None
+
+        Wait(
+            deadline_s=max(probe_timeout_s * 3, 10.0), backoff=backoff,
+            progress_interval_s=progress_interval_s, clock=clock, check=check,
+            describe=lambda: (f"a TCP connection to the master at {address}:{port} (host "
+                              f"{info.claim.host}): {errors[0] if errors else 'no answer'}; if "
+                              "this address is wrong, pass --node-ip or --ifname to the master"),
+        ).until(reach)
+    return info
+
+
+def gather_members(
+    store: Store, *, run_id: str, generation: int, num_nodes: int, own: Heartbeat,
+    join_timeout_s: float, lease_s: float, backoff: Backoff, progress_interval_s: float,
+    retry_s: float, clock: Clock | None = None, check: Callable[[], None] | None = None,
+) -> tuple[dict[int, Claim], dict[int, Heartbeat]]:
+    """Master: wait until every rank has a current claim and a live heartbeat."""
+    clock = clock or Clock()
+    claims: dict[int, Claim] = {}
+    beats: dict[int, Heartbeat] = {0: own}
+    progress: dict[int, _Progress] = {}
+    missing = list(range(1, num_nodes))
+
+    def probe() -> bool | None:
+        now = clock.now()
+        for rank in list(missing):
+            claim = read_record(store, layout.claim(rank), Claim, retry_s=retry_s)
+            if claim is None or claim.run_id != run_id or claim.generation != generation:
+                continue
+            hb = read_record(store, layout.heartbeat(rank), Heartbeat, retry_s=retry_s)
+            if hb is None or hb.token != claim.token or hb.state not in LIVE_STATES:
+                continue
+            seen = progress.setdefault(rank, _Progress(hb.counter, now))
+            if hb.counter != seen.counter:
+                seen.counter, seen.changed_at = hb.counter, now
+            if now - seen.changed_at > lease_s:
+                continue  # joined, then went silent: wait for a restart
+            claims[rank], beats[rank] = claim, hb
+            missing.remove(rank)
+        return True if not missing else None
+
+    def describe() -> str:
+        return (f"rank(s) {missing} to join run {run_id} (start `coordinator run --worker R "
+                f"--log-path ...` on each node)")
+
+    Wait(deadline_s=join_timeout_s, backoff=backoff, progress_interval_s=progress_interval_s,
+         describe=describe, clock=clock, check=check).until(probe)
+    return claims, beats
+
+
+def publish_session(store: Store, session: Session) -> None:
+    publish_record(store, layout.SESSION, session)
+
+
+def wait_for_session(
+    store: Store, *, rank: int, token: str, run_id: str, generation: int, master_token: str,
+    join_timeout_s: float, backoff: Backoff, progress_interval_s: float, retry_s: float,
+    clock: Clock | None = None, check: Callable[[], None] | None = None,
+) -> Session:
+    """Worker: wait for the master's session naming this daemon's token."""
+
+    def probe() -> Session | None:
+        hb = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
+        if hb is None or hb.token != master_token or hb.session is None:
+            if hb is not None and hb.token == master_token and hb.state not in LIVE_STATES:
+                raise UsageError(f"the master stopped before the group formed: {hb.error}")
+            return None
+        session = read_record(store, layout.SESSION, Session, retry_s=retry_s)
+        if session is None or session.session != hb.session or session.run_id != run_id \
+                or session.generation != generation:
+            return None
+        if session.token_of(rank) != token:
+            return None
+        return session
+
+    return Wait(
+        deadline_s=join_timeout_s, backoff=backoff, progress_interval_s=progress_interval_s,
+        describe=lambda: "the master to form the group (it waits for every rank to join)",
+        clock=clock, check=check,
+    ).until(probe)

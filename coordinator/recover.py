@@ -1,0 +1,151 @@
+"""`coordinator recover`: clean up after a crash so that a restart resumes.
+
+Recovery never guesses from mtimes. It refuses while any rank's heartbeat
+still advances (unless --force), removes the records of the failed attempt
+(arrival and release records of iterations >= N, the session, temporary
+files, claims, partial outputs of actions that the journals do not mark
+complete), keeps every completed output, and bumps the generation so that a
+daemon from before that wakes up late is ignored and stops itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from pathlib import Path
+
+from coordinator import fsio, layout
+from coordinator.actions import kind, resolve_config
+from coordinator.errors import UsageError
+from coordinator.phases import Phase
+from coordinator.records import Heartbeat, Journal, Manifest
+from coordinator.status import collect
+from coordinator.store import FsStore, publish_record, read_record
+
+log = logging.getLogger(__name__)
+_ITERATION_DIR = re.compile(r"^\d{6}$")
+_RECORD = re.compile(r"^(arrive-\d+|release)\.json$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecoveryPlan:
+    log_path: Path
+    iteration: int
+    generation: int
+    remove: tuple[Path, ...]
+    kept_outputs: int
+    live: tuple[str, ...]
+
+
+def _furthest_iteration(store: FsStore, manifest: Manifest) -> int:
+    furthest = -1
+    for rank in range(manifest.num_nodes):
+        journal = read_record(store, layout.journal(rank), Journal, retry_s=1.0)
+        if journal is not None and journal.run_id == manifest.run_id:
+            furthest = max(furthest, journal.iteration, journal.completed_iteration + 1)
+        hb = read_record(store, layout.heartbeat(rank), Heartbeat, retry_s=1.0)
+        if hb is not None and hb.run_id == manifest.run_id:
+            furthest = max(furthest, hb.iteration)
+    for name in store.listdir(layout.ITERATIONS):
+        if _ITERATION_DIR.match(name):
+            furthest = max(furthest, int(name))
+    return furthest
+
+
+def plan(log_path: Path, iteration: int, *, force: bool, window_s: float) -> RecoveryPlan:
+    if iteration < 0:
+        raise UsageError(
+            f"--iteration {iteration} is negative: give the iteration that failed, as shown by "
+            "`coordinator status` (0 is the first)"
+        )
+    store = FsStore(log_path)
+    manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
+    if manifest is None:
+        raise UsageError(f"--log-path {log_path} holds no run (no run.json): nothing to recover")
+    furthest = _furthest_iteration(store, manifest)
+    if iteration > max(furthest, 0):
+        raise UsageError(
+            f"--iteration {iteration} was never reached by run {manifest.run_id} (it got as far as "
+            f"iteration {furthest}): give an iteration between 0 and {max(furthest, 0)}"
+        )
+    report = collect(log_path, window_s=window_s)
+    live = tuple(f"rank {r.rank} (pid {r.pid} on {r.host}, {r.state.value})" for r in report.live())
+    if live and not force:
+        raise UsageError(
+            f"refusing to recover while daemons still heartbeat: {', '.join(live)}; stop them "
+            "first (they exit by themselves within the lease once a peer is lost), or pass "
+            "--force to fence them off"
+        )
+    remove: list[Path] = []
+    root = log_path
+    for name in store.listdir(layout.ITERATIONS):
+        if not _ITERATION_DIR.match(name) or int(name) < iteration:
+            continue
+        it_dir = root / layout.ITERATIONS / name
+        for phase_name in store.listdir(f"{layout.ITERATIONS}/{name}"):
+            if not phase_name.startswith("phase-"):
+                continue
+            for record in store.listdir(f"{layout.ITERATIONS}/{name}/{phase_name}"):
+                if _RECORD.match(record):
+                    remove.append(it_dir / phase_name / record)
+    if (root / layout.SESSION).exists():
+        remove.append(root / layout.SESSION)
+    for rank in range(manifest.num_nodes):
+        for name in store.listdir(layout.rank_dir(rank)):
+            if name == "claim.json" or name.startswith("claim.stale-"):
+                remove.append(root / layout.rank_dir(rank) / name)
+    for dirpath, _dirs, files in os.walk(root):
+        if os.path.relpath(dirpath, root).startswith(layout.ARCHIVE):
+            continue
+        remove.extend(Path(dirpath) / f for f in files
+                      if f.startswith(".") and f.endswith(fsio.TMP_SUFFIX))
+    config = resolve_config(manifest.config)
+    kept = 0
+    for rank in range(manifest.num_nodes):
+        actions = kind(config.run.actions).build(config, rank=rank, num_nodes=manifest.num_nodes,
+                                                 run_dir=log_path)
+        journal = read_record(store, layout.journal(rank), Journal, retry_s=1.0)
+        if journal is not None and journal.run_id != manifest.run_id:
+            journal = None
+        for it in range(iteration, max(furthest, iteration) + 1):
+            for phase in Phase:
+                outputs = [p for p in actions.partial_outputs(it, phase, rank) if p.exists()]
+                if journal is not None and journal.is_done(it, phase):
+                    kept += len(outputs)
+                else:
+                    remove.extend(outputs)
+        actions.close()
+    return RecoveryPlan(log_path=log_path, iteration=iteration,
+                        generation=manifest.generation + 1, remove=tuple(dict.fromkeys(remove)),
+                        kept_outputs=kept, live=live)
+
+
+def apply(recovery: RecoveryPlan) -> None:
+    store = FsStore(recovery.log_path)
+    for path in recovery.remove:
+        if path.is_dir():
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            fsio.remove(path)
+    manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
+    assert manifest is not None
+    bumped = dataclasses.replace(manifest, generation=recovery.generation)
+    publish_record(store, layout.MANIFEST, bumped)
+
+
+def describe(recovery: RecoveryPlan, *, dry_run: bool) -> str:
+    verb = "would remove" if dry_run else "removed"
+    lines = [f"recovery of {recovery.log_path} at iteration {recovery.iteration}:"]
+    if recovery.live:
+        lines.append(f"  forced past live daemons: {', '.join(recovery.live)}")
+    lines.append(f"  {verb} {len(recovery.remove)} file(s):")
+    lines.extend(f"    {p.relative_to(recovery.log_path)}" for p in recovery.remove)
+    lines.append(f"  kept {recovery.kept_outputs} completed output(s)")
+    lines.append(f"  generation {'would become' if dry_run else 'is now'} {recovery.generation}")
+    if not dry_run:
+        lines.append("  next: restart every node with its original `coordinator run` command")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""From a validated command line to a `RunPlan`: which run, which config.
+
+The master resolves the run: a log path without `run.json` starts a new
+run; an existing run with the same experiment (config hash, node count,
+weights) is resumed; anything else is refused unless `--new-run` archives the
+old run first.  A worker waits for the master, then takes node count,
+weights and config from the manifest and checks that whatever it was also
+given on its own command line agrees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from coordinator import layout, membership
+from coordinator.actions import resolve_config
+from coordinator.config import CoordinationConfig, RunConfig, deep_merge, from_mapping, load_file
+from coordinator.daemon import RunPlan
+from coordinator.errors import UsageError
+from coordinator.polling import Backoff
+from coordinator.records import Manifest
+from coordinator.status import collect
+from coordinator.store import FsStore, publish_record, read_record
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunRequest:
+    log_path: Path
+    rank: int
+    num_nodes: int | None
+    weights: tuple[float, ...] | str | None
+    config_file: Path | None
+    overrides: Mapping[str, Any]
+    new_run: bool = False
+    node_ip: str | None = None
+    ifname: str | None = None
+
+
+def _raw_config(req: RunRequest) -> dict[str, Any]:
+    raw = load_file(req.config_file) if req.config_file else {}
+    return deep_merge(raw, req.overrides)
+
+
+def make_plan(req: RunRequest) -> RunPlan:
+    return _plan_master(req) if req.rank == 0 else _plan_worker(req)
+
+
+def _plan_master(req: RunRequest) -> RunPlan:
+    config = resolve_config(_raw_config(req))
+    num_nodes = req.num_nodes or 1
+    weights = req.weights if req.weights is not None else tuple(1.0 for _ in range(num_nodes))
+    if isinstance(weights, tuple) and len(weights) != num_nodes:
+        raise UsageError(
+            f"--rank-weights has {len(weights)} values but --num-nodes is {num_nodes}: give one "
+            f"weight per node, e.g. {','.join('1' for _ in range(num_nodes))}"
+        )
+    store = FsStore(req.log_path)
+    existing = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
+    if existing is not None and req.new_run:
+        _archive(req.log_path, existing, config)
+        existing = None
+    if existing is None:
+        manifest = Manifest(
+            run_id=secrets.token_hex(6), generation=0, num_nodes=num_nodes, weights=weights,
+            config=config.to_dict(), config_hash=config.hash(), created=time.time(),
+        )
+        publish_record(store, layout.MANIFEST, manifest)
+        log.info("new run %s in %s: %d node(s), weights %s", manifest.run_id, req.log_path,
+                 num_nodes, weights)
+    else:
+        manifest = _resume(store, existing, config, num_nodes, weights, req)
+    return RunPlan(log_path=req.log_path, rank=0, manifest=manifest, config=config,
+                   node_ip=req.node_ip, ifname=req.ifname)
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out.extend(_differences(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def _resume(store: FsStore, existing: Manifest, config: RunConfig, num_nodes: int,
+            weights: tuple[float, ...] | str, req: RunRequest) -> Manifest:
+    changes = []
+    if existing.num_nodes != num_nodes:
+        changes.append(f"num_nodes: {existing.num_nodes} -> {num_nodes}")
+    if tuple(existing.weights) != tuple(weights) if not isinstance(weights, str) else \
+            existing.weights != weights:
+        changes.append(f"weights: {existing.weights} -> {weights}")
+    if existing.config_hash != config.hash():
+        changes.extend(d for d in _differences(existing.config, config.to_dict())
+                       if not d.startswith(("coordination.", "run.iterations", "run.progress")))
+    if changes:
+        raise UsageError(
+            f"{req.log_path} holds run {existing.run_id} with a different setup "
+            f"({'; '.join(changes[:5])}): restart with the original flags and config to resume "
+            "it, pass --new-run to archive it and start a new run, or use another --log-path"
+        )
+    if existing.config != config.to_dict():  # only operational keys differ
+        existing = dataclasses.replace(existing, config=config.to_dict())
+        publish_record(store, layout.MANIFEST, existing)
+    log.info("resuming run %s generation %d in %s", existing.run_id, existing.generation,
+             req.log_path)
+    return existing
+
+
+def _archive(log_path: Path, old: Manifest, config: RunConfig) -> None:
+    report = collect(log_path, window_s=config.coordination.heartbeat_interval_s + 1.0)
+    live = report.live()
+    if live:
+        who = ", ".join(f"rank {r.rank} (pid {r.pid} on {r.host})" for r in live)
+        raise UsageError(
+            f"--new-run would archive run {old.run_id}, but its daemons still heartbeat: {who}; "
+            "stop them first"
+        )
+    target = log_path / layout.ARCHIVE / old.run_id
+    target.mkdir(parents=True, exist_ok=True)
+    for name in (layout.MANIFEST, layout.SESSION, layout.RANKS, layout.ITERATIONS,
+                 layout.CHECKPOINTS):
+        source = log_path / name
+        if source.exists():
+            shutil.move(str(source), str(target / name))
+    log.info("archived run %s to %s", old.run_id, target)
+
+
+def _plan_worker(req: RunRequest) -> RunPlan:
+    raw = _raw_config(req)
+    local = from_mapping(CoordinationConfig, raw.get("coordination", {}), "coordination")
+    info = membership.wait_for_master(
+        FsStore(req.log_path), log_path=str(req.log_path), join_timeout_s=local.join_timeout_s,
+        backoff=Backoff(initial_s=local.poll_initial_s, factor=local.poll_factor,
+                        ceiling_s=local.poll_ceiling_s),
+        progress_interval_s=local.progress_interval_s, retry_s=local.read_retry_s,
+        probe_timeout_s=local.probe_timeout_s,
+    )
+    manifest = info.manifest
+    if req.rank >= manifest.num_nodes:
+        raise UsageError(
+            f"--worker {req.rank} is out of range: run {manifest.run_id} has "
+            f"{manifest.num_nodes} node(s), so workers are 1..{manifest.num_nodes - 1}"
+        )
+    if req.num_nodes is not None and req.num_nodes != manifest.num_nodes:
+        raise UsageError(
+            f"--num-nodes {req.num_nodes} disagrees with the master's {manifest.num_nodes}: "
+            "drop the flag on workers (they read it from run.json) or fix it on the master"
+        )
+    if req.weights is not None and req.weights != manifest.weights:
+        raise UsageError(
+            f"--rank-weights {req.weights} disagrees with the master's {manifest.weights}: "
+            "drop the flag on workers or fix it on the master"
+        )
+    config = resolve_config(manifest.config)
+    resolved = config.to_dict()
+    diffs = []
+    for key, value in _flatten(raw):
+        node: Any = resolved
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        given = list(value) if isinstance(value, tuple) else value
+        if node != given and not (isinstance(node, float) and given == node):
+            diffs.append(f"{key}: master {node!r}, this worker {value!r}")
+    if diffs:
+        raise UsageError(
+            f"this worker's settings disagree with the master's ({'; '.join(diffs[:5])}): "
+            "workers need only --worker R --log-path P; drop the extra settings or make them "
+            "match the master's"
+        )
+    return RunPlan(log_path=req.log_path, rank=req.rank, manifest=manifest, config=config,
+                   node_ip=req.node_ip, ifname=req.ifname, master=info)
+
+
+def _flatten(raw: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in raw.items():
+        if isinstance(value, Mapping):
+            out.extend(_flatten(value, f"{prefix}{key}."))
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out

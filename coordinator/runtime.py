@@ -1,0 +1,134 @@
+"""What a daemon shares between its threads: the first failure and its children.
+
+The main thread runs actions and barriers; the heartbeat and monitor threads
+watch peers.  Whoever sees trouble first calls `Runtime.fail`: the failure is
+recorded (first one wins), the cancel event is set, the daemon's child
+process trees (engine, torchrun) are killed at once, and, if the main thread
+does not wind up within the grace period, a last-resort timer publishes the
+failure and exits the process.  A survivor therefore stops within the lease
+plus a few seconds even if an action ignores cancellation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+import psutil
+
+from coordinator.errors import Cancelled, CoordinatorError
+
+log = logging.getLogger(__name__)
+
+
+def kill_tree(pid: int, *, grace_s: float = 2.0) -> list[int]:
+    """SIGTERM a process and all its descendants, SIGKILL what remains.
+
+    Descendants are collected before signalling, so children that re-parent
+    to init when their parent dies are still found.  Returns the PIDs that
+    needed SIGKILL.
+    """
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return [p.pid for p in alive]
+
+
+class Runtime:
+    """Cancellation, the first failure, and the child processes to kill."""
+
+    def __init__(self, *, cancel_grace_s: float = 2.0) -> None:
+        self.cancel = threading.Event()
+        self.cancel_grace_s = cancel_grace_s
+        self._lock = threading.Lock()
+        self._failure: CoordinatorError | None = None
+        self._children: dict[int, str] = {}
+        self._last_words: Callable[[CoordinatorError], None] | None = None
+        self._on_fail: list[Callable[[CoordinatorError], None]] = []
+        self.finished = threading.Event()
+
+    @property
+    def failure(self) -> CoordinatorError | None:
+        return self._failure
+
+    def on_last_words(self, hook: Callable[[CoordinatorError], None]) -> None:
+        """What the exit timer publishes before os._exit (the final heartbeat)."""
+        self._last_words = hook
+
+    def on_fail(self, hook: Callable[[CoordinatorError], None]) -> None:
+        """Run `hook` in the failing thread, before children are killed."""
+        self._on_fail.append(hook)
+
+    def add_child(self, pid: int, what: str) -> None:
+        with self._lock:
+            self._children[pid] = what
+
+    def remove_child(self, pid: int) -> None:
+        with self._lock:
+            self._children.pop(pid, None)
+
+    def kill_children(self) -> None:
+        with self._lock:
+            children = dict(self._children)
+        for pid, what in children.items():
+            killed = kill_tree(pid, grace_s=1.0)
+            log.warning("stopped %s (pid %d)%s", what, pid,
+                        f"; SIGKILL needed for {killed}" if killed else "")
+            self.remove_child(pid)
+
+    def fail(self, error: CoordinatorError) -> bool:
+        """Record the first failure and start stopping; False if one was recorded."""
+        with self._lock:
+            if self._failure is not None:
+                return False
+            self._failure = error
+        log.error("%s", error)
+        self.cancel.set()
+        for hook in self._on_fail:
+            try:
+                hook(error)
+            except Exception:  # a failing hook must not stop the shutdown
+                log.exception("failure hook raised")
+        threading.Thread(target=self._stop_soon, name="stop-timer", daemon=True).start()
+        return True
+
+    def _stop_soon(self) -> None:
+        self.kill_children()
+        if self.finished.wait(self.cancel_grace_s):
+            return
+        error = self._failure
+        assert error is not None
+        log.error("the main thread did not stop within %.1f s; exiting now", self.cancel_grace_s)
+        if self._last_words is not None:
+            try:
+                self._last_words(error)
+            except Exception:  # last resort path: nothing more to do than log
+                log.exception("could not publish the final heartbeat")
+        os._exit(int(error.exit_code))
+
+    def check(self) -> None:
+        """Raise the recorded failure (in the main thread)."""
+        if self._failure is not None:
+            raise self._failure
+
+    def check_cancel(self) -> None:
+        """For actions: raise Cancelled once the group is stopping."""
+        if self.cancel.is_set():
+            raise Cancelled(str(self._failure) if self._failure else "cancelled")

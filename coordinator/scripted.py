@@ -1,0 +1,170 @@
+"""Scripted actions: the phase machine with no ML in it.
+
+Used by the tests (files written, sleeps, injected failures), by the
+coordination benchmarks (no work at all), and by operators as a smoke test of
+a cluster's shared filesystem: `coordinator run ... --actions scripted`.
+
+Config section `[scripted]`; every rule is a string "RANK:ITERATION:PHASE"
+(each part a number or `*`), sleeps add ":SECONDS".
+
+    [scripted]
+    sleep_s = 0.0                  # every action sleeps this long
+    sleeps = ["1:*:4:30"]          # rank 1 sleeps 30 s in phase 4 of every iteration
+    fail = ["2:1:6"]               # rank 2 raises in iteration 1, phase 6
+    hang = []                      # like sleeps, but ignoring cancellation
+    outputs = true                 # write a marker file per executed action
+
+Each executed action writes `iterations/<N>/scripted/rank-<R>/phase-<KK>.json`
+counting how often it ran, and appends (iteration, phase) to
+`ranks/<R>/scripted-log.json`, so tests can prove that nothing was redone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator import fsio, layout
+from coordinator.config import RunConfig, from_mapping, to_plain
+from coordinator.errors import ActionError, UsageError
+from coordinator.phases import Phase
+from coordinator.records import Arrival
+from coordinator.actions import StepContext
+
+
+def _part(text: str, rule: str) -> int | None:
+    if text == "*":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(
+            f"scripted rule {rule!r}: {text!r} is neither a number nor '*': "
+            "write RANK:ITERATION:PHASE, e.g. 1:*:4"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Rule:
+    rank: int | None
+    iteration: int | None
+    phase: int | None
+    seconds: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str, *, with_seconds: bool) -> Rule:
+        parts = text.split(":")
+        want = 4 if with_seconds else 3
+        if len(parts) != want:
+            shape = "RANK:ITERATION:PHASE:SECONDS" if with_seconds else "RANK:ITERATION:PHASE"
+            raise UsageError(f"scripted rule {text!r} must look like {shape} ('*' matches any)")
+        seconds = 0.0
+        if with_seconds:
+            try:
+                seconds = float(parts[3])
+            except ValueError:
+                raise UsageError(f"scripted rule {text!r}: {parts[3]!r} is not seconds") from None
+        return cls(_part(parts[0], text), _part(parts[1], text), _part(parts[2], text), seconds)
+
+    def matches(self, rank: int, iteration: int, phase: int) -> bool:
+        return all(
+            want is None or want == got
+            for want, got in ((self.rank, rank), (self.iteration, iteration), (self.phase, phase))
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScriptedConfig:
+    sleep_s: float = 0.0
+    sleeps: tuple[str, ...] = ()
+    fail: tuple[str, ...] = ()
+    hang: tuple[str, ...] = ()
+    outputs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sleep_s < 0:
+            raise UsageError(f"scripted.sleep_s={self.sleep_s} is negative")
+        self.rules()  # validate early, at the CLI boundary
+
+    def rules(self) -> tuple[list[Rule], list[Rule], list[Rule]]:
+        return (
+            [Rule.parse(t, with_seconds=True) for t in self.sleeps],
+            [Rule.parse(t, with_seconds=False) for t in self.fail],
+            [Rule.parse(t, with_seconds=True) for t in self.hang],
+        )
+
+
+def resolve_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(raw) - {"scripted"})
+    if unknown:
+        raise UsageError(
+            f"config section [{unknown[0]}] is not used by run.actions='scripted': "
+            "it knows only [scripted]"
+        )
+    return {"scripted": to_plain(from_mapping(ScriptedConfig, raw.get("scripted", {}), "scripted"))}
+
+
+class ScriptedActions:
+    def __init__(self, config: ScriptedConfig, *, rank: int, run_dir: Path) -> None:
+        self.config = config
+        self.rank = rank
+        self.run_dir = run_dir
+        self.sleeps, self.fails, self.hangs = config.rules()
+
+    def _output(self, iteration: int, phase: int, rank: int) -> Path:
+        return (self.run_dir / layout.iteration_dir(iteration) / "scripted"
+                / f"rank-{rank}" / f"phase-{phase:02d}.json")
+
+    def run(self, phase: Phase, ctx: StepContext) -> Mapping[str, Any]:
+        it = ctx.iteration
+        seconds = self.config.sleep_s + sum(
+            r.seconds for r in self.sleeps if r.matches(self.rank, it, phase))
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ctx.check_cancel()
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        for rule in self.hangs:
+            if rule.matches(self.rank, it, phase):
+                time.sleep(rule.seconds)  # deliberately deaf to cancellation
+        if any(r.matches(self.rank, it, phase) for r in self.fails):
+            raise ActionError(f"injected failure (scripted rule) at rank {self.rank}")
+        if self.config.outputs:
+            self._record(it, phase)
+        return {"rank": self.rank}
+
+    def _record(self, iteration: int, phase: int) -> None:
+        out = self._output(iteration, phase, self.rank)
+        runs = 0
+        try:
+            runs = int(json.loads(fsio.read_bytes(out))["runs"])
+        except (FileNotFoundError, ValueError, KeyError):
+            pass
+        body = {"iteration": iteration, "phase": phase, "rank": self.rank, "runs": runs + 1}
+        fsio.publish_bytes(out, json.dumps(body).encode())
+        log_path = self.run_dir / layout.rank_dir(self.rank) / "scripted-log.json"
+        try:
+            entries = json.loads(fsio.read_bytes(log_path))
+        except (FileNotFoundError, ValueError):
+            entries = []
+        entries.append([iteration, phase])
+        fsio.publish_bytes(log_path, json.dumps(entries).encode())
+
+    def decide(
+        self, phase: Phase, ctx: StepContext, arrivals: Mapping[int, Arrival]
+    ) -> Mapping[str, Any]:
+        return {"arrived": sorted(arrivals)}
+
+    def partial_outputs(self, iteration: int, phase: Phase, rank: int) -> list[Path]:
+        return [self._output(iteration, phase, rank)]
+
+    def close(self) -> None:
+        return None
+
+
+def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> ScriptedActions:
+    scripted = from_mapping(ScriptedConfig, config.sections.get("scripted", {}), "scripted")
+    return ScriptedActions(scripted, rank=rank, run_dir=run_dir)

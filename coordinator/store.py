@@ -1,0 +1,167 @@
+"""Storage behind a small interface: publish a record, read a record.
+
+`FsStore` is the shared-filesystem backend every daemon uses; `MemoryStore`
+implements the same interface in memory so that barrier and membership logic
+can be unit-tested without files or clocks.  `read_record` adds the rules of
+docs/PROTOCOL.md on top: retry torn, stale or unreadable files within a
+deadline, then report the file as malformed with its path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import tenacity
+
+from coordinator import fsio
+from coordinator.errors import MalformedRecordError
+from coordinator.records import Record
+
+log = logging.getLogger(__name__)
+R = TypeVar("R", bound=Record)
+
+
+class Store(Protocol):
+    """Whole-file records under relative keys; one writer per key."""
+
+    def publish(self, key: str, data: bytes, *, durable: bool = True) -> None: ...
+
+    def read(self, key: str) -> bytes | None:
+        """The file's bytes, or None when it does not exist."""
+        ...
+
+    def create_exclusive(self, key: str, data: bytes) -> bool: ...
+
+    def remove(self, key: str) -> bool: ...
+
+    def rename(self, src: str, dst: str) -> None: ...
+
+    def listdir(self, key: str) -> list[str]:
+        """Names in a directory: a hint for humans and recovery, never for waits."""
+        ...
+
+
+class FsStore:
+    """The run directory on a (possibly network) filesystem."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def publish(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        fsio.publish_bytes(self.path(key), data, durable=durable)
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return fsio.read_bytes(self.path(key))
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            return None
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        return fsio.create_exclusive(self.path(key), data)
+
+    def remove(self, key: str) -> bool:
+        return fsio.remove(self.path(key))
+
+    def rename(self, src: str, dst: str) -> None:
+        fsio.ensure_dir(self.path(dst).parent)
+        fsio.rename(self.path(src), self.path(dst))
+
+    def listdir(self, key: str) -> list[str]:
+        fsio.STATS.count("listdir")
+        try:
+            return sorted(os.listdir(self.path(key)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+
+class MemoryStore:
+    """In-memory `Store` for unit tests; counts reads per key."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self.reads: list[str] = []
+
+    def publish(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        with self._lock:
+            self._files[key] = bytes(data)
+
+    def read(self, key: str) -> bytes | None:
+        with self._lock:
+            self.reads.append(key)
+            return self._files.get(key)
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        with self._lock:
+            if key in self._files:
+                return False
+            self._files[key] = bytes(data)
+            return True
+
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            return self._files.pop(key, None) is not None
+
+    def rename(self, src: str, dst: str) -> None:
+        with self._lock:
+            self._files[dst] = self._files.pop(src)
+
+    def listdir(self, key: str) -> list[str]:
+        prefix = key.rstrip("/") + "/"
+        with self._lock:
+            names = {k[len(prefix):].split("/")[0] for k in self._files if k.startswith(prefix)}
+        return sorted(names)
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, MalformedRecordError) or fsio.is_transient(exc)
+
+
+def read_record(
+    store: Store,
+    key: str,
+    cls: type[R],
+    *,
+    retry_s: float = 5.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> R | None:
+    """Read and strictly parse one record; None when the file does not exist.
+
+    A torn read (a FUSE client with a stale cached size), ESTALE after a
+    rename, or EIO is retried with backoff for `retry_s`; then the last error
+    is raised, naming the file.
+    """
+    path = Path(getattr(store, "root", Path("<memory>"))) / key
+
+    def attempt() -> R | None:
+        data = store.read(key)
+        if data is None:
+            return None
+        return cls.from_bytes(data, path)
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(_retryable),
+        stop=tenacity.stop_after_delay(retry_s),
+        wait=tenacity.wait_exponential(multiplier=0.005, max=0.5),
+        sleep=sleep,
+        reraise=True,
+        before_sleep=lambda state: log.debug(
+            "retrying read of %s: %s", path, state.outcome.exception() if state.outcome else "?"
+        ),
+    )
+    return retrying(attempt)
+
+
+def publish_record(store: Store, key: str, record: Record, *, durable: bool = True) -> None:
+    store.publish(key, record.to_bytes(), durable=durable)

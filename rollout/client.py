@@ -1,0 +1,311 @@
+"""One completions client for both servers (rollout.hf_server and `vllm serve`).
+
+Requests go to POST {base_url}/v1/completions with `return_token_ids: true`
+and `logprobs: 0`, and each choice is read as vLLM's CompletionResponseChoice
+(vllm/entrypoints/openai/protocol.py): `text`, `index`, `finish_reason`,
+`logprobs.token_logprobs`, `token_ids`, `prompt_token_ids`.  The trainer
+needs the exact token ids and their log-probabilities, so a response
+without them is a protocol error, never a guess from re-tokenised text.
+
+One prompt is one request (its n samples form a GRPO group), so a failure
+costs one group.  A group that still fails after the retries comes back as a
+GroupResult with its error text: nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+
+import tenacity
+
+from rollout.engine import EngineError
+
+log = logging.getLogger(__name__)
+
+# Statuses a healthy server can return under load or while restarting.
+_TRANSIENT_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
+_MAX_ERROR_BODY: Final = 2000
+
+
+class ClientError(EngineError):
+    """A completion request failed."""
+
+
+class TransientError(ClientError, ConnectionError):
+    """Connection refused/reset, timeout or a 5xx/429: worth retrying."""
+
+
+class HttpError(ClientError):
+    """The server rejected the request (4xx other than 408/425/429): not retried."""
+
+    def __init__(self, status: int, body: str, url: str) -> None:
+        self.status = status
+        self.body = body
+        self.url = url
+        super().__init__(f"HTTP {status} from {url}: {body[:_MAX_ERROR_BODY]}")
+
+
+class ProtocolError(ClientError, ValueError):
+    """The response does not have the shape both servers promise."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One completion: exact token ids and the policy's log-prob of each."""
+
+    text: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens: "
+                "there must be one log-probability per generated token"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupResult:
+    """The n samples of one prompt, or why there are none."""
+
+    index: int
+    prompt: str
+    samples: tuple[Sample, ...] = ()
+    error: str | None = None
+    attempts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _ids(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise ProtocolError(
+            f"{what} is missing or not a list of token ids: the server must honour "
+            "return_token_ids (vLLM >= 0.10.2, or rollout.hf_server)"
+        )
+    return tuple(value)
+
+
+def parse_choice(choice: Any) -> Sample:
+    """A vLLM-shaped completion choice -> Sample (strict)."""
+    if not isinstance(choice, dict):
+        raise ProtocolError(f"choice is {type(choice).__name__}, not an object")
+    text = choice.get("text")
+    finish = choice.get("finish_reason")
+    if not isinstance(text, str) or not isinstance(finish, str):
+        raise ProtocolError(f"choice lacks text or finish_reason: {str(choice)[:200]}")
+    token_ids = _ids(choice.get("token_ids"), "token_ids")
+    prompt_ids = _ids(choice.get("prompt_token_ids"), "prompt_token_ids")
+    lp = choice.get("logprobs")
+    raw = lp.get("token_logprobs") if isinstance(lp, dict) else None
+    if not isinstance(raw, list) or len(raw) != len(token_ids):
+        raise ProtocolError(
+            f"logprobs.token_logprobs has {len(raw) if isinstance(raw, list) else 'no'} entries "
+            f"for {len(token_ids)} tokens: request logprobs=0 and return_token_ids=true"
+        )
+    values = []
+    for v in raw:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v > 1e-4:
+            raise ProtocolError(f"token log-prob {v!r} is not a number <= 0")
+        values.append(float(v))
+    return Sample(text=text, prompt_token_ids=prompt_ids, token_ids=token_ids,
+                  logprobs=tuple(values), finish_reason=finish)
+
+
+class CompletionClient:
+    """Thread-safe; `generate_groups` runs at most `concurrency` requests at once."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        model: str | None = None,
+        concurrency: int = 8,
+        request_timeout_s: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 8.0,
+        sleep: Callable[[float], None] = time.sleep,
+        health_check: Callable[[], None] | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency={concurrency} is below 1: allow at least one request")
+        if retries < 0:
+            raise ValueError(f"retries={retries} is negative: use 0 for a single attempt")
+        if request_timeout_s <= 0 or backoff_s < 0 or backoff_max_s < backoff_s:
+            raise ValueError(
+                f"request_timeout_s={request_timeout_s} must be > 0 and "
+                f"0 <= backoff_s={backoff_s} <= backoff_max_s={backoff_max_s}"
+            )
+        self.base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        self._model = model
+        self._model_lock = threading.Lock()
+        self.concurrency = concurrency
+        self.request_timeout_s = request_timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self._sleep = sleep
+        # Called before each retry: an engine's check_alive turns "connection
+        # refused" into "the server died with SIGKILL, here is its log".
+        self._health_check = health_check
+
+    # --- transport ---------------------------------------------------------
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        url = self.base_url + path
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(url, data=data, method=method, headers={
+            "Authorization": f"Bearer {self._api_key}",
+            "Content-Type": "application/json",
+        })
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            text = e.read().decode("utf-8", errors="replace")
+            if e.code in _TRANSIENT_STATUS:
+                raise TransientError(f"HTTP {e.code} from {url}: {text[:_MAX_ERROR_BODY]}") from e
+            raise HttpError(e.code, text, url) from e
+        except (TimeoutError, socket.timeout) as e:
+            raise TransientError(f"no answer from {url} within {self.request_timeout_s:g}s") from e
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, (TimeoutError, socket.timeout)):
+                raise TransientError(
+                    f"no answer from {url} within {self.request_timeout_s:g}s") from e
+            raise TransientError(f"cannot reach {url}: {reason}") from e
+        try:
+            return json.loads(raw)
+        except ValueError as e:  # a response cut short by a dying server
+            raise TransientError(f"unparsable JSON from {url}: {raw[:200]!r}") from e
+
+    def models(self) -> list[str]:
+        body = self._request("GET", "/v1/models")
+        try:
+            return [str(m["id"]) for m in body["data"]]
+        except (KeyError, TypeError) as e:
+            raise ProtocolError(f"/v1/models answer has no data[].id: {str(body)[:200]}") from e
+
+    @property
+    def model(self) -> str:
+        with self._model_lock:
+            if self._model is None:
+                names = self.models()
+                if not names:
+                    raise ProtocolError(f"{self.base_url} serves no model")
+                self._model = names[0]
+            return self._model
+
+    # --- one request --------------------------------------------------------
+
+    def complete_one(
+        self,
+        prompt: str,
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+    ) -> list[Sample]:
+        """One attempt: n samples of `prompt`, in choice order.  Raises ClientError."""
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": prompt, "n": n, "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "logprobs": 0,
+            "return_token_ids": True, "stream": False,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        if stop:
+            body["stop"] = list(stop)
+        resp = self._request("POST", "/v1/completions", body)
+        choices = resp.get("choices") if isinstance(resp, dict) else None
+        if not isinstance(choices, list) or len(choices) != n:
+            got = len(choices) if isinstance(choices, list) else "no"
+            raise ProtocolError(f"asked for n={n} choices, got {got}: {str(resp)[:200]}")
+        choices = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+        return [parse_choice(c) for c in choices]
+
+    # --- groups ---------------------------------------------------------------
+
+    def generate_groups(
+        self,
+        prompts: Sequence[str],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+    ) -> list[GroupResult]:
+        """One GroupResult per prompt, in prompt order.
+
+        With a seed, group i is sampled with seed + i: identical prompts in one
+        batch still get independent samples, and a rerun gets the same ones.
+        """
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"n={n} and max_tokens={max_tokens} must both be >= 1")
+        if not prompts:
+            return []
+
+        def run(i: int) -> GroupResult:
+            return self._group(i, prompts[i], n=n, max_tokens=max_tokens, temperature=temperature,
+                               top_p=top_p, seed=None if seed is None else seed + i, stop=stop)
+
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts)),
+                                thread_name_prefix="completion") as pool:
+            return list(pool.map(run, range(len(prompts))))
+
+    def _group(self, index: int, prompt: str, **kw: Any) -> GroupResult:
+        attempts = 0
+
+        def attempt() -> list[Sample]:
+            nonlocal attempts
+            attempts += 1
+            return self.complete_one(prompt, **kw)
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("prompt %d attempt %d failed (%s); retrying", index, attempts, exc)
+            if self._health_check is not None:
+                self._health_check()
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.retries + 1),
+            wait=tenacity.wait_exponential(multiplier=self.backoff_s, max=self.backoff_max_s),
+            retry=tenacity.retry_if_exception_type(TransientError),
+            sleep=self._sleep,
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        try:
+            samples = retrying(attempt)
+        except Exception as e:  # a failed group is a result, never a lost prompt
+            log.error("prompt %d failed after %d attempts: %s", index, attempts, e)
+            return GroupResult(index=index, prompt=prompt, error=f"{type(e).__name__}: {e}",
+                               attempts=attempts)
+        return GroupResult(index=index, prompt=prompt, samples=tuple(samples), attempts=attempts)

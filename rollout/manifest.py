@@ -1,0 +1,173 @@
+"""The per-rank manifest: which chunk files a rank has safely published.
+
+    {"schema": "coordinator/rank-manifest", "version": 1,
+     "rank": 2, "iteration": 7, "complete": false, "rollout_seconds": 41.5,
+     "chunks": [{"file": "chunk-000000.pt", "sha256": "<64 hex>", "size": 81920,
+                 "num_samples": 32, "task_ids": ["gsm8k/train/12", ...]}, ...]}
+
+Only a chunk listed here counts; its checksum is what makes a truncated or
+altered file detectable.  The rank and iteration inside fence against a
+directory left over from another rank or an older iteration.  Parsing is
+strict: unknown fields are ignored, anything else wrong is malformed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from rollout.errors import MalformedRecordError
+
+MANIFEST_NAME: Final = "manifest.json"
+MANIFEST_SCHEMA: Final = "coordinator/rank-manifest"
+MANIFEST_VERSION: Final = 1
+# A plain file name, never a path: a manifest must not be able to point the
+# reader outside its rank directory.
+CHUNK_NAME: Final = re.compile(r"chunk-(\d{6})\.pt")
+_SHA256: Final = re.compile(r"[0-9a-f]{64}")
+
+
+def chunk_file_name(index: int) -> str:
+    return f"chunk-{index:06d}.pt"
+
+
+def _int(value: Any, what: str, minimum: int = 0) -> int:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{what} is {value!r}: expected an integer >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkEntry:
+    file: str
+    sha256: str
+    size: int
+    num_samples: int
+    task_ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.file, str) or not CHUNK_NAME.fullmatch(self.file):
+            raise ValueError(f"chunk file {self.file!r} is not named like chunk-000000.pt")
+        if not isinstance(self.sha256, str) or not _SHA256.fullmatch(self.sha256):
+            raise ValueError(f"sha256 of {self.file} is {self.sha256!r}: expected 64 hex digits")
+        _int(self.size, f"size of {self.file}")
+        _int(self.num_samples, f"num_samples of {self.file}")
+        object.__setattr__(self, "task_ids", tuple(self.task_ids))
+        if not all(isinstance(t, str) and t for t in self.task_ids):
+            raise ValueError(f"task_ids of {self.file} must be non-empty strings")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankManifest:
+    rank: int
+    iteration: int
+    complete: bool = False
+    rollout_seconds: float = 0.0
+    chunks: tuple[ChunkEntry, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        _int(self.rank, "rank")
+        _int(self.iteration, "iteration")
+        if not isinstance(self.complete, bool):
+            raise ValueError(f"complete is {self.complete!r}: expected true or false")
+        seconds = self.rollout_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise ValueError(f"rollout_seconds is {seconds!r}: expected a number")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"rollout_seconds is {seconds}: expected a finite number >= 0")
+        object.__setattr__(self, "rollout_seconds", float(seconds))
+        object.__setattr__(self, "chunks", tuple(self.chunks))
+        names = [c.file for c in self.chunks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a chunk file is listed twice in {names}")
+
+    @property
+    def num_samples(self) -> int:
+        return sum(c.num_samples for c in self.chunks)
+
+    def task_ids(self) -> list[str]:
+        """All listed task ids, in chunk order; repeats kept, for the caller to judge."""
+        return [t for c in self.chunks for t in c.task_ids]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "schema": MANIFEST_SCHEMA,
+                "version": MANIFEST_VERSION,
+                "rank": self.rank,
+                "iteration": self.iteration,
+                "complete": self.complete,
+                "rollout_seconds": self.rollout_seconds,
+                "chunks": [
+                    {
+                        "file": c.file,
+                        "sha256": c.sha256,
+                        "size": c.size,
+                        "num_samples": c.num_samples,
+                        "task_ids": list(c.task_ids),
+                    }
+                    for c in self.chunks
+                ],
+            },
+            allow_nan=False,
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: Path) -> RankManifest:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise MalformedRecordError(
+                f"manifest {source} is not valid JSON: {exc}", path=source
+            ) from exc
+        try:
+            if not isinstance(data, dict):
+                raise ValueError(f"top level is a JSON {type(data).__name__}, not an object")
+            if data.get("schema") != MANIFEST_SCHEMA or data.get("version") != MANIFEST_VERSION:
+                raise ValueError(
+                    f"schema {data.get('schema')!r} version {data.get('version')!r}, expected "
+                    f"{MANIFEST_SCHEMA!r} version {MANIFEST_VERSION}"
+                )
+            chunks = data.get("chunks")
+            if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
+                raise ValueError("'chunks' must be a list of objects")
+            for c in chunks:
+                if not isinstance(c.get("task_ids"), list):
+                    raise ValueError(f"task_ids of chunk {c.get('file')!r} must be a list")
+            return cls(
+                rank=data.get("rank"),  # type: ignore[arg-type]
+                iteration=data.get("iteration"),  # type: ignore[arg-type]
+                complete=data.get("complete"),  # type: ignore[arg-type]
+                rollout_seconds=data.get("rollout_seconds"),  # type: ignore[arg-type]
+                chunks=tuple(
+                    ChunkEntry(
+                        file=c.get("file"),
+                        sha256=c.get("sha256"),
+                        size=c.get("size"),
+                        num_samples=c.get("num_samples"),
+                        task_ids=tuple(c["task_ids"]),
+                    )
+                    for c in chunks
+                ),
+            )
+        except ValueError as exc:
+            raise MalformedRecordError(
+                f"manifest {source} is malformed: {exc}", path=source
+            ) from exc
+
+
+def read_manifest(directory: Path) -> RankManifest | None:
+    """The manifest in a rank directory, None if there is none yet."""
+    path = directory / MANIFEST_NAME
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise MalformedRecordError(f"cannot read manifest {path}: {exc}", path=path) from exc
+    return RankManifest.from_json(text, source=path)

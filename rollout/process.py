@@ -1,0 +1,391 @@
+"""Child-process lifecycle for inference servers: spawn, stop the whole tree, GPU release.
+
+An inference server is restarted every RL iteration, and on a GPU node the
+trainer that follows needs every byte of accelerator memory back.  So a stop
+must leave nothing behind: not the server, not the workers it forked (vLLM
+spawns engine-core and tensor-parallel worker processes, some of which leave
+the process group), and not a CUDA context held by a zombie.
+
+    spawn ──► running ──► stop(): SIGTERM to group + tree ──grace──► SIGKILL
+                                  survivors (tree re-scanned) ──deadline──► report
+
+Orphans: each child gets PR_SET_PDEATHSIG=SIGKILL, so if the daemon that
+started it is SIGKILLed the server dies with it.  Linux delivers that signal
+when the parent *thread* exits, so engines must be started from a long-lived
+thread (the daemon's main thread).  Grandchildren do not inherit it; a
+SIGKILLed daemon can leave vLLM workers behind, which the next stop cannot
+see.  That is a known gap (no subreaper here), not silently handled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG: Final = 1  # from <linux/prctl.h>
+_TAIL_BYTES: Final = 64 * 1024  # enough for ~50 lines of a Python traceback
+_POLL_S: Final = 0.02  # exit polling; stop() runs once per iteration, cost is nil
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'exit status 3' / 'killed by SIGKILL (-9)' / 'still running'."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name} ({returncode})"
+    return f"exit status {returncode}"
+
+
+def _preexec_pdeathsig(parent_pid: int) -> Callable[[], None]:
+    libc_name = ctypes.util.find_library("c") or "libc.so.6"
+
+    def preexec() -> None:
+        # Runs in the child between fork and exec: only async-signal-safe work.
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The parent may have died before prctl took effect: then nobody would
+        # ever send the signal, so exit now instead of running orphaned.
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopReport:
+    """What stop() observed; shutdown reports instead of raising."""
+
+    pid: int
+    returncode: int | None
+    escalated_to_sigkill: bool
+    survivors: tuple[int, ...]
+    tree_pids: tuple[int, ...]
+
+    @property
+    def clean(self) -> bool:
+        return not self.survivors and self.returncode is not None
+
+
+class ManagedProcess:
+    """One child process in its own session, logging to a file, stoppable as a tree."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        log_path: Path,
+        env: Mapping[str, str],
+        cwd: Path | None = None,
+    ) -> None:
+        if not argv:
+            raise ValueError("argv is empty: give the server command to run")
+        self.argv = tuple(argv)
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        with os.fdopen(fd, "ab", buffering=0) as logf:
+            # One log file across restarts; the tail of this run starts here.
+            logf.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(self.argv)}\n".encode())
+            self.log_offset = logf.tell()
+            self._popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=_preexec_pdeathsig(os.getpid()),
+                close_fds=True,
+            )
+        self.pid = self._popen.pid
+        # Every pid ever seen in the tree: GPU release is checked against all
+        # of them, including workers that exited or re-parented before stop.
+        self._seen: set[int] = {self.pid}
+        log.info("started pid %d: %s (log %s)", self.pid, self.argv[0], self.log_path)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    def is_running(self) -> bool:
+        return self._popen.poll() is None
+
+    def tree(self) -> list[psutil.Process]:
+        """The root and its live descendants (recursive), recorded as seen."""
+        procs: list[psutil.Process] = []
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            procs = []
+        # Descendants that left the group are still found through the tree;
+        # those already re-parented away are found through the group.
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.process_iter(["pid"]):
+                if p.pid not in {q.pid for q in procs} and _pgid(p.pid) == self.pid:
+                    procs.append(p)
+        self._seen.update(p.pid for p in procs)
+        return procs
+
+    def pids(self) -> tuple[int, ...]:
+        """Live pids of the tree now (root first)."""
+        return tuple(p.pid for p in self.tree())
+
+    @property
+    def seen_pids(self) -> tuple[int, ...]:
+        return tuple(sorted(self._seen))
+
+    def log_tail(self, n_lines: int = 40) -> str:
+        return log_tail(self.log_path, n_lines, start=self.log_offset)
+
+    def stop(self, *, grace_s: float, kill_timeout_s: float = 10.0) -> StopReport:
+        """SIGTERM the group and tree, wait `grace_s`, SIGKILL what is left, reap."""
+        procs = self.tree()
+        escalated = False
+        if self._popen.poll() is None or len(procs) > 0:
+            _signal_all(self.pid, procs, signal.SIGTERM)
+            survivors = self._wait(procs, grace_s)
+            if survivors:
+                escalated = True
+                # Re-scan: the server may have forked while shutting down.
+                procs = list({p.pid: p for p in [*survivors, *self.tree()]}.values())
+                log.warning(
+                    "pid %d: %d processes ignored SIGTERM for %gs, sending SIGKILL",
+                    self.pid,
+                    len(procs),
+                    grace_s,
+                )
+                _signal_all(self.pid, procs, signal.SIGKILL)
+                survivors = self._wait(procs, kill_timeout_s)
+        else:
+            survivors = []
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout=0.1)
+        report = StopReport(
+            pid=self.pid,
+            returncode=self._popen.poll(),
+            escalated_to_sigkill=escalated,
+            survivors=tuple(sorted(p.pid for p in survivors)),
+            tree_pids=self.seen_pids,
+        )
+        log.info(
+            "stopped pid %d: %s, survivors %s",
+            self.pid,
+            describe_exit(report.returncode),
+            report.survivors,
+        )
+        return report
+
+    def _wait(self, procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+        """Wait for all of `procs` to exit; the root is reaped through Popen.
+
+        psutil must not wait on the root: it would reap it with waitpid and
+        Popen would then report exit status 0 for a process killed by a signal.
+        """
+        deadline = time.monotonic() + timeout_s
+        others = [p for p in procs if p.pid != self.pid]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        # Not psutil.wait_procs: a re-parented worker stays a zombie until its
+        # new parent reaps it (a container's pid 1 may be slow to), yet a
+        # zombie holds no memory, GPU or port any more: it counts as gone.
+        alive = [p for p in others if _is_alive(p)]
+        while alive and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            alive = [p for p in alive if _is_alive(p)]
+        if self._popen.poll() is None:
+            alive.insert(0, psutil.Process(self.pid))
+        return alive
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _is_alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _signal_all(pgid: int, procs: Iterable[psutil.Process], sig: signal.Signals) -> None:
+    # Race: the group may already be empty; ESRCH then just means done.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+    for p in procs:
+        # psutil checks the creation time, so a recycled pid is never signalled.
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            p.send_signal(sig)
+
+
+def log_tail(path: Path, n_lines: int = 40, *, start: int = 0) -> str:
+    """The last `n_lines` lines of a log file after byte `start` ('' if none)."""
+    if n_lines < 1:
+        raise ValueError(f"n_lines={n_lines} is below 1: ask for at least one line")
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(start, size - _TAIL_BYTES))
+            data = f.read()
+    except FileNotFoundError:
+        return ""
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    return "\n".join(lines[-n_lines:])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS's choice for port 0).
+
+    Another process can take it before the server binds it; the engine then
+    reports the server's "address already in use" exit with its log tail.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def publish_bytes(path: Path, data: bytes) -> None:
+    """Atomic publish (temp file, fsync, rename, fsync dir); stand-in for coordinator.fsio."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+# --- GPU release -----------------------------------------------------------
+
+GpuQuery = Callable[[], dict[int, int]]
+"""Returns {pid: used MiB} for every process holding accelerator memory."""
+
+
+def _nvml_query() -> dict[int, int]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        out: dict[int, int] = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                used = proc.usedGpuMemory or 0
+                out[proc.pid] = out.get(proc.pid, 0) + used // (1024 * 1024)
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def parse_nvidia_smi_apps(text: str) -> dict[int, int]:
+    """Parse `nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader`.
+
+    Lines look like "12345, 1024 MiB"; memory may be "[N/A]" (counted as 0).
+    """
+    out: dict[int, int] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        pid_s, _, mem_s = line.partition(",")
+        try:
+            pid = int(pid_s.strip())
+        except ValueError:
+            continue  # a warning line from the driver, not a process row
+        digits = "".join(ch for ch in mem_s if ch.isdigit())
+        out[pid] = out.get(pid, 0) + (int(digits) if digits else 0)
+    return out
+
+
+def nvidia_smi_query(executable: str) -> GpuQuery:
+    def query() -> dict[int, int]:
+        res = subprocess.run(
+            [executable, "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return parse_nvidia_smi_apps(res.stdout)
+
+    return query
+
+
+def default_gpu_query() -> GpuQuery | None:
+    """NVML if pynvml imports, else nvidia-smi if on PATH, else None (no GPU to watch)."""
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return _nvml_query
+    import shutil
+
+    exe = shutil.which("nvidia-smi")
+    return nvidia_smi_query(exe) if exe else None
+
+
+def wait_gpu_released(
+    pids: Iterable[int],
+    timeout_s: float,
+    *,
+    query: GpuQuery | None = None,
+    poll_s: float = 0.5,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Return once none of `pids` holds accelerator memory; raise GpuNotReleased on timeout.
+
+    With no NVML and no nvidia-smi there is nothing to watch: returns at once.
+    Inside a container NVML may report host pids, which never match ours; the
+    check then passes vacuously (the tree was already verified gone by stop()).
+    """
+    from rollout.engine import GpuNotReleased  # engine.py imports this module
+
+    watched = set(pids)
+    q = query if query is not None else default_gpu_query()
+    if q is None or not watched:
+        return
+    deadline = clock() + timeout_s
+    while True:
+        holders = {p: m for p, m in q().items() if p in watched}
+        if not holders:
+            return
+        if clock() >= deadline:
+            raise GpuNotReleased(holders, timeout_s)
+        sleep(poll_s)

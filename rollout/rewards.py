@@ -1,0 +1,144 @@
+"""Reward functions, registered by name.
+
+A reward function maps (response_text, ground_truth) to a float in [0, 1];
+1.0 means correct, which is what the aggregate's accuracy counts.  Reward
+functions never raise on bad model output: an unparsable or pathological
+response is simply wrong (0.0), because one odd sample must not fail a whole
+rollout of thousands.
+
+    exact_match  the response, stripped of surrounding whitespace, equals the
+                 stripped ground truth (the built-in digit-reversal task)
+    math         math-verify parses the ground truth and the response into
+                 sympy and checks equivalence (gsm8k, MATH and the like)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from rollout.errors import UnknownRewardError
+from rollout.tasks import REVERSE_SOURCE
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str], float]
+
+
+def exact_match(response: str, ground_truth: str) -> float:
+    return 1.0 if response.strip() == ground_truth.strip() else 0.0
+
+
+# math-verify bounds each parse and each comparison with signal.alarm, which
+# Python allows only on the main thread; sympy can otherwise run for minutes
+# on adversarial output such as a huge power tower.
+DEFAULT_MATH_TIMEOUT_SECONDS: Final = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class MathVerifyReward:
+    """math-verify equivalence of the response's final answer and the ground truth.
+
+    `timeout_seconds` bounds each parse and each comparison when called on the
+    main thread.  Off the main thread math-verify cannot arm its alarm, so the
+    call runs unguarded; run rewards on the main thread (or in a worker
+    process) when the data may contain pathological answers.
+    """
+
+    timeout_seconds: int = DEFAULT_MATH_TIMEOUT_SECONDS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout_seconds, bool) or self.timeout_seconds < 1:
+            raise ValueError(
+                f"timeout_seconds={self.timeout_seconds!r} is below 1: signal.alarm counts "
+                "whole seconds, give a positive integer"
+            )
+
+    def __call__(self, response: str, ground_truth: str) -> float:
+        # Deferred: math-verify pulls in sympy and antlr, seconds of import time
+        # that callers of exact_match should not pay.
+        from math_verify import parse, verify
+        from math_verify.errors import TimeoutException
+
+        on_main = threading.current_thread() is threading.main_thread()
+        timeout = self.timeout_seconds if on_main else None
+        try:
+            # Boxing the reference makes math-verify read it as one LaTeX answer
+            # ("1,000" stays a number, "\frac{1}{2}" stays a fraction).
+            boxed = ground_truth if "\\boxed" in ground_truth else f"\\boxed{{{ground_truth}}}"
+            gold = parse(boxed, parsing_timeout=timeout) or parse(
+                ground_truth, parsing_timeout=timeout
+            )
+            if not gold:
+                logger.warning(
+                    "math reward: ground truth %r does not parse; scoring 0", ground_truth
+                )
+                return 0.0
+            answer = parse(response, parsing_timeout=timeout)
+            if not answer:
+                return 0.0
+            return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
+        except TimeoutException:  # a BaseException in math-verify, so named explicitly
+            logger.info("math reward: timed out after %ss; scoring 0", self.timeout_seconds)
+            return 0.0
+        except Exception:
+            # Parsing untrusted model output can fail in many sympy/antlr ways;
+            # all of them mean "not a correct answer".
+            logger.debug("math reward: parse/verify failed; scoring 0", exc_info=True)
+            return 0.0
+
+
+_REGISTRY: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "math": MathVerifyReward(),
+}
+
+# data_source substrings (lower case) of the common verl math sets: gsm8k,
+# lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, math_dapo, aime*, amc*,
+# AI-MO/NuminaMath*, Olympiad*, DeepScaleR.
+_MATH_SOURCE_MARKERS: Final = ("gsm8k", "math", "aime", "amc", "numina", "olympiad", "deepscaler")
+
+
+def reward_names() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def register_reward(name: str, fn: RewardFn, *, replace: bool = False) -> None:
+    if not name:
+        raise ValueError("reward name is empty: give a short identifier such as 'exact_match'")
+    if name in _REGISTRY and not replace:
+        raise ValueError(
+            f"reward {name!r} is already registered: pick another name or pass replace=True"
+        )
+    _REGISTRY[name] = fn
+
+
+def get_reward(name: str) -> RewardFn:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = reward_names()
+        raise UnknownRewardError(
+            f"unknown reward {name!r}: known rewards are {', '.join(known)}",
+            name=name,
+            known=known,
+        ) from None
+
+
+def default_reward_for(data_source: str) -> str:
+    """The reward name for a task's data_source, or an error asking to choose one."""
+    if data_source == REVERSE_SOURCE:
+        return "exact_match"
+    lowered = data_source.lower()
+    if any(marker in lowered for marker in _MATH_SOURCE_MARKERS):
+        return "math"
+    known = reward_names()
+    raise UnknownRewardError(
+        f"data_source {data_source!r} has no default reward: name one explicitly "
+        f"(known rewards: {', '.join(known)})",
+        name=data_source,
+        known=known,
+    )

@@ -1,0 +1,491 @@
+"""Rollout samples and the per-rank checkpoint files that hold them.
+
+A rank rolls out its shard group by group (one group = the n samples of one
+task) and checkpoints as it goes, so a killed rank redoes at most K groups:
+
+    add_group ... add_group (K groups) --> chunk-000007.pt (new file, atomic)
+                                       --> manifest.json   (atomic, lists the
+                                           chunk's SHA-256 and task ids)
+    restart --> load_completed_task_ids(): every listed chunk's checksum is
+                verified; a bad chunk is reported and dropped, so its groups
+                are redone; an unlisted chunk (killed between the two
+                publishes) is ignored, never trusted
+    finalize --> last partial chunk, manifest marked complete
+
+The chunk is published before the manifest that names it, so a manifest never
+points at a missing file unless something outside the writer removed it.
+
+Chunk files are torch.save'd dicts of tensors and plain containers only, so
+they load with weights_only=True.  Token ids and logprobs are stored flat
+(int32/float32 tensors plus int64 offsets) rather than as lists of lists:
+loading big tensors runs at disk speed, while unpickling millions of Python
+ints under weights_only runs at about a million per second.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import io
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from coordinator.fsio import ensure_dir, publish_bytes
+from rollout.errors import CheckpointError, MalformedRecordError
+from rollout.manifest import (
+    CHUNK_NAME,
+    MANIFEST_NAME,
+    ChunkEntry,
+    RankManifest,
+    chunk_file_name,
+    read_manifest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class FinishReason(str, enum.Enum):
+    """Why generation of a sample ended."""
+
+    STOP = "stop"  # end-of-sequence or a stop string
+    LENGTH = "length"  # hit max_tokens
+    ABORT = "abort"  # the engine cancelled the request
+    ERROR = "error"  # the sample failed; see TrajectorySample.error
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrajectorySample:
+    """One generated response to one task, with what the trainer needs from it.
+
+    A failed sample (engine error, timeout) is recorded rather than dropped, so
+    that its group still counts as done; `error` says what went wrong, and the
+    aggregate leaves it out of the training batch.
+    """
+
+    task_id: str
+    sample_index: int
+    prompt_token_ids: Sequence[int]
+    response_token_ids: Sequence[int]
+    response_logprobs: Sequence[float]
+    response_text: str
+    reward: float
+    finish_reason: FinishReason
+    failed: bool = False
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task_id, str) or not self.task_id:
+            raise ValueError(f"task_id={self.task_id!r}: give the task's non-empty id")
+        if type(self.sample_index) is not int or self.sample_index < 0:
+            raise ValueError(f"sample_index={self.sample_index!r}: give an integer >= 0")
+        object.__setattr__(self, "finish_reason", FinishReason(self.finish_reason))
+        for name in ("prompt_token_ids", "response_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, list | tuple) or not all(type(t) is int for t in ids):
+                raise ValueError(
+                    f"{name} of {self.task_id}#{self.sample_index}: give a list of ints"
+                )
+        if len(self.response_logprobs) != len(self.response_token_ids):
+            raise ValueError(
+                f"{self.task_id}#{self.sample_index} has {len(self.response_token_ids)} response "
+                f"tokens but {len(self.response_logprobs)} logprobs: give one logprob per token"
+            )
+        if not isinstance(self.response_text, str):
+            raise ValueError(f"response_text of {self.task_id}#{self.sample_index} is not a str")
+        if not isinstance(self.reward, int | float) or not -1e30 < self.reward < 1e30:
+            raise ValueError(f"reward={self.reward!r} of {self.task_id}: give a finite number")
+        if not isinstance(self.failed, bool) or not isinstance(self.error, str):
+            raise ValueError("failed must be a bool and error a str")
+        if self.failed != bool(self.error):
+            raise ValueError(
+                f"{self.task_id}#{self.sample_index}: failed={self.failed} with error="
+                f"{self.error!r}: a failed sample needs an error message, a good one none"
+            )
+
+
+# --- Chunk files -------------------------------------------------------------
+
+CHUNK_SCHEMA: Final = "coordinator/rollout-chunk"
+CHUNK_VERSION: Final = 1
+_TENSORS: Final = {  # name -> dtype; 1-D each
+    "sample_group": torch.int64,
+    "sample_index": torch.int64,
+    "prompt_tokens": torch.int32,
+    "prompt_offsets": torch.int64,
+    "response_tokens": torch.int32,
+    "response_offsets": torch.int64,
+    "response_logprobs": torch.float32,
+    "rewards": torch.float32,
+    "failed": torch.bool,
+}
+_STRING_LISTS: Final = ("task_ids", "finish_reasons", "response_texts", "errors")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunk:
+    """A decoded, validated chunk: groups of samples in flat tensors.
+
+    Sample s belongs to group sample_group[s] (task task_ids[that]); its
+    response tokens are response_tokens[response_offsets[s]:response_offsets[s+1]].
+    """
+
+    rank: int
+    iteration: int
+    task_ids: tuple[str, ...]
+    tensors: dict[str, torch.Tensor]
+    finish_reasons: tuple[str, ...]
+    response_texts: tuple[str, ...]
+    errors: tuple[str, ...]
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.tensors["sample_group"].numel())
+
+    def samples(self) -> Iterator[TrajectorySample]:
+        """Samples back as records (slow; for inspection and tests)."""
+        t = {k: v.tolist() for k, v in self.tensors.items()}
+        po, ro = t["prompt_offsets"], t["response_offsets"]
+        for s in range(self.num_samples):
+            yield TrajectorySample(
+                task_id=self.task_ids[t["sample_group"][s]],
+                sample_index=t["sample_index"][s],
+                prompt_token_ids=t["prompt_tokens"][po[s] : po[s + 1]],
+                response_token_ids=t["response_tokens"][ro[s] : ro[s + 1]],
+                response_logprobs=t["response_logprobs"][ro[s] : ro[s + 1]],
+                response_text=self.response_texts[s],
+                reward=t["rewards"][s],
+                finish_reason=FinishReason(self.finish_reasons[s]),
+                failed=t["failed"][s],
+                error=self.errors[s],
+            )
+
+
+def encode_chunk(
+    groups: Sequence[Sequence[TrajectorySample]], *, rank: int, iteration: int
+) -> dict[str, Any]:
+    """The torch.save payload for these groups: tensors and plain containers only."""
+    samples = [s for g in groups for s in g]
+
+    def offsets(lengths: list[int]) -> torch.Tensor:
+        out = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+        return out
+
+    def flat(rows: list[Sequence[Any]], dtype: torch.dtype) -> torch.Tensor:
+        values = [v for row in rows for v in row]
+        return torch.tensor(values, dtype=dtype)
+
+    try:
+        prompt_tokens = flat([s.prompt_token_ids for s in samples], torch.int32)
+        response_tokens = flat([s.response_token_ids for s in samples], torch.int32)
+    except RuntimeError as exc:  # torch refuses ids that overflow int32
+        raise ValueError(f"token id does not fit in int32: {exc}") from exc
+    logprobs = flat([s.response_logprobs for s in samples], torch.float32)
+    if not bool(torch.isfinite(logprobs).all()):
+        raise ValueError("a response logprob is NaN or infinite: clamp -inf before recording")
+    return {
+        "schema": CHUNK_SCHEMA,
+        "version": CHUNK_VERSION,
+        "rank": rank,
+        "iteration": iteration,
+        "task_ids": [g[0].task_id for g in groups],
+        "sample_group": torch.tensor(
+            [gi for gi, g in enumerate(groups) for _ in g], dtype=torch.int64
+        ),
+        "sample_index": torch.tensor([s.sample_index for s in samples], dtype=torch.int64),
+        "prompt_tokens": prompt_tokens,
+        "prompt_offsets": offsets([len(s.prompt_token_ids) for s in samples]),
+        "response_tokens": response_tokens,
+        "response_offsets": offsets([len(s.response_token_ids) for s in samples]),
+        "response_logprobs": logprobs,
+        "rewards": torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+        "failed": torch.tensor([s.failed for s in samples], dtype=torch.bool),
+        "finish_reasons": [s.finish_reason.value for s in samples],
+        "response_texts": [s.response_text for s in samples],
+        "errors": [s.error for s in samples],
+    }
+
+
+def decode_chunk(obj: Any, *, path: Path) -> Chunk:
+    """Validate a loaded chunk payload; anything off is MalformedRecordError naming path."""
+
+    def bad(problem: str) -> MalformedRecordError:
+        return MalformedRecordError(f"chunk {path} is malformed: {problem}", path=path)
+
+    if not isinstance(obj, dict):
+        raise bad(f"top level is a {type(obj).__name__}, expected a dict")
+    if obj.get("schema") != CHUNK_SCHEMA or obj.get("version") != CHUNK_VERSION:
+        raise bad(f"schema {obj.get('schema')!r} version {obj.get('version')!r}")
+    for key in ("rank", "iteration"):
+        if type(obj.get(key)) is not int:
+            raise bad(f"{key} is {obj.get(key)!r}, expected an int")
+    tensors = {}
+    for name, dtype in _TENSORS.items():
+        t = obj.get(name)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
+            raise bad(f"{name} must be a 1-D {dtype} tensor")
+        tensors[name] = t
+    lists = {}
+    for name in _STRING_LISTS:
+        value = obj.get(name)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise bad(f"{name} must be a list of str")
+        lists[name] = tuple(value)
+    num_groups, num_samples = len(lists["task_ids"]), tensors["sample_group"].numel()
+    for name in ("sample_index", "rewards", "failed"):
+        if tensors[name].numel() != num_samples:
+            raise bad(f"{name} has {tensors[name].numel()} entries for {num_samples} samples")
+    for name in ("finish_reasons", "response_texts", "errors"):
+        if len(lists[name]) != num_samples:
+            raise bad(f"{name} has {len(lists[name])} entries for {num_samples} samples")
+    group = tensors["sample_group"]
+    if num_samples and (
+        int(group.min()) < 0 or int(group.max()) >= num_groups or bool((group.diff() < 0).any())
+    ):
+        raise bad(f"sample_group must be sorted indices into {num_groups} task ids")
+    for kind, values in (("prompt", "prompt_tokens"), ("response", "response_tokens")):
+        off = tensors[f"{kind}_offsets"]
+        if (
+            off.numel() != num_samples + 1
+            or int(off[0]) != 0
+            or int(off[-1]) != tensors[values].numel()
+            or bool((off.diff() < 0).any())
+        ):
+            raise bad(f"{kind}_offsets do not delimit {values} into {num_samples} samples")
+    if tensors["response_logprobs"].numel() != tensors["response_tokens"].numel():
+        raise bad("response_logprobs and response_tokens differ in length")
+    return Chunk(
+        rank=obj["rank"],
+        iteration=obj["iteration"],
+        task_ids=lists["task_ids"],
+        tensors=tensors,
+        finish_reasons=lists["finish_reasons"],
+        response_texts=lists["response_texts"],
+        errors=lists["errors"],
+    )
+
+
+class ChecksumMismatchError(MalformedRecordError):
+    """A file's SHA-256 differs from the one its manifest recorded."""
+
+
+def read_verified_chunk(path: Path, sha256: str) -> Chunk:
+    """Read once, verify the checksum, then torch.load(weights_only=True) the same bytes.
+
+    Loading the verified bytes (not re-opening the path) leaves no window for
+    the file to change between the check and the load.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise MalformedRecordError(f"cannot read chunk {path}: {exc}", path=path) from exc
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha256:
+        raise ChecksumMismatchError(
+            f"chunk {path} has SHA-256 {actual[:16]}..., its manifest says {sha256[:16]}...: "
+            "the file is truncated or altered; redo its groups",
+            path=path,
+        )
+    try:
+        obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:  # UnpicklingError for forbidden globals, RuntimeError for bad zips
+        raise MalformedRecordError(
+            f"chunk {path} was refused by torch.load(weights_only=True): "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            path=path,
+        ) from exc
+    del data  # keep peak memory near one copy of the file
+    return decode_chunk(obj, path=path)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --- The rank's writer -------------------------------------------------------
+
+
+class RankCheckpointWriter:
+    """Publishes a rank's groups as checksummed chunk files every K groups.
+
+    One writer per rank directory at a time (the coordinator runs one rollout
+    process per rank).  `clock` is injectable so tests can fix wall times.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        rank: int,
+        every_k_groups: int,
+        *,
+        iteration: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if type(every_k_groups) is not int or every_k_groups < 1:
+            raise ValueError(
+                f"every_k_groups={every_k_groups!r} is below 1: checkpoint every 1 or more groups"
+            )
+        self.directory = Path(directory)
+        self.rank = rank
+        self.every_k_groups = every_k_groups
+        self.iteration = iteration
+        self._clock = clock
+        ensure_dir(self.directory)
+        self._manifest = self._open_manifest()
+        self._session_start = clock()
+        self._pending: list[tuple[TrajectorySample, ...]] = []
+        self._done: set[str] = set(self._manifest.task_ids())
+        self._next_index = 1 + max(
+            [-1]
+            + [
+                int(m.group(1))
+                for c in self._manifest.chunks
+                if (m := CHUNK_NAME.fullmatch(c.file))
+            ]
+            + [
+                int(m.group(1))
+                for p in self.directory.iterdir()
+                if (m := CHUNK_NAME.fullmatch(p.name))
+            ]
+        )
+        self._remove_stale_temp_files()
+
+    @property
+    def manifest(self) -> RankManifest:
+        return self._manifest
+
+    def load_completed_task_ids(self) -> frozenset[str]:
+        """Task ids whose groups are safely saved; chunks failing their checksum are dropped."""
+        kept = []
+        for entry in self._manifest.chunks:
+            path = self.directory / entry.file
+            try:
+                ok = file_sha256(path) == entry.sha256
+            except OSError as exc:
+                logger.warning("rank %d: chunk %s unreadable (%s)", self.rank, path, exc)
+                ok = False
+            if ok:
+                kept.append(entry)
+            else:
+                logger.warning(
+                    "rank %d iteration %d: chunk %s fails its SHA-256 check (truncated or "
+                    "altered); its %d groups will be redone",
+                    self.rank,
+                    self.iteration,
+                    path,
+                    len(entry.task_ids),
+                )
+        if len(kept) != len(self._manifest.chunks):
+            self._publish_manifest(chunks=tuple(kept), complete=False)
+            self._done = set(self._manifest.task_ids())
+        return frozenset(self._done)
+
+    def add_group(self, samples: Sequence[TrajectorySample]) -> None:
+        """Queue the n samples of one task; publishes a chunk once K groups wait."""
+        if self._manifest.complete:
+            raise CheckpointError(
+                f"rank {self.rank} checkpoint in {self.directory} is already finalized: "
+                "start a new iteration directory for new groups",
+                path=self.directory,
+                rank=self.rank,
+            )
+        group = tuple(samples)
+        if not group:
+            raise ValueError("empty group: a group holds the n samples of one task")
+        task_id = group[0].task_id
+        if any(s.task_id != task_id for s in group):
+            raise ValueError(f"group of {task_id} mixes task ids: one group is one task")
+        indices = [s.sample_index for s in group]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"group of {task_id} repeats sample indices {sorted(indices)}")
+        if task_id in self._done:
+            raise CheckpointError(
+                f"task {task_id} is already saved for rank {self.rank}: skip the ids "
+                "load_completed_task_ids() returns",
+                path=self.directory,
+                rank=self.rank,
+            )
+        self._done.add(task_id)
+        self._pending.append(group)
+        if len(self._pending) >= self.every_k_groups:
+            self.flush()
+
+    def flush(self) -> None:
+        """Publish the waiting groups now, as one new chunk file."""
+        if not self._pending:
+            return
+        payload = encode_chunk(self._pending, rank=self.rank, iteration=self.iteration)
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        data = buffer.getvalue()
+        name = chunk_file_name(self._next_index)
+        publish_bytes(self.directory / name, data)
+        entry = ChunkEntry(
+            file=name,
+            sha256=hashlib.sha256(data).hexdigest(),
+            size=len(data),
+            num_samples=sum(len(g) for g in self._pending),
+            task_ids=tuple(g[0].task_id for g in self._pending),
+        )
+        # The chunk is on disk before the manifest names it: a kill in between
+        # leaves an unlisted file, whose groups are simply redone.
+        self._publish_manifest(chunks=(*self._manifest.chunks, entry), complete=False)
+        self._next_index += 1
+        self._pending.clear()
+
+    def finalize(self) -> RankManifest:
+        """Publish the remainder and mark the manifest complete; idempotent."""
+        self.flush()
+        if not self._manifest.complete:
+            self._publish_manifest(chunks=self._manifest.chunks, complete=True)
+        return self._manifest
+
+    def _publish_manifest(self, *, chunks: tuple[ChunkEntry, ...], complete: bool) -> None:
+        now = self._clock()
+        manifest = replace(
+            self._manifest,
+            chunks=chunks,
+            complete=complete,
+            rollout_seconds=self._manifest.rollout_seconds + max(0.0, now - self._session_start),
+        )
+        publish_bytes(self.directory / MANIFEST_NAME, manifest.to_json().encode())
+        self._manifest = manifest
+        self._session_start = now
+
+    def _open_manifest(self) -> RankManifest:
+        path = self.directory / MANIFEST_NAME
+        try:
+            found = read_manifest(self.directory)
+        except MalformedRecordError as exc:
+            # Manifests are published atomically, so this is damage, not a torn
+            # write; starting over costs one redo and trusts nothing damaged.
+            logger.warning("rank %d: %s; starting this rank's checkpoint afresh", self.rank, exc)
+            found = None
+        if found is None:
+            return RankManifest(rank=self.rank, iteration=self.iteration)
+        if found.rank != self.rank or found.iteration != self.iteration:
+            raise CheckpointError(
+                f"{path} belongs to rank {found.rank} iteration {found.iteration}, not rank "
+                f"{self.rank} iteration {self.iteration}: give each rank and iteration its own "
+                "directory",
+                path=path,
+                rank=self.rank,
+            )
+        return found
+
+    def _remove_stale_temp_files(self) -> None:
+        # Leftovers of a publish killed half-way: ours by name, in our own
+        # directory, and never the target of a rename any more.
+        for path in self.directory.glob(".*.tmp"):
+            if path.name.startswith((".chunk-", f".{MANIFEST_NAME}.")):
+                path.unlink(missing_ok=True)

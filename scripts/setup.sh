@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv and install the project with its test tools.
+# Pins the local CPU build of torch first when none is installed: a bare
+# `pip install torch` would pull a multi-GB CUDA build on a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PY=.venv/bin/python
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install --quiet "torch==2.13.0"
+fi
+"$PY" -m pip install --quiet -e ".[dev]"
+# System tools for the network-filesystem test fixture (sshfs over sshd on
+# loopback, two FUSE mounts with their own caches). Installed when missing
+# and we are root with apt; the fixture test fails with the reason otherwise.
+if ! command -v sshfs >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sshfs openssh-server fuse3 >/dev/null
+  fi
+fi

@@ -1,0 +1,192 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rollout.errors import TaskDataError
+from rollout.tasks import (
+    BuiltinReverseTasks,
+    JsonlTasks,
+    ParquetTasks,
+    load_task_source,
+)
+
+
+def verl_row(index: int | None, *, source: str = "openai/gsm8k", truth: Any = "42") -> dict:
+    row: dict[str, Any] = {
+        "data_source": source,
+        "prompt": [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": f"question {index}"},
+        ],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+    }
+    if index is not None:
+        row["extra_info"] = {"split": "train", "index": index}
+    return row
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_builtin_source_is_the_same_for_the_same_seed_and_differs_across_seeds() -> None:
+    a = load_task_source("builtin:reverse", seed=3).tasks("train")
+    b = load_task_source("builtin:reverse", seed=3).tasks("train")
+    c = load_task_source("builtin:reverse", seed=4).tasks("train")
+    assert a == b
+    assert [t.prompt for t in a] != [t.prompt for t in c]
+    assert isinstance(load_task_source("builtin:reverse", seed=0), BuiltinReverseTasks)
+
+
+def test_unknown_builtin_is_refused_listing_the_known_one() -> None:
+    with pytest.raises(TaskDataError, match=r"builtin:nope.*known: builtin:reverse"):
+        load_task_source("builtin:nope", seed=0)
+
+
+def test_parquet_directory_gives_train_and_test_splits_with_ids_from_source_and_index(
+    tmp_path: Path,
+) -> None:
+    write_parquet(tmp_path / "train.parquet", [verl_row(7), verl_row(9, truth=3)])
+    write_parquet(tmp_path / "test.parquet", [verl_row(7)])
+    source = load_task_source(str(tmp_path), seed=0)
+    assert isinstance(source, ParquetTasks)
+    train = source.tasks("train")
+    assert [t.task_id for t in train] == ["openai/gsm8k/train/7", "openai/gsm8k/train/9"]
+    assert train[1].ground_truth == "3"  # numbers become strings
+    assert train[0].messages() == [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "question 7"},
+    ]
+    (only,) = source.tasks("eval")
+    assert only.task_id == "openai/gsm8k/eval/7" and only.split == "eval"
+
+
+def test_rows_without_extra_info_get_ids_from_their_row_number(tmp_path: Path) -> None:
+    rows = [verl_row(None), verl_row(None)]
+    source = ParquetTasks(write_parquet(tmp_path / "x.parquet", rows))
+    assert [t.task_id for t in source.tasks("train")] == [
+        "openai/gsm8k/train/row-0",
+        "openai/gsm8k/train/row-1",
+    ]
+
+
+def test_jsonl_directory_reads_train_and_eval_with_the_same_fields(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "train.jsonl", [verl_row(1), verl_row(2)])
+    write_jsonl(tmp_path / "eval.jsonl", [{**verl_row(5), "prompt": "plain text prompt"}])
+    source = load_task_source(str(tmp_path), seed=0)
+    assert isinstance(source, JsonlTasks)
+    assert len(source.tasks("train")) == 2
+    (task,) = source.tasks("eval")
+    assert task.prompt == "plain text prompt" and task.messages() is None
+
+
+def test_a_single_file_is_the_train_split_and_asking_for_eval_names_the_rule(
+    tmp_path: Path,
+) -> None:
+    source = load_task_source(str(write_jsonl(tmp_path / "data.jsonl", [verl_row(1)])), seed=0)
+    assert len(source.tasks("train")) == 1
+    with pytest.raises(TaskDataError, match=r"no eval split.*test\.<ext> or eval\.<ext>"):
+        source.tasks("eval")
+
+
+def test_missing_parquet_column_names_the_file_and_the_column(tmp_path: Path) -> None:
+    rows = [{k: v for k, v in verl_row(1).items() if k != "reward_model"}]
+    path = write_parquet(tmp_path / "train.parquet", rows)
+    with pytest.raises(TaskDataError, match=r"train\.parquet \(all rows\): column 'reward_model'"):
+        load_task_source(str(tmp_path), seed=0)
+    try:
+        ParquetTasks(path)
+    except TaskDataError as exc:
+        assert exc.path == path and exc.field == "reward_model"
+
+
+def test_missing_ground_truth_names_the_file_the_line_and_the_field(tmp_path: Path) -> None:
+    bad = verl_row(2)
+    bad["reward_model"] = {"style": "rule"}
+    path = write_jsonl(tmp_path / "train.jsonl", [verl_row(1), bad])
+    with pytest.raises(TaskDataError) as info:
+        JsonlTasks(path)
+    assert f"{path} line 2: field 'reward_model.ground_truth' is missing" in str(info.value)
+    assert info.value.row == 2
+
+
+def test_malformed_messages_name_the_message_and_key(tmp_path: Path) -> None:
+    bad = verl_row(1)
+    bad["prompt"] = [{"role": "user"}]
+    path = write_jsonl(tmp_path / "train.jsonl", [bad])
+    with pytest.raises(TaskDataError, match=r"line 1: field 'prompt\[0\]\.content' is None"):
+        JsonlTasks(path)
+
+
+def test_invalid_json_line_is_reported_with_its_line_number(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(verl_row(1)) + "\n\n{not json\n")
+    with pytest.raises(TaskDataError, match=r"train\.jsonl line 3: not valid JSON"):
+        JsonlTasks(path)
+
+
+def test_repeated_index_is_refused_naming_both_rows(tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "train.parquet", [verl_row(4), verl_row(5), verl_row(4)])
+    with pytest.raises(TaskDataError, match=r"row 2: task id 'openai/gsm8k/train/4' repeats .*row 0"):
+        ParquetTasks(path)
+
+
+def test_same_index_under_different_data_sources_gives_distinct_ids(tmp_path: Path) -> None:
+    rows = [verl_row(1, source="a"), verl_row(1, source="b")]
+    source = ParquetTasks(write_parquet(tmp_path / "train.parquet", rows))
+    assert [t.task_id for t in source.tasks("train")] == ["a/train/1", "b/train/1"]
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (["train.parquet", "test.parquet", "eval.parquet"], r"test\.parquet and eval\.parquet"),
+        (["train.parquet", "train.jsonl"], r"both train\.parquet and train\.jsonl"),
+        (["test.parquet"], r"no train\.parquet or train\.jsonl"),
+    ],
+)
+def test_ambiguous_or_incomplete_directories_are_refused_with_the_rule(
+    tmp_path: Path, names: list[str], message: str
+) -> None:
+    for name in names:
+        if name.endswith(".parquet"):
+            write_parquet(tmp_path / name, [verl_row(1)])
+        else:
+            write_jsonl(tmp_path / name, [verl_row(1)])
+    with pytest.raises(TaskDataError, match=message):
+        load_task_source(str(tmp_path), seed=0)
+
+
+def test_nonexistent_path_and_unknown_suffix_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(TaskDataError, match="neither builtin:reverse nor an existing"):
+        load_task_source(str(tmp_path / "absent"), seed=0)
+    (tmp_path / "tasks.csv").write_text("a,b\n")
+    with pytest.raises(TaskDataError, match=r"suffix '\.csv': use \.parquet or \.jsonl"):
+        load_task_source(str(tmp_path / "tasks.csv"), seed=0)
+
+
+def test_empty_task_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "train.jsonl").write_text("\n")
+    with pytest.raises(TaskDataError, match="has no rows"):
+        load_task_source(str(tmp_path), seed=0)
+
+
+def test_a_file_that_is_not_parquet_is_reported_as_unreadable(tmp_path: Path) -> None:
+    (tmp_path / "train.parquet").write_bytes(b"definitely not parquet")
+    with pytest.raises(TaskDataError, match="not a readable parquet file"):
+        load_task_source(str(tmp_path), seed=0)
