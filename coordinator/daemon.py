@@ -24,6 +24,7 @@ every worker stops too.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -253,15 +254,26 @@ class Daemon:
         )
         for iteration in range(self.session.start_iteration, self.session.end_iteration):
             releases: dict[int, Mapping[str, Any]] = {}
+            timings: dict[str, dict[str, float]] = {}
             started = time.monotonic()
             for phase in self.phases:
-                self._step(iteration, phase, releases)
+                timings[str(int(phase))] = self._step(iteration, phase, releases)
             self.journal = self.journal.with_completed(iteration)
             self._publish_journal()
-            log.info("rank %d completed iteration %d in %.2f s", self.rank, iteration,
-                     time.monotonic() - started)
+            total = time.monotonic() - started
+            self._publish_timings(iteration, timings, total)
+            log.info("rank %d completed iteration %d in %.2f s", self.rank, iteration, total)
 
-    def _step(self, iteration: int, phase: Phase, releases: dict[int, Mapping[str, Any]]) -> None:
+    def _publish_timings(self, iteration: int, phases: dict[str, dict[str, float]],
+                         total: float) -> None:
+        body = {"schema": "coordinator/timings", "version": 1, "run_id": self.manifest.run_id,
+                "iteration": iteration, "rank": self.rank, "total_s": total, "phases": phases}
+        self.store.publish(layout.timings(iteration, self.rank),
+                           json.dumps(body).encode(), durable=False)
+
+    def _step(self, iteration: int, phase: Phase,
+              releases: dict[int, Mapping[str, Any]]) -> dict[str, float]:
+        """One phase on this rank; returns its timings (action, barrier wait)."""
         assert self.heartbeat is not None and self.actions is not None
         phase_spec = spec(phase)
         deadline = self.coord.phase_timeouts_s.of(phase_spec.timeout)
@@ -275,6 +287,7 @@ class Daemon:
                               waiting_for="")
         ctx = self._context(iteration, phase, releases)
         status, error, payload = ArrivalStatus.OK, None, {}
+        action_started = time.monotonic()
         if run:
             log.debug("rank %d iteration %d %s: action", self.rank, iteration, phase.label)
             try:
@@ -294,6 +307,7 @@ class Daemon:
             log.info("rank %d iteration %d %s: already done (journal), not redone", self.rank,
                      iteration, phase.label)
         done = tuple(p for p in range(14) if self.journal.is_done(iteration, p))
+        wait_started = time.monotonic()
         arrival = self.barrier.arrive(iteration, phase, status=status, error=error, done=done,
                                       payload=payload)
         if not self.is_master:
@@ -316,6 +330,9 @@ class Daemon:
                 raise
             release = self.barrier.release(iteration, phase, extra)
         releases[int(phase)] = release.payload
+        polls = self.barrier.last_wait.polls if self.barrier.last_wait else 0
+        return {"action_s": wait_started - action_started,
+                "wait_s": time.monotonic() - wait_started, "polls": float(polls)}
 
     def _decide(self, iteration: int, phase: Phase, ctx: StepContext,
                 arrivals: Mapping[int, Any]) -> dict[str, Any]:

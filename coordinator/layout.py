@@ -55,5 +55,9 @@ def release(iteration: int, phase: int) -> str:
     return f"{phase_dir(iteration, phase)}/release.json"
 
 
+def timings(iteration: int, rank: int) -> str:
+    return f"{iteration_dir(iteration)}/timings/rank-{check_rank(rank)}.json"
+
+
 def checkpoint(iteration: int) -> str:
     return f"{CHECKPOINTS}/iter-{check_iteration(iteration):06d}"
