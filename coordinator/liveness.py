@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from coordinator import layout
+from coordinator import fsio, layout
 from coordinator.errors import FencedError, PeerLostError, PhaseFailedError
 from coordinator.phases import Phase
 from coordinator.records import Abort, AbortKind, Claim, Heartbeat, Manifest, NodeState
@@ -69,7 +69,8 @@ class HeartbeatPublisher:
                 self._record, counter=self._record.counter + 1, wall_time=time.time(), **changes
             )
             # Rewritten every few seconds, so the directory fsync buys nothing.
-            publish_record(self.store, self.key, record, durable=False)
+            with fsio.STATS.tagged("heartbeat"):
+                publish_record(self.store, self.key, record, durable=False)
             self._record = record
             return record
 

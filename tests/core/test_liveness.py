@@ -1,0 +1,57 @@
+"""Lease verdicts: a peer is lost when its counter stalls for a lease on *our* clock."""
+
+from __future__ import annotations
+
+from coordinator.errors import PeerLostError, PhaseFailedError
+from coordinator.liveness import PeerTracker
+from coordinator.records import NodeState
+from tests.core.test_records import heartbeat
+
+
+def tracker() -> PeerTracker:
+    t = PeerTracker(lease_s=15.0, run_id="r", generation=0)
+    t.expect(1, token="t", host="gpu-07", now=0.0)
+    return t
+
+
+def test_an_advancing_heartbeat_keeps_a_peer_alive_however_skewed_its_wall_clock() -> None:
+    t = tracker()
+    for second in range(0, 100, 2):
+        t.observe(1, heartbeat(counter=second, wall_time=-1e9), now=float(second))
+        assert t.verdict(1, now=second + 1.0) is None
+
+
+def test_a_stalled_counter_is_lost_after_the_lease_and_the_verdict_names_rank_host_phase() -> None:
+    t = tracker()
+    t.observe(1, heartbeat(counter=5, iteration=3, phase=4), now=10.0)
+    t.observe(1, heartbeat(counter=5, iteration=3, phase=4), now=20.0)
+    assert t.verdict(1, now=24.9) is None
+    verdict = t.verdict(1, now=25.5)
+    assert isinstance(verdict, PeerLostError)
+    assert "rank 1 (host gpu-07) lost at iteration 3 phase 4 (aggregate)" in str(verdict)
+    assert "15.5 s" in str(verdict) and verdict.heartbeat_age_s == 15.5
+
+
+def test_a_peer_that_left_or_failed_is_reported_at_once() -> None:
+    t = tracker()
+    t.observe(1, heartbeat(counter=1, state=NodeState.LEFT), now=1.0)
+    assert isinstance(t.verdict(1, now=1.0), PeerLostError)
+    t = tracker()
+    t.observe(1, heartbeat(counter=1, state=NodeState.FAILED, error="boom"), now=1.0)
+    verdict = t.verdict(1, now=1.0)
+    assert isinstance(verdict, PhaseFailedError) and "boom" in str(verdict)
+
+
+def test_a_restarted_peer_with_a_new_token_is_reported_as_restarted() -> None:
+    t = tracker()
+    t.observe(1, heartbeat(counter=1, token="other", pid=4242), now=1.0)
+    verdict = t.verdict(1, now=1.0)
+    assert isinstance(verdict, PeerLostError) and "restarted (new pid 4242" in str(verdict)
+
+
+def test_records_of_another_run_or_an_older_generation_are_no_sign_of_life() -> None:
+    t = PeerTracker(lease_s=15.0, run_id="r", generation=2)
+    t.expect(1, token="t", host="h", now=0.0)
+    t.observe(1, heartbeat(counter=7, run_id="old"), now=5.0)
+    t.observe(1, heartbeat(counter=8, generation=1), now=10.0)
+    assert isinstance(t.verdict(1, now=16.0), PeerLostError)

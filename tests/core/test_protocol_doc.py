@@ -1,0 +1,45 @@
+"""docs/PROTOCOL.md is the source of truth: its tables must match the code."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from coordinator.config import CoordinationConfig
+from coordinator.errors import EXIT_CODE_MEANINGS, ExitCode
+from coordinator.phases import PHASES
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
+
+
+def table(marker: str) -> list[list[str]]:
+    text = DOC.read_text()
+    body = text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0]
+    rows = [line.strip().strip("|").split("|") for line in body.strip().splitlines()]
+    return [[c.strip() for c in row] for row in rows[2:]]  # drop header and rule
+
+
+def test_the_phase_table_matches_the_code() -> None:
+    rows = table("phase-table")
+    expected = [[str(int(s.phase)), s.phase.name.lower(), s.who.value, s.what,
+                 s.release_carries, s.timeout.value] for s in PHASES]
+    assert rows == expected
+
+
+def test_the_timeout_table_lists_every_key_with_its_default() -> None:
+    rows = {r[0].strip("`"): r[1] for r in table("timeouts")}
+    expected = {}
+    defaults = CoordinationConfig()
+    for f in dataclasses.fields(defaults):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            for g in dataclasses.fields(value):
+                expected[f"coordination.{f.name}.{g.name}"] = str(getattr(value, g.name))
+        else:
+            expected[f"coordination.{f.name}"] = str(value)
+    assert rows == expected
+
+
+def test_the_exit_code_table_matches_the_code() -> None:
+    rows = table("exit-codes")
+    assert rows == [[str(int(c)), c.name, EXIT_CODE_MEANINGS[c]] for c in ExitCode]
