@@ -18,7 +18,6 @@ import http.client
 import json
 import logging
 import math
-import socket
 import threading
 import time
 import urllib.error
@@ -127,8 +126,13 @@ def parse_choice(choice: Any) -> Sample:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v > 1e-4:
             raise ProtocolError(f"token log-prob {v!r} is not a number <= 0")
         values.append(float(v))
-    return Sample(text=text, prompt_token_ids=prompt_ids, token_ids=token_ids,
-                  logprobs=tuple(values), finish_reason=finish)
+    return Sample(
+        text=text,
+        prompt_token_ids=prompt_ids,
+        token_ids=token_ids,
+        logprobs=tuple(values),
+        finish_reason=finish,
+    )
 
 
 class CompletionClient:
@@ -173,33 +177,52 @@ class CompletionClient:
 
     # --- transport ---------------------------------------------------------
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+        parse: bool = True,
+    ) -> Any:
         url = self.base_url + path
+        timeout = timeout_s if timeout_s is not None else self.request_timeout_s
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(url, data=data, method=method, headers={
-            "Authorization": f"Bearer {self._api_key}",
-            "Content-Type": "application/json",
-        })
+        req = urllib.request.Request(
+            url,
+            data=data,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self._api_key}",
+                "Content-Type": "application/json",
+            },
+        )
         try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             text = e.read().decode("utf-8", errors="replace")
             if e.code in _TRANSIENT_STATUS:
                 raise TransientError(f"HTTP {e.code} from {url}: {text[:_MAX_ERROR_BODY]}") from e
             raise HttpError(e.code, text, url) from e
-        except (TimeoutError, socket.timeout) as e:
-            raise TransientError(f"no answer from {url} within {self.request_timeout_s:g}s") from e
+        except TimeoutError as e:  # socket.timeout is TimeoutError
+            raise TransientError(f"no answer from {url} within {timeout:g}s") from e
         except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as e:
             reason = getattr(e, "reason", e)
-            if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise TransientError(
-                    f"no answer from {url} within {self.request_timeout_s:g}s") from e
+            if isinstance(reason, TimeoutError):
+                raise TransientError(f"no answer from {url} within {timeout:g}s") from e
             raise TransientError(f"cannot reach {url}: {reason}") from e
+        if not parse:
+            return raw
         try:
             return json.loads(raw)
         except ValueError as e:  # a response cut short by a dying server
             raise TransientError(f"unparsable JSON from {url}: {raw[:200]!r}") from e
+
+    def health(self, timeout_s: float = 5.0) -> None:
+        """GET /health: 200 once the server serves (vLLM's body is empty), else TransientError."""
+        self._request("GET", "/health", timeout_s=timeout_s, parse=False)
 
     def models(self) -> list[str]:
         body = self._request("GET", "/v1/models")
@@ -233,9 +256,15 @@ class CompletionClient:
     ) -> list[Sample]:
         """One attempt: n samples of `prompt`, in choice order.  Raises ClientError."""
         body: dict[str, Any] = {
-            "model": self.model, "prompt": prompt, "n": n, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p, "logprobs": 0,
-            "return_token_ids": True, "stream": False,
+            "model": self.model,
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stream": False,
         }
         if seed is not None:
             body["seed"] = seed
@@ -273,11 +302,20 @@ class CompletionClient:
             return []
 
         def run(i: int) -> GroupResult:
-            return self._group(i, prompts[i], n=n, max_tokens=max_tokens, temperature=temperature,
-                               top_p=top_p, seed=None if seed is None else seed + i, stop=stop)
+            return self._group(
+                i,
+                prompts[i],
+                n=n,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=None if seed is None else seed + i,
+                stop=stop,
+            )
 
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts)),
-                                thread_name_prefix="completion") as pool:
+        with ThreadPoolExecutor(
+            max_workers=min(self.concurrency, len(prompts)), thread_name_prefix="completion"
+        ) as pool:
             return list(pool.map(run, range(len(prompts))))
 
     def _group(self, index: int, prompt: str, **kw: Any) -> GroupResult:
@@ -303,9 +341,17 @@ class CompletionClient:
             reraise=True,
         )
         try:
-            samples = retrying(attempt)
+            try:
+                samples = retrying(attempt)
+            except TransientError:
+                # The last failure may be the server's death: let the health
+                # check name it (exit status, log) instead of "connection refused".
+                if self._health_check is not None:
+                    self._health_check()
+                raise
         except Exception as e:  # a failed group is a result, never a lost prompt
             log.error("prompt %d failed after %d attempts: %s", index, attempts, e)
-            return GroupResult(index=index, prompt=prompt, error=f"{type(e).__name__}: {e}",
-                               attempts=attempts)
+            return GroupResult(
+                index=index, prompt=prompt, error=f"{type(e).__name__}: {e}", attempts=attempts
+            )
         return GroupResult(index=index, prompt=prompt, samples=tuple(samples), attempts=attempts)

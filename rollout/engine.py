@@ -18,8 +18,11 @@ Waits for / released by:
                         SIGKILL) and for the GPU memory of those pids to be
                         released (gpu_release_timeout_s)
 
+close() is stop() plus ending whatever an engine keeps for its next start
+(the hf engine's warm spare, see hf_engine.py); call it at daemon shutdown.
 Engines are driven from one thread (the daemon's main thread: see process.py
-on PR_SET_PDEATHSIG).
+on PR_SET_PDEATHSIG).  The port file, when given, holds
+{"version": 1, "kind", "host", "port", "pid", "model_dir"} (never the key).
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from typing import Final, Protocol, runtime_checkable
 
 import tenacity
 
+from coordinator.fsio import publish_bytes
 from rollout import process as proc_mod
+from rollout.errors import RolloutError
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,8 @@ DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float", "float32")
 # --- errors ----------------------------------------------------------------
 
 
-class EngineError(RuntimeError):
-    """Root of the inference-engine errors."""
+class EngineError(RolloutError, RuntimeError):
+    """Root of the inference-engine errors (under the package's RolloutError)."""
 
 
 class EngineStateError(EngineError):
@@ -142,6 +147,7 @@ class EngineConfig:
     max_batch: int = 64  # (hf) rows (prompts x n) per forward pass
     threads: int = 0  # (hf) torch threads; 0 = torch's default
     python_executable: str | None = None  # (hf) None: the daemon's interpreter
+    prewarm: bool = False  # (hf) keep a spare server with imports done: see hf_engine.py
     ready_timeout_s: float = 300.0
     ready_poll_s: float = 0.5
     stop_grace_s: float = 10.0
@@ -163,11 +169,7 @@ class EngineConfig:
             not self.api_key or any(c.isspace() for c in self.api_key)
         ):
             raise ValueError("api_key is empty or contains whitespace: use None for a random key")
-        if (
-            not self.served_model_name
-            or "/" in self.served_model_name.strip("/")
-            and " " in self.served_model_name
-        ):
+        if not self.served_model_name or any(c.isspace() for c in self.served_model_name):
             raise ValueError(f"served_model_name={self.served_model_name!r} is not a usable name")
         if self.dtype not in DTYPES:
             raise ValueError(
@@ -200,6 +202,8 @@ class EngineConfig:
                 )
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device={self.device!r} is not cpu, cuda or cuda:N")
+        if self.log_tail_lines < 1:
+            raise ValueError(f"log_tail_lines={self.log_tail_lines} is below 1: show at least one")
         if self.max_batch < 1 or self.threads < 0:
             raise ValueError(
                 f"max_batch={self.max_batch} must be >= 1 and threads={self.threads} >= 0"
@@ -245,6 +249,7 @@ class Engine(Protocol):
     def pids(self) -> tuple[int, ...]: ...
     def start(self, model_dir: Path) -> None: ...
     def stop(self) -> None: ...
+    def close(self) -> None: ...
     def check_alive(self) -> None: ...
 
 
@@ -284,6 +289,15 @@ class ServerEngine:
     # subclass hooks
     def command(self, model_dir: Path, port: int) -> list[str]:
         raise NotImplementedError
+
+    def _launch(self, model_dir: Path) -> tuple[proc_mod.ManagedProcess, int, str]:
+        """Spawn the server for `model_dir`: (process, port, api key)."""
+        port = self.config.port or proc_mod.free_port(self.config.connect_host)
+        api_key = self.config.api_key or secrets.token_urlsafe(24)
+        proc = proc_mod.ManagedProcess(
+            self.command(model_dir, port), log_path=self.log_path, env=self.environment(api_key)
+        )
+        return proc, port, api_key
 
     def environment(self, api_key: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -344,14 +358,9 @@ class ServerEngine:
             )
         cfg = self.config
         t0 = time.monotonic()
-        self._port = cfg.port or proc_mod.free_port(cfg.connect_host)
-        self._api_key = cfg.api_key or secrets.token_urlsafe(24)
         self.model_dir = model_dir
-        argv = self.command(model_dir, self._port)
         self.log_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-        self._proc = proc_mod.ManagedProcess(
-            argv, log_path=self.log_path, env=self.environment(self._api_key)
-        )
+        self._proc, self._port, self._api_key = self._launch(model_dir)
         self._log_offset = self._proc.log_offset
         self._set_state(EngineState.STARTING)
         if self.port_file is not None:
@@ -363,9 +372,7 @@ class ServerEngine:
                 "pid": self._proc.pid,
                 "model_dir": str(model_dir),
             }
-            proc_mod.publish_bytes(
-                self.port_file, (json.dumps(record, sort_keys=True) + "\n").encode()
-            )
+            publish_bytes(self.port_file, (json.dumps(record, sort_keys=True) + "\n").encode())
         try:
             self._wait_ready()
         except BaseException:
@@ -398,6 +405,10 @@ class ServerEngine:
         def probe() -> None:
             self.check_alive()  # EngineDied is not retried: the log says why
             try:
+                # /health first, with a short timeout: a port that accepts but
+                # never answers (a stranger on our port) must not stall the
+                # liveness check for a whole request timeout.
+                client.health(timeout_s=min(5.0, cfg.request_timeout_s))
                 client.complete_one(_READY_PROMPT, n=1, max_tokens=1, temperature=1.0, seed=0)
             except TransientError as e:
                 raise _NotReady(str(e)) from e
@@ -463,6 +474,10 @@ class ServerEngine:
             raise
         self._port = None if self.config.port == 0 else self._port
         self._set_state(EngineState.STOPPED)
+
+    def close(self) -> None:
+        """stop(), and release anything kept for the next start (nothing here)."""
+        self.stop()
 
     def check_alive(self) -> None:
         """Raise EngineDied (exit status, log tail) if the server process has exited."""

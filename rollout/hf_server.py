@@ -3,6 +3,9 @@
     python -m rollout.hf_server --model DIR --host H --port P --api-key K \
         [--served-model-name NAME] [--device cpu|cuda] [--max-batch N] [--seed S]
 
+`--model -` starts a warm spare: it binds the port, imports torch and
+transformers, then reads the model directory from one line of stdin.
+
 Routes: GET /health (no key, like vLLM), GET /v1/models, POST /v1/completions
 (Bearer key required, 401 otherwise).  The key may also come from the
 environment variable ROLLOUT_API_KEY, which keeps it out of `ps`.
@@ -50,8 +53,14 @@ log = logging.getLogger("rollout.hf_server")
 API_KEY_ENV: Final = "ROLLOUT_API_KEY"
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024
 MAX_TOP_LOGPROBS: Final = 20  # vLLM's default --max-logprobs
-DTYPES: Final = {"auto": "float32", "float": "float32", "float32": "float32",
-                 "half": "float16", "float16": "float16", "bfloat16": "bfloat16"}
+DTYPES: Final = {
+    "auto": "float32",
+    "float": "float32",
+    "float32": "float32",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+}
 
 
 class BadRequest(ValueError):
@@ -76,9 +85,15 @@ class CompletionRequest:
             raise BadRequest("request body must be a JSON object")
         prompt = body.get("prompt")
         prompts = [prompt] if isinstance(prompt, str) else prompt
-        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise BadRequest("prompt must be a string or a non-empty list of strings "
-                             "(token-id prompts are not supported by this server)")
+        if (
+            not isinstance(prompts, list)
+            or not prompts
+            or not all(isinstance(p, str) for p in prompts)
+        ):
+            raise BadRequest(
+                "prompt must be a string or a non-empty list of strings "
+                "(token-id prompts are not supported by this server)"
+            )
         if body.get("stream"):
             raise BadRequest("stream=true is not supported: send stream=false")
 
@@ -86,8 +101,14 @@ class CompletionRequest:
             v = body.get(name, default)
             if v is None:
                 return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-                raise BadRequest(f"{name}={v!r} is not a{'n integer' if kind is int else ' number'}")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or (kind is int and not isinstance(v, int))
+            ):
+                raise BadRequest(
+                    f"{name}={v!r} is not a{'n integer' if kind is int else ' number'}"
+                )
             return kind(v)
 
         stop = body.get("stop") or []
@@ -108,7 +129,9 @@ class CompletionRequest:
         if req.n < 1 or req.max_tokens < 1:
             raise BadRequest(f"n={req.n} and max_tokens={req.max_tokens} must both be >= 1")
         if req.temperature < 0 or not 0 < req.top_p <= 1:
-            raise BadRequest(f"temperature={req.temperature} must be >= 0 and top_p={req.top_p} in (0, 1]")
+            raise BadRequest(
+                f"temperature={req.temperature} must be >= 0 and top_p={req.top_p} in (0, 1]"
+            )
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs={req.logprobs} is outside 0..{MAX_TOP_LOGPROBS}")
         return req
@@ -117,8 +140,16 @@ class CompletionRequest:
 class Generator:
     """The model, its tokenizer and the sampling loop.  Loaded once at startup."""
 
-    def __init__(self, model_dir: Path, *, device: str, dtype: str, max_batch: int,
-                 seed: int, max_model_len: int | None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        device: str,
+        dtype: str,
+        max_batch: int,
+        seed: int,
+        max_model_len: int | None,
+    ) -> None:
         import torch
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,9 +163,10 @@ class Generator:
         # transformers renamed torch_dtype to dtype in 4.56.
         major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
         dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-        self.model = AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             model_dir, local_files_only=True, use_safetensors=True, **{dtype_kw: torch_dtype}
-        ).to(self.device).eval()
+        )
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' stub
         cfg = self.model.config
         limit = getattr(cfg, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(max_model_len or limit, limit)
@@ -151,11 +183,20 @@ class Generator:
         self.lock = threading.Lock()
 
     def _piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
+        # One request at a time, tokenizer included: a fast tokenizer used
+        # from two threads can fail with "Already borrowed".
+        with self.lock:
+            return self._complete(req)
+
+    def _complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
         prompt_ids = [self.tokenizer(p)["input_ids"] for p in req.prompts]
-        for p, ids in zip(req.prompts, prompt_ids):
+        for p, ids in zip(req.prompts, prompt_ids, strict=True):
             if len(ids) + req.max_tokens > self.max_model_len:
                 raise BadRequest(
                     f"prompt of {len(ids)} tokens + max_tokens={req.max_tokens} exceeds this "
@@ -163,18 +204,25 @@ class Generator:
                     f"prompt {p[:40]!r} or lower max_tokens"
                 )
         rows = [(i, j) for i in range(len(req.prompts)) for j in range(req.n)]
-        with self.lock:
-            seed = req.seed if req.seed is not None else int(
-                self.torch.randint(0, 2**62, (1,), generator=self._rng))
-            gen = self.torch.Generator().manual_seed(seed)
-            outputs: list[dict[str, Any]] = []
-            for start in range(0, len(rows), self.max_batch):
-                chunk = rows[start:start + self.max_batch]
-                outputs += self._sample([prompt_ids[i] for i, _ in chunk], req, gen)
+        seed = (
+            req.seed
+            if req.seed is not None
+            else int(self.torch.randint(0, 2**62, (1,), generator=self._rng))
+        )
+        gen = self.torch.Generator().manual_seed(seed)
+        outputs: list[dict[str, Any]] = []
+        for start in range(0, len(rows), self.max_batch):
+            chunk = rows[start : start + self.max_batch]
+            outputs += self._sample([prompt_ids[i] for i, _ in chunk], req, gen)
         choices = []
-        for index, ((i, _), out) in enumerate(zip(rows, outputs)):
-            choice = {"index": index, "text": out["text"], "finish_reason": out["finish_reason"],
-                      "stop_reason": out["stop_reason"], "logprobs": None}
+        for index, ((i, _), out) in enumerate(zip(rows, outputs, strict=True)):
+            choice = {
+                "index": index,
+                "text": out["text"],
+                "finish_reason": out["finish_reason"],
+                "stop_reason": out["stop_reason"],
+                "logprobs": None,
+            }
             if req.logprobs is not None:
                 choice["logprobs"] = self._logprobs_block(out, req.logprobs)
             if req.return_token_ids:
@@ -190,14 +238,22 @@ class Generator:
             offsets.append(pos)
             pos += len(piece)
         top = []
-        for t, lp, (ids, lps) in zip(out["token_ids"], out["token_logprobs"], out["top"]):
-            entry = {self._piece(a): b for a, b in zip(ids[:k], lps[:k])}
+        for t, lp, (ids, lps) in zip(
+            out["token_ids"], out["token_logprobs"], out["top"], strict=True
+        ):
+            entry = {self._piece(a): b for a, b in zip(ids[:k], lps[:k], strict=True)}
             entry[self._piece(t)] = lp  # vLLM always includes the sampled token
             top.append(entry)
-        return {"tokens": tokens, "token_logprobs": out["token_logprobs"],
-                "top_logprobs": top, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": out["token_logprobs"],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
-    def _sample(self, prompts: list[list[int]], req: CompletionRequest, gen: Any) -> list[dict[str, Any]]:
+    def _sample(
+        self, prompts: list[list[int]], req: CompletionRequest, gen: Any
+    ) -> list[dict[str, Any]]:
         torch = self.torch
         rows = len(prompts)
         width = max(len(p) for p in prompts)
@@ -205,8 +261,8 @@ class Generator:
         ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((rows, width), dtype=torch.long)
         for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[r, width - len(p):] = 1
+            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[r, width - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         k = req.logprobs or 0
         toks: list[list[int]] = [[] for _ in range(rows)]
@@ -216,46 +272,62 @@ class Generator:
         stop_reason: list[Any] = [None] * rows
         texts: list[str | None] = [None] * rows
         with torch.inference_mode():
-            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             position_ids=positions.to(self.device), use_cache=True)
+            out = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                use_cache=True,
+            )
             for step in range(req.max_tokens):
                 logits = out.logits[:, -1, :].float().cpu()
                 logp = torch.log_softmax(logits, dim=-1)
                 nxt = self._pick(logits, req, gen)
                 chosen = logp.gather(1, nxt[:, None])[:, 0]
-                top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+                # k = 0 still returns (empty) tensors: one code path for both.
+                top_v, top_i = logp.topk(k, dim=-1)
                 for r in range(rows):
                     if finish[r] is not None:
                         continue
                     t = int(nxt[r])
                     toks[r].append(t)
                     lps[r].append(float(chosen[r]))
-                    tops[r].append((top_i[r].tolist(), top_v[r].tolist()) if k else ([], []))
+                    tops[r].append((top_i[r].tolist(), top_v[r].tolist()))
                     if t in self.eos_ids:
                         finish[r] = "stop"
                     elif req.stop:
-                        text = self.tokenizer.decode(toks[r], skip_special_tokens=True)
+                        text = self._decode(toks[r])
                         hits = [(text.find(s), s) for s in req.stop if s in text]
                         if hits:
                             at, s = min(hits)
                             finish[r], stop_reason[r], texts[r] = "stop", s, text[:at]
                 if all(f is not None for f in finish) or step + 1 == req.max_tokens:
                     break
-                feed = torch.tensor([[t[-1] if finish[r] is None else self.pad_id]
-                                     for r, t in enumerate(toks)], dtype=torch.long)
+                feed = torch.tensor(
+                    [[t[-1] if finish[r] is None else self.pad_id] for r, t in enumerate(toks)],
+                    dtype=torch.long,
+                )
                 mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long)], dim=1)
                 positions = positions[:, -1:] + 1
-                out = self.model(input_ids=feed.to(self.device), attention_mask=mask.to(self.device),
-                                 position_ids=positions.to(self.device),
-                                 past_key_values=out.past_key_values, use_cache=True)
+                out = self.model(
+                    input_ids=feed.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    position_ids=positions.to(self.device),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
         results = []
         for r in range(rows):
-            text = texts[r]
-            if text is None:
-                text = self.tokenizer.decode(toks[r], skip_special_tokens=True)
-            results.append({"token_ids": toks[r], "token_logprobs": lps[r], "top": tops[r],
-                            "finish_reason": finish[r] or "length",
-                            "stop_reason": stop_reason[r], "text": text})
+            cut = texts[r]
+            results.append(
+                {
+                    "token_ids": toks[r],
+                    "token_logprobs": lps[r],
+                    "top": tops[r],
+                    "finish_reason": finish[r] or "length",
+                    "stop_reason": stop_reason[r],
+                    "text": cut if cut is not None else self._decode(toks[r]),
+                }
+            )
         return results
 
     def _pick(self, logits: Any, req: CompletionRequest, gen: Any) -> Any:
@@ -289,14 +361,18 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _error(self, status: HTTPStatus, message: str) -> None:
-        self._send(status, {"error": {"message": message, "type": status.phrase, "code": int(status)}})
+        self._send(
+            status, {"error": {"message": message, "type": status.phrase, "code": int(status)}}
+        )
 
     def _authorized(self) -> bool:
         got = self.headers.get("Authorization", "")
         want = f"Bearer {self.server.api_key}"
         if hmac.compare_digest(got.encode(), want.encode()):
             return True
-        self._error(HTTPStatus.UNAUTHORIZED, "missing or wrong API key: send 'Authorization: Bearer KEY'")
+        self._error(
+            HTTPStatus.UNAUTHORIZED, "missing or wrong API key: send 'Authorization: Bearer KEY'"
+        )
         return False
 
     def do_GET(self) -> None:
@@ -305,10 +381,22 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path == "/v1/models":
             if self._authorized():
                 g = self.server.generator
-                self._send(HTTPStatus.OK, {"object": "list", "data": [{
-                    "id": self.server.model_name, "object": "model", "owned_by": "rollout",
-                    "created": int(self.server.started), "root": str(self.server.model_dir),
-                    "max_model_len": g.max_model_len}]})
+                self._send(
+                    HTTPStatus.OK,
+                    {
+                        "object": "list",
+                        "data": [
+                            {
+                                "id": self.server.model_name,
+                                "object": "model",
+                                "owned_by": "rollout",
+                                "created": int(self.server.started),
+                                "root": str(self.server.model_dir),
+                                "max_model_len": g.max_model_len,
+                            }
+                        ],
+                    },
+                )
         else:
             self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
 
@@ -328,8 +416,11 @@ class Handler(BaseHTTPRequestHandler):
                 raise BadRequest(f"body is not JSON: {e}") from None
             model = body.get("model") if isinstance(body, dict) else None
             if model not in (None, self.server.model_name):
-                self._error(HTTPStatus.NOT_FOUND, f"model {model!r} does not exist: this server "
-                            f"serves {self.server.model_name!r}")
+                self._error(
+                    HTTPStatus.NOT_FOUND,
+                    f"model {model!r} does not exist: this server "
+                    f"serves {self.server.model_name!r}",
+                )
                 return
             req = CompletionRequest.from_json(body)
             choices = self.server.generator.complete(req)
@@ -342,33 +433,64 @@ class Handler(BaseHTTPRequestHandler):
             return
         n_prompt = sum(len(c.get("prompt_token_ids", [])) for c in choices[:: req.n])
         n_out = sum(len(c.get("token_ids", [])) for c in choices)
-        self._send(HTTPStatus.OK, {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": self.server.model_name, "choices": choices,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                      "total_tokens": n_prompt + n_out}})
+        self._send(
+            HTTPStatus.OK,
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.server.model_name,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": n_out,
+                    "total_tokens": n_prompt + n_out,
+                },
+            },
+        )
 
 
 class Server(ThreadingHTTPServer):
+    """Binds at construction (reserving the port); serves once a model is attached."""
+
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], *, generator: Generator, api_key: str,
-                 model_name: str, model_dir: Path) -> None:
+    def __init__(self, addr: tuple[str, int], *, api_key: str, model_name: str | None) -> None:
         super().__init__(addr, Handler)
-        self.generator = generator
         self.api_key = api_key
-        self.model_name = model_name
-        self.model_dir = model_dir
+        self.model_name = model_name or ""
+        self.generator: Generator
+        self.model_dir: Path
         self.started = time.time()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            # The client gave up (its timeout) before the answer was ready.
+            log.warning("client %s left before its answer: %s", client_address, exc)
+        else:
+            super().handle_error(request, client_address)
+
+    def attach(self, generator: Generator, model_dir: Path) -> None:
+        self.generator = generator
+        self.model_dir = model_dir
+        self.model_name = self.model_name or str(model_dir)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rollout.hf_server", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, type=Path)
+    p = argparse.ArgumentParser(
+        prog="python -m rollout.hf_server", description=(__doc__ or "").split("\n")[0]
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="model directory, or '-': start warm (imports done, port bound) and "
+        "read the directory from one line of stdin",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help=f"default: ${API_KEY_ENV}")
-    p.add_argument("--served-model-name", default=None, help="default: the --model path")
+    p.add_argument("--served-model-name", default=None, help="default: the model path")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     p.add_argument("--max-batch", type=int, default=64)
@@ -381,9 +503,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"no API key: pass --api-key or set {API_KEY_ENV}")
     if args.max_batch < 1:
         p.error(f"--max-batch={args.max_batch} is below 1")
-    if not (args.model / "config.json").is_file():
+    if args.model != "-" and not _is_model_dir(Path(args.model)):
         p.error(f"--model {args.model} has no config.json: give a Hugging Face model directory")
     return args
+
+
+def _is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def import_runtime(threads: int) -> None:
+    """The slow part of startup (seconds): torch, transformers and its modeling core."""
+    import torch
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    if threads:
+        torch.set_num_threads(threads)
 
 
 class _Terminate(BaseException):
@@ -395,35 +531,69 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     t0 = time.monotonic()
+    server = None
     try:
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        generator = Generator(args.model, device=args.device, dtype=args.dtype,
-                              max_batch=args.max_batch, seed=args.seed,
-                              max_model_len=args.max_model_len)
-        server = Server((args.host, args.port), generator=generator, api_key=args.api_key,
-                        model_name=args.served_model_name or str(args.model),
-                        model_dir=args.model)
-    except _Terminate:
-        return 0
-    host, port = server.server_address[:2]
-    log.info("serving %s as %r on http://%s:%s (loaded in %.2fs, pid %d)",
-             args.model, server.model_name, host, port, time.monotonic() - t0, os.getpid())
-    try:
+        # Bind first: the port is ours from now on, even while a spare waits.
+        server = Server(
+            (args.host, args.port), api_key=args.api_key, model_name=args.served_model_name
+        )
+        import_runtime(args.threads)
+        model_dir = Path(args.model)
+        if args.model == "-":
+            log.info(
+                "warm on port %d after %.2fs: waiting for a model directory on stdin",
+                server.server_address[1],
+                time.monotonic() - t0,
+            )
+            line = sys.stdin.readline().strip()
+            if not line:
+                log.info("stdin closed before a model directory came: exiting")
+                return 0
+            model_dir, t0 = Path(line), time.monotonic()
+            if not _is_model_dir(model_dir):
+                log.error("%s has no config.json: give a Hugging Face model directory", model_dir)
+                return 2
+        server.attach(
+            Generator(
+                model_dir,
+                device=args.device,
+                dtype=args.dtype,
+                max_batch=args.max_batch,
+                seed=args.seed,
+                max_model_len=args.max_model_len,
+            ),
+            model_dir,
+        )
+        log.info(
+            "serving %s as %r on http://%s:%s (loaded in %.2fs, pid %d)",
+            model_dir,
+            server.model_name,
+            *server.server_address[:2],
+            time.monotonic() - t0,
+            os.getpid(),
+        )
         server.serve_forever(poll_interval=0.2)
     except (_Terminate, KeyboardInterrupt):
         log.info("terminating on signal")
     finally:
-        server.server_close()
+        if server is not None:
+            server.server_close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown (about a second with torch loaded): nothing is
+    # left to save, and stop() waits for this exit on every RL iteration.
+    os._exit(code)

@@ -27,7 +27,6 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,13 +55,17 @@ def describe_exit(returncode: int | None) -> str:
     return f"exit status {returncode}"
 
 
+# Loaded once in the parent: dlopen in the forked child could deadlock on a
+# loader lock held by another thread of the daemon at fork time.
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def _preexec_pdeathsig(parent_pid: int) -> Callable[[], None]:
-    libc_name = ctypes.util.find_library("c") or "libc.so.6"
+    prctl = _LIBC.prctl
 
     def preexec() -> None:
-        # Runs in the child between fork and exec: only async-signal-safe work.
-        libc = ctypes.CDLL(libc_name, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # Runs in the child between fork and exec: keep it to two syscalls.
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         # The parent may have died before prctl took effect: then nobody would
         # ever send the signal, so exit now instead of running orphaned.
         if os.getppid() != parent_pid:
@@ -96,6 +99,7 @@ class ManagedProcess:
         log_path: Path,
         env: Mapping[str, str],
         cwd: Path | None = None,
+        stdin_pipe: bool = False,
     ) -> None:
         if not argv:
             raise ValueError("argv is empty: give the server command to run")
@@ -105,11 +109,13 @@ class ManagedProcess:
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         with os.fdopen(fd, "ab", buffering=0) as logf:
             # One log file across restarts; the tail of this run starts here.
-            logf.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(self.argv)}\n".encode())
+            logf.write(
+                f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(self.argv)}\n".encode()
+            )
             self.log_offset = logf.tell()
             self._popen = subprocess.Popen(
                 self.argv,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 env=dict(env),
@@ -123,6 +129,18 @@ class ManagedProcess:
         # of them, including workers that exited or re-parented before stop.
         self._seen: set[int] = {self.pid}
         log.info("started pid %d: %s (log %s)", self.pid, self.argv[0], self.log_path)
+
+    def send_line(self, text: str) -> None:
+        """Write one line to the child's stdin and close it (stdin_pipe=True only)."""
+        if self._popen.stdin is None:
+            raise ValueError("this process was started without stdin_pipe=True")
+        if "\n" in text:
+            raise ValueError(f"{text!r} contains a newline: send a single line")
+        try:
+            self._popen.stdin.write(text.encode() + b"\n")
+            self._popen.stdin.close()
+        except BrokenPipeError:
+            pass  # the child died; the caller sees it through returncode
 
     @property
     def returncode(self) -> int | None:
@@ -161,6 +179,8 @@ class ManagedProcess:
 
     def stop(self, *, grace_s: float, kill_timeout_s: float = 10.0) -> StopReport:
         """SIGTERM the group and tree, wait `grace_s`, SIGKILL what is left, reap."""
+        if self._popen.stdin is not None and not self._popen.stdin.closed:
+            self._popen.stdin.close()
         procs = self.tree()
         escalated = False
         if self._popen.poll() is None or len(procs) > 0:
@@ -268,27 +288,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def publish_bytes(path: Path, data: bytes) -> None:
-    """Atomic publish (temp file, fsync, rename, fsync dir); stand-in for coordinator.fsio."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 # --- GPU release -----------------------------------------------------------

@@ -166,7 +166,7 @@ class _FileTasks:
         """The file each split was read from."""
         return dict(self._files)
 
-    def _rows(self, file: Path) -> Iterator[tuple[str, Any]]:
+    def _rows(self, file: Path) -> Iterator[tuple[str, int, Any]]:
         raise NotImplementedError
 
 
@@ -176,7 +176,7 @@ class ParquetTasks(_FileTasks):
 
     suffix = ".parquet"
 
-    def _rows(self, file: Path) -> Iterator[tuple[str, Any]]:
+    def _rows(self, file: Path) -> Iterator[tuple[str, int, Any]]:
         import pyarrow.parquet as pq  # deferred: pyarrow is heavy and only file sources need it
 
         try:
@@ -196,7 +196,7 @@ class ParquetTasks(_FileTasks):
         row = 0
         for batch in parquet.iter_batches(columns=columns, batch_size=4096):
             for record in batch.to_pylist():
-                yield f"{file} row {row}", record
+                yield f"{file} row {row}", row, record
                 row += 1
 
 
@@ -205,7 +205,7 @@ class JsonlTasks(_FileTasks):
 
     suffix = ".jsonl"
 
-    def _rows(self, file: Path) -> Iterator[tuple[str, Any]]:
+    def _rows(self, file: Path) -> Iterator[tuple[str, int, Any]]:
         try:
             handle = file.open(encoding="utf-8")
         except OSError as exc:
@@ -224,7 +224,7 @@ class JsonlTasks(_FileTasks):
                         path=file,
                         row=line_number,
                     ) from exc
-                yield where, record
+                yield where, line_number, record
 
 
 def load_task_source(spec: str, *, seed: int) -> TaskSource:
@@ -287,17 +287,19 @@ def _split_files(path: Path, suffix: str) -> dict[str, Path]:
     return files
 
 
-def _build_tasks(rows: Iterator[tuple[str, Any]], file: Path, split: str) -> tuple[Task, ...]:
+def _build_tasks(rows: Iterator[tuple[str, int, Any]], file: Path, split: str) -> tuple[Task, ...]:
     tasks: list[Task] = []
     first_seen: dict[str, str] = {}
-    for position, (where, record) in enumerate(rows):
-        task = _task_from_record(record, where=where, file=file, position=position, split=split)
+    for position, (where, row, record) in enumerate(rows):
+        task = _task_from_record(
+            record, where=where, file=file, row=row, position=position, split=split
+        )
         if task.task_id in first_seen:
             raise TaskDataError(
                 f"{where}: task id {task.task_id!r} repeats {first_seen[task.task_id]}; "
                 "make extra_info.index unique per data_source",
                 path=file,
-                row=position,
+                row=row,
                 field="extra_info.index",
             )
         first_seen[task.task_id] = where
@@ -307,11 +309,11 @@ def _build_tasks(rows: Iterator[tuple[str, Any]], file: Path, split: str) -> tup
     return tuple(tasks)
 
 
-def _task_from_record(record: Any, *, where: str, file: Path, position: int, split: str) -> Task:
+def _task_from_record(
+    record: Any, *, where: str, file: Path, row: int, position: int, split: str
+) -> Task:
     def fail(field: str, problem: str) -> TaskDataError:
-        return TaskDataError(
-            f"{where}: field {field!r} {problem}", path=file, row=position, field=field
-        )
+        return TaskDataError(f"{where}: field {field!r} {problem}", path=file, row=row, field=field)
 
     if not isinstance(record, Mapping):
         raise fail(

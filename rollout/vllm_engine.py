@@ -12,6 +12,8 @@ Every flag was checked against vLLM's documented CLI:
     --generation-config)
   - --generation-config "vllm" (ignore the model's generation_config.json,
     use vLLM's defaults): vllm-project/vllm PR #11164, vLLM >= 0.6.6.
+  - `return_token_ids` (read by rollout.client): vllm-project/vllm PR #22587,
+    released in vLLM 0.10.2, so this engine needs vllm >= 0.10.2.
   - VLLM_API_KEY: vLLM's api_server uses `args.api_key or envs.VLLM_API_KEY`,
     so the key is passed in the environment instead of --api-key and does not
     show in `ps` (vLLM's security guide recommends the same).
@@ -29,14 +31,23 @@ API_KEY_ENV = "VLLM_API_KEY"
 def build_vllm_command(cfg: EngineConfig, model_dir: Path, port: int) -> list[str]:
     """The `vllm serve` argv for `cfg` (pure: no environment, no I/O)."""
     argv = [
-        cfg.vllm_executable, "serve", str(model_dir),
-        "--host", cfg.host,
-        "--port", str(port),
-        "--served-model-name", cfg.served_model_name,
-        "--tensor-parallel-size", str(cfg.tensor_parallel_size),
-        "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
-        "--dtype", cfg.dtype,
-        "--seed", str(cfg.seed),
+        cfg.vllm_executable,
+        "serve",
+        str(model_dir),
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        cfg.served_model_name,
+        "--tensor-parallel-size",
+        str(cfg.tensor_parallel_size),
+        "--gpu-memory-utilization",
+        str(cfg.gpu_memory_utilization),
+        "--dtype",
+        cfg.dtype,
+        "--seed",
+        str(cfg.seed),
     ]
     if cfg.max_model_len is not None:
         argv += ["--max-model-len", str(cfg.max_model_len)]

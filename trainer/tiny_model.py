@@ -21,12 +21,13 @@ Files written (all atomically, mode 0o644):
 from __future__ import annotations
 
 import json
-import os
 import string
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+from coordinator.fsio import publish_bytes
 
 PAD_TOKEN: Final = "<pad>"
 BOS_TOKEN: Final = "<bos>"
@@ -78,8 +79,13 @@ class TinyModelSpec:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "max_position_embeddings"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name}={value} is below 1: give a positive size")
@@ -90,33 +96,7 @@ class TinyModelSpec:
                 "ratio is an integer head dimension, e.g. 128 and 4"
             )
         if self.initializer_range <= 0:
-            raise ValueError(
-                f"initializer_range={self.initializer_range} must be > 0, e.g. 0.02"
-            )
-
-
-def _publish_bytes(path: Path, data: bytes) -> None:
-    """Atomic publish: temp file in the same dir, fsync, rename, fsync the dir.
-
-    Private stand-in for coordinator.fsio.publish_bytes (same semantics).
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+            raise ValueError(f"initializer_range={self.initializer_range} must be > 0, e.g. 0.02")
 
 
 def llama_config_dict(spec: TinyModelSpec) -> dict[str, Any]:
@@ -204,9 +184,14 @@ def _tokenizer_files(spec: TinyModelSpec) -> dict[str, bytes]:
     files.pop("chat_template.jinja", None)
     files["special_tokens_map.json"] = (
         json.dumps(
-            {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
-             "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN},
-            indent=2, sort_keys=True,
+            {
+                "bos_token": BOS_TOKEN,
+                "eos_token": EOS_TOKEN,
+                "pad_token": PAD_TOKEN,
+                "unk_token": UNK_TOKEN,
+            },
+            indent=2,
+            sort_keys=True,
         )
         + "\n"
     ).encode()
@@ -218,22 +203,25 @@ def _weights_bytes(spec: TinyModelSpec, seed: int) -> bytes:
     from safetensors.torch import save
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{
-        k: v for k, v in llama_config_dict(spec).items()
-        if k not in ("torch_dtype", "rope_scaling", "rope_theta", "model_type")
-    })
+    config = LlamaConfig(
+        **{
+            k: v
+            for k, v in llama_config_dict(spec).items()
+            if k not in ("torch_dtype", "rope_scaling", "rope_theta", "model_type")
+        }
+    )
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+        model = LlamaForCausalLM(config)
+    state = {
+        k: v.detach().to(torch.float32).contiguous().clone() for k, v in model.state_dict().items()
+    }
     # "format": "pt" is the metadata transformers checks before loading.
     return save(state, metadata={"format": "pt"})
 
 
-def create_tiny_model(
-    out_dir: Path, *, seed: int = 0, spec: TinyModelSpec | None = None
-) -> Path:
+def create_tiny_model(out_dir: Path, *, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
     """Write a tiny random Llama with a character tokenizer into `out_dir`.
 
     Same seed and spec -> byte-identical model.safetensors.  Existing files of
@@ -255,5 +243,5 @@ def create_tiny_model(
     )
     files[WEIGHTS_FILE] = _weights_bytes(spec, seed)
     for name, data in sorted(files.items()):
-        _publish_bytes(out_dir / name, data)
+        publish_bytes(out_dir / name, data)
     return out_dir

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -43,15 +45,13 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.fixture
-def reap():
+def reap() -> Iterator[list[int]]:
     """Kill anything a failing test left behind."""
     pids: list[int] = []
     yield pids
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _spawn_tree_script(pid_file: Path, *, ignore_term: bool = False) -> list[str]:
@@ -92,8 +92,9 @@ def test_stop_terminates_the_whole_tree_including_a_worker_that_left_the_group(
 
 def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path: Path, reap: list[int]) -> None:
     pid_file = tmp_path / "pids.json"
-    mp = ManagedProcess(_spawn_tree_script(pid_file, ignore_term=True),
-                        log_path=tmp_path / "s.log", env=os.environ)
+    mp = ManagedProcess(
+        _spawn_tree_script(pid_file, ignore_term=True), log_path=tmp_path / "s.log", env=os.environ
+    )
     reap.append(mp.pid)
     assert _wait_for(pid_file.exists)
     workers = json.loads(pid_file.read_text())
@@ -104,13 +105,15 @@ def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path: Path, reap:
 
     assert report.escalated_to_sigkill
     assert report.returncode == -signal.SIGKILL
-    assert "killed by SIGKILL (-9)" == describe_exit(report.returncode)
+    assert describe_exit(report.returncode) == "killed by SIGKILL (-9)"
     assert not report.survivors
     assert all(_gone(p) for p in [mp.pid, *workers])
     assert time.monotonic() - t0 < 5.0
 
 
-def test_server_dies_when_the_daemon_that_started_it_is_sigkilled(tmp_path: Path, reap: list[int]) -> None:
+def test_server_dies_when_the_daemon_that_started_it_is_sigkilled(
+    tmp_path: Path, reap: list[int]
+) -> None:
     child_file = tmp_path / "child.json"
     daemon_code = textwrap.dedent(f"""
         import json, os, sys, time
@@ -137,8 +140,11 @@ def test_server_dies_when_the_daemon_that_started_it_is_sigkilled(tmp_path: Path
 def test_log_tail_shows_the_last_lines_of_the_current_run_only(tmp_path: Path) -> None:
     log = tmp_path / "s.log"
     log.write_text("old run line\n" * 3)
-    mp = ManagedProcess([PY, "-c", "print('\\n'.join(f'line {i}' for i in range(100)))"],
-                        log_path=log, env=os.environ)
+    mp = ManagedProcess(
+        [PY, "-c", "print('\\n'.join(f'line {i}' for i in range(100)))"],
+        log_path=log,
+        env=os.environ,
+    )
     mp._popen.wait(10)
     assert mp.log_tail(3) == "line 97\nline 98\nline 99"
     assert "old run line" not in mp.log_tail(500)
@@ -161,8 +167,9 @@ def test_nvidia_smi_rows_are_parsed_and_junk_lines_skipped() -> None:
     assert parse_nvidia_smi_apps(text) == {1234: 1034, 5678: 0}
 
 
-def test_wait_gpu_released_returns_at_once_with_no_gpu_tool(monkeypatch: pytest.MonkeyPatch,
-                                                            tmp_path: Path) -> None:
+def test_wait_gpu_released_returns_at_once_with_no_gpu_tool(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi; pynvml is not installed here
     monkeypatch.setitem(sys.modules, "pynvml", None)
     t0 = time.monotonic()
@@ -188,11 +195,18 @@ def test_wait_gpu_released_names_the_pids_still_holding_memory_then_sees_release
         now[0] += s
 
     with pytest.raises(GpuNotReleased, match=r"pid 4242 \(1024 MiB\)") as info:
-        wait_gpu_released([4242, 7], 2.0, query=nvidia_smi_query(str(smi)), poll_s=0.5,
-                          sleep=sleep, clock=lambda: now[0])
+        wait_gpu_released(
+            [4242, 7],
+            2.0,
+            query=nvidia_smi_query(str(smi)),
+            poll_s=0.5,
+            sleep=sleep,
+            clock=lambda: now[0],
+        )
     assert info.value.holders == {4242: 1024}
     assert sleeps == [0.5] * 4
 
     rows.write_text("999, 5 MiB\n")
-    wait_gpu_released([4242, 7], 2.0, query=nvidia_smi_query(str(smi)), sleep=sleep,
-                      clock=lambda: now[0])
+    wait_gpu_released(
+        [4242, 7], 2.0, query=nvidia_smi_query(str(smi)), sleep=sleep, clock=lambda: now[0]
+    )

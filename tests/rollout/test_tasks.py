@@ -61,13 +61,13 @@ def test_unknown_builtin_is_refused_listing_the_known_one() -> None:
 def test_parquet_directory_gives_train_and_test_splits_with_ids_from_source_and_index(
     tmp_path: Path,
 ) -> None:
-    write_parquet(tmp_path / "train.parquet", [verl_row(7), verl_row(9, truth=3)])
+    write_parquet(tmp_path / "train.parquet", [verl_row(7), verl_row(9)])
     write_parquet(tmp_path / "test.parquet", [verl_row(7)])
     source = load_task_source(str(tmp_path), seed=0)
     assert isinstance(source, ParquetTasks)
     train = source.tasks("train")
     assert [t.task_id for t in train] == ["openai/gsm8k/train/7", "openai/gsm8k/train/9"]
-    assert train[1].ground_truth == "3"  # numbers become strings
+    assert train[1].ground_truth == "42"
     assert train[0].messages() == [
         {"role": "system", "content": "Answer briefly."},
         {"role": "user", "content": "question 7"},
@@ -93,6 +93,15 @@ def test_jsonl_directory_reads_train_and_eval_with_the_same_fields(tmp_path: Pat
     assert len(source.tasks("train")) == 2
     (task,) = source.tasks("eval")
     assert task.prompt == "plain text prompt" and task.messages() is None
+
+
+def test_numeric_ground_truths_become_strings_and_booleans_are_refused(tmp_path: Path) -> None:
+    source = JsonlTasks(
+        write_jsonl(tmp_path / "a.jsonl", [verl_row(1, truth=3), verl_row(2, truth=0.5)])
+    )
+    assert [t.ground_truth for t in source.tasks("train")] == ["3", "0.5"]
+    with pytest.raises(TaskDataError, match=r"'reward_model.ground_truth' is a bool"):
+        JsonlTasks(write_jsonl(tmp_path / "b.jsonl", [verl_row(1, truth=True)]))
 
 
 def test_a_single_file_is_the_train_split_and_asking_for_eval_names_the_rule(
@@ -142,7 +151,9 @@ def test_invalid_json_line_is_reported_with_its_line_number(tmp_path: Path) -> N
 
 def test_repeated_index_is_refused_naming_both_rows(tmp_path: Path) -> None:
     path = write_parquet(tmp_path / "train.parquet", [verl_row(4), verl_row(5), verl_row(4)])
-    with pytest.raises(TaskDataError, match=r"row 2: task id 'openai/gsm8k/train/4' repeats .*row 0"):
+    with pytest.raises(
+        TaskDataError, match=r"row 2: task id 'openai/gsm8k/train/4' repeats .*row 0"
+    ):
         ParquetTasks(path)
 
 

@@ -14,8 +14,14 @@ from rollout.vllm_engine import VllmEngine, build_vllm_command
 #   --api-key, --served-model-name; positional model_tag)
 #   https://docs.vllm.ai/en/v0.8.5/serving/engine_args.html  (engine arguments)
 DOCUMENTED_VALUE_FLAGS = {
-    "--host", "--port", "--served-model-name", "--tensor-parallel-size",
-    "--gpu-memory-utilization", "--max-model-len", "--dtype", "--seed",
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--tensor-parallel-size",
+    "--gpu-memory-utilization",
+    "--max-model-len",
+    "--dtype",
+    "--seed",
     "--generation-config",
 }
 DOCUMENTED_DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
@@ -26,7 +32,7 @@ def _flags(argv: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     rest = argv[3:]
     assert len(rest) % 2 == 0, rest
-    for flag, value in zip(rest[::2], rest[1::2]):
+    for flag, value in zip(rest[::2], rest[1::2], strict=True):
         assert flag.startswith("--") and not value.startswith("--"), (flag, value)
         assert flag not in out, f"{flag} given twice"
         out[flag] = value
@@ -43,8 +49,15 @@ def test_command_starts_with_vllm_serve_and_the_model_directory_positionally() -
 
 
 def test_every_flag_is_a_documented_vllm_serve_option_with_the_configured_value() -> None:
-    cfg = _cfg(host="10.0.0.5", served_model_name="policy", tensor_parallel_size=2,
-               gpu_memory_utilization=0.75, max_model_len=4096, dtype="bfloat16", seed=17)
+    cfg = _cfg(
+        host="10.0.0.5",
+        served_model_name="policy",
+        tensor_parallel_size=2,
+        gpu_memory_utilization=0.75,
+        max_model_len=4096,
+        dtype="bfloat16",
+        seed=17,
+    )
     flags = _flags(build_vllm_command(cfg, Path("/m"), 8123))
     assert set(flags) <= DOCUMENTED_VALUE_FLAGS
     assert flags == {
@@ -74,8 +87,9 @@ def test_model_generation_config_is_ignored_unless_asked_for() -> None:
 
 def test_extra_args_are_passed_through_verbatim_at_the_end() -> None:
     extra = ("--enforce-eager", "--max-num-seqs", "64")
-    argv = build_vllm_command(_cfg(extra_args=extra, vllm_executable="/opt/venv/bin/vllm"),
-                              Path("/m"), 1)
+    argv = build_vllm_command(
+        _cfg(extra_args=extra, vllm_executable="/opt/venv/bin/vllm"), Path("/m"), 1
+    )
     assert argv[0] == "/opt/venv/bin/vllm"
     assert tuple(argv[-3:]) == extra
 
@@ -95,24 +109,31 @@ def test_cuda_visible_devices_is_set_when_configured_and_inherited_otherwise(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     inherited = VllmEngine(_cfg(), log_dir=tmp_path).environment("k")
     assert inherited["CUDA_VISIBLE_DEVICES"] == "3"
-    pinned = VllmEngine(_cfg(cuda_visible_devices="0,1", tensor_parallel_size=2),
-                        log_dir=tmp_path).environment("k")
+    pinned = VllmEngine(
+        _cfg(cuda_visible_devices="0,1", tensor_parallel_size=2), log_dir=tmp_path
+    ).environment("k")
     assert pinned["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
 def test_tensor_parallel_size_larger_than_the_visible_gpus_is_rejected() -> None:
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 needs that many GPUs but "
-                                         r"cuda_visible_devices='0,1' shows 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=4 needs that many GPUs but "
+        r"cuda_visible_devices='0,1' shows 2",
+    ):
         _cfg(tensor_parallel_size=4, cuda_visible_devices="0,1")
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("dtype", "fp8", r"dtype='fp8' is not one of"),
-    ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization=1.5 is outside \(0, 1\]"),
-    ("tensor_parallel_size", 0, r"tensor_parallel_size=0 is below 1"),
-    ("port", 70000, r"port=70000 is outside 0..65535"),
-    ("kind", "sglang", r"kind='sglang' is not an engine"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("dtype", "fp8", r"dtype='fp8' is not one of"),
+        ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization=1.5 is outside \(0, 1\]"),
+        ("tensor_parallel_size", 0, r"tensor_parallel_size=0 is below 1"),
+        ("port", 70000, r"port=70000 is outside 0..65535"),
+        ("kind", "sglang", r"kind='sglang' is not an engine"),
+    ],
+)
 def test_invalid_configuration_is_rejected_with_value_and_fix(field, value, message) -> None:
     kw = {"kind": EngineKind.VLLM, field: value}
     with pytest.raises(ValueError, match=message):
@@ -121,10 +142,16 @@ def test_invalid_configuration_is_rejected_with_value_and_fix(field, value, mess
 
 def test_make_engine_builds_the_vllm_engine_without_importing_vllm(tmp_path: Path) -> None:
     assert isinstance(make_engine(_cfg(), log_dir=tmp_path), VllmEngine)
-    code = ("import sys; from rollout.engine import make_engine, EngineConfig; "
-            "from pathlib import Path; "
-            "make_engine(EngineConfig(kind='vllm'), log_dir=Path('.')); "
-            "import rollout.vllm_engine, rollout.client; "
-            "assert 'vllm' not in sys.modules and 'torch' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path,
-                   env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    code = (
+        "import sys; from rollout.engine import make_engine, EngineConfig; "
+        "from pathlib import Path; "
+        "make_engine(EngineConfig(kind='vllm'), log_dir=Path('.')); "
+        "import rollout.vllm_engine, rollout.client; "
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )

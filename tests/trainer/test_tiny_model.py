@@ -95,5 +95,7 @@ def test_files_are_not_group_or_world_writable_and_config_names_llama(model_dir:
 
 
 def test_spec_rejects_a_head_count_that_does_not_divide_the_width() -> None:
-    with pytest.raises(ValueError, match="hidden_size=100 is not divisible by num_attention_heads=3"):
+    with pytest.raises(
+        ValueError, match="hidden_size=100 is not divisible by num_attention_heads=3"
+    ):
         TinyModelSpec(hidden_size=100, num_attention_heads=3)

@@ -1,0 +1,378 @@
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.aggregate import (
+    AggregateMetrics,
+    AggregationError,
+    TrainBatch,
+    TrainBatchError,
+    aggregate_iteration,
+    load_train_batch,
+    merge_eval_metrics,
+    save_train_batch,
+)
+from rollout.manifest import MANIFEST_NAME, ChunkEntry, RankManifest, chunk_file_name
+from rollout.sharding import ShardPlan
+from rollout.trajectory import FinishReason, RankCheckpointWriter, TrajectorySample, encode_chunk
+
+
+def make_group(
+    task_id: str, n: int = 2, *, failed: Sequence[int] = (), rewards: Sequence[float] = ()
+) -> list[TrajectorySample]:
+    out = []
+    for i in range(n):
+        bad = i in failed
+        length = 2 + i
+        out.append(
+            TrajectorySample(
+                task_id=task_id,
+                sample_index=i,
+                prompt_token_ids=[11, 12, 13 + i],
+                response_token_ids=[] if bad else [200 + i] * length,
+                response_logprobs=[] if bad else [-0.25 * (i + 1)] * length,
+                response_text="" if bad else "text",
+                reward=0.0 if bad else (rewards[i] if rewards else 1.0),
+                finish_reason=FinishReason.ERROR if bad else FinishReason.LENGTH,
+                failed=bad,
+                error="timeout" if bad else "",
+            )
+        )
+    return out
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_ranks(
+    root: Path,
+    plan: ShardPlan,
+    *,
+    group_size: int = 2,
+    seconds: float = 2.0,
+    skip: Sequence[str] = (),
+) -> dict[int, Path]:
+    dirs = {}
+    for rank, task_ids in plan.as_mapping().items():
+        clock = FakeClock()
+        dirs[rank] = root / f"rank-{rank}"
+        writer = RankCheckpointWriter(dirs[rank], rank, 2, iteration=plan.iteration, clock=clock)
+        for task_id in task_ids:
+            if task_id not in skip:
+                writer.add_group(make_group(task_id, group_size))
+        clock.now = seconds
+        writer.finalize()
+    return dirs
+
+
+def write_raw_rank(
+    directory: Path,
+    rank: int,
+    chunks: list[list[list[TrajectorySample]]],
+    *,
+    iteration: int = 0,
+    complete: bool = True,
+) -> None:
+    """A rank directory written by hand, to plant outputs the writer would refuse."""
+    directory.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for index, groups in enumerate(chunks):
+        buffer = io.BytesIO()
+        torch.save(encode_chunk(groups, rank=rank, iteration=iteration), buffer)
+        data = buffer.getvalue()
+        (directory / chunk_file_name(index)).write_bytes(data)
+        entries.append(
+            ChunkEntry(
+                file=chunk_file_name(index),
+                sha256=hashlib.sha256(data).hexdigest(),
+                size=len(data),
+                num_samples=sum(len(g) for g in groups),
+                task_ids=tuple(g[0].task_id for g in groups),
+            )
+        )
+    manifest = RankManifest(
+        rank=rank,
+        iteration=iteration,
+        complete=complete,
+        rollout_seconds=1.0,
+        chunks=tuple(entries),
+    )
+    (directory / MANIFEST_NAME).write_text(manifest.to_json())
+
+
+def ids(n: int) -> list[str]:
+    return [f"gsm8k/train/{i}" for i in range(n)]
+
+
+def test_aggregation_publishes_a_batch_matching_the_rollouts_and_reports_metrics(
+    tmp_path: Path,
+) -> None:
+    plan = ShardPlan.build(ids(9), [2.0, 1.0], seed=1, iteration=3)
+    dirs = run_ranks(tmp_path, plan, group_size=2, seconds=4.0)
+    out = tmp_path / "batch.pt"
+    metrics = aggregate_iteration(dirs, plan.as_mapping(), iteration=3, group_size=2, out_path=out)
+    batch = load_train_batch(out)
+    assert batch.iteration == 3 and batch.group_size == 2
+    assert batch.num_samples == 18 and batch.num_groups == 9
+    assert sorted(set(batch.task_ids)) == sorted(ids(9))
+    assert batch.group_index.tolist() == [g for g in range(9) for _ in range(2)]
+    first = batch.task_ids.index("gsm8k/train/4")
+    assert batch.prompt_ids[first : first + 2] == [[11, 12, 13], [11, 12, 14]]
+    assert batch.response_ids[first + 1] == [201, 201, 201]
+    assert batch.old_logprobs[first + 1] == [-0.5, -0.5, -0.5]
+    assert batch.rewards.tolist() == [1.0] * 18
+    assert metrics.num_samples == 18 and metrics.num_failed == 0 and metrics.num_tasks == 9
+    assert metrics.reward_mean == 1.0 and metrics.reward_std == 0.0 and metrics.accuracy == 1.0
+    assert metrics.response_length_mean == 2.5 and metrics.response_length_max == 3
+    assert metrics.samples_per_second == {0: 12 / 4.0, 1: 6 / 4.0}
+    assert json.loads(metrics.to_json())["samples_per_second"] == {"0": 3.0, "1": 1.5}
+
+
+def test_failed_samples_are_left_out_and_groups_with_fewer_than_two_left_are_dropped(
+    tmp_path: Path,
+) -> None:
+    groups = [
+        make_group("a", 3, rewards=[1.0, 0.0, 0.5]),
+        make_group("b", 3, failed=[1]),  # 2 remain: kept
+        make_group("c", 3, failed=[0, 2]),  # 1 remains: dropped
+    ]
+    write_raw_rank(tmp_path / "r0", 0, [groups])
+    out = tmp_path / "batch.pt"
+    metrics = aggregate_iteration(
+        {0: tmp_path / "r0"}, {0: ["a", "b", "c"]}, iteration=0, group_size=3, out_path=out
+    )
+    batch = load_train_batch(out)
+    assert batch.task_ids == ["a", "a", "a", "b", "b"]
+    assert batch.group_index.tolist() == [0, 0, 0, 1, 1]
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.5, 1.0, 1.0]
+    assert metrics.num_failed == 3 and metrics.num_train_samples == 5
+    assert metrics.num_dropped_groups == 1
+    good = [1.0, 0.0, 0.5, 1.0, 1.0, 1.0]  # c's surviving sample still counts in metrics
+    assert metrics.reward_mean == pytest.approx(sum(good) / 6)
+    mean = sum(good) / 6
+    assert metrics.reward_std == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in good) / 6))
+    assert metrics.accuracy == pytest.approx(4 / 6)
+
+
+def test_incomplete_output_is_refused_naming_the_rank_and_the_missing_ids(tmp_path: Path) -> None:
+    plan = ShardPlan.build(ids(40), [1, 1], seed=0, iteration=0)
+    lost = list(plan.tasks_for(1)[:12])
+    dirs = run_ranks(tmp_path, plan, skip=lost)
+    with pytest.raises(AggregationError) as info:
+        aggregate_iteration(
+            dirs, plan.as_mapping(), iteration=0, group_size=2, out_path=tmp_path / "b.pt"
+        )
+    message = str(info.value)
+    assert message.startswith("rank 1 output")
+    assert "missing task ids: 12 (first 10: " in message
+    assert sorted(lost)[0] in message and sorted(lost)[-1] not in message
+    assert info.value.rank == 1 and info.value.missing == tuple(sorted(lost))
+    assert not (tmp_path / "b.pt").exists()
+
+
+def test_a_rank_without_a_manifest_is_missing_everything(tmp_path: Path) -> None:
+    (tmp_path / "r1").mkdir()
+    with pytest.raises(AggregationError, match=r"rank 1 left no manifest .* missing: 2 \("):
+        merge_eval_metrics({1: tmp_path / "r1"}, {1: ["x", "y"]}, iteration=0, group_size=2)
+
+
+def test_duplicated_ids_are_refused_naming_the_rank_and_the_ids(tmp_path: Path) -> None:
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a"), make_group("b")], [make_group("a")]])
+    with pytest.raises(AggregationError, match=r"rank 0 .*duplicated task ids: 1 \(first 1: a\)"):
+        aggregate_iteration(
+            {0: tmp_path / "r0"},
+            {0: ["a", "b"]},
+            iteration=0,
+            group_size=2,
+            out_path=tmp_path / "b",
+        )
+
+
+def test_ids_foreign_to_the_rank_are_refused(tmp_path: Path) -> None:
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a"), make_group("b")]])
+    write_raw_rank(tmp_path / "r1", 1, [[make_group("c")]])
+    with pytest.raises(AggregationError, match=r"rank 0 .*foreign task ids: 1 \(first 1: b\)"):
+        merge_eval_metrics(
+            {0: tmp_path / "r0", 1: tmp_path / "r1"},
+            {0: ["a"], 1: ["b", "c"]},
+            iteration=0,
+            group_size=2,
+        )
+
+
+def test_an_unfinalized_rank_is_refused(tmp_path: Path) -> None:
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a")]], complete=False)
+    with pytest.raises(AggregationError, match=r"rank 0 manifest .* not marked complete"):
+        merge_eval_metrics({0: tmp_path / "r0"}, {0: ["a"]}, iteration=0, group_size=2)
+
+
+def test_a_manifest_from_another_iteration_is_refused(tmp_path: Path) -> None:
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a")]], iteration=4)
+    with pytest.raises(AggregationError, match="rank 0 iteration 4, expected rank 0 iteration 5"):
+        merge_eval_metrics({0: tmp_path / "r0"}, {0: ["a"]}, iteration=5, group_size=2)
+
+
+def test_a_group_with_the_wrong_number_of_samples_is_refused(tmp_path: Path) -> None:
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a", 4), make_group("b", 3)]])
+    with pytest.raises(AggregationError, match=r"without exactly 4 samples: 1 \(first 1: b\)"):
+        merge_eval_metrics({0: tmp_path / "r0"}, {0: ["a", "b"]}, iteration=0, group_size=4)
+
+
+def test_a_chunk_altered_after_its_manifest_is_refused_by_checksum(tmp_path: Path) -> None:
+    plan = ShardPlan.build(ids(6), [1, 1], seed=0, iteration=0)
+    dirs = run_ranks(tmp_path, plan)
+    victim = dirs[1] / "chunk-000001.pt"
+    data = bytearray(victim.read_bytes())
+    data[-30] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(AggregationError, match=r"rank 1: chunk .*chunk-000001\.pt has SHA-256"):
+        aggregate_iteration(
+            dirs, plan.as_mapping(), iteration=0, group_size=2, out_path=tmp_path / "b.pt"
+        )
+
+
+class PlantedPayload:
+    """Unpickling this opens (creates) the marker file: code run by torch.load."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.marker, "w"))
+
+
+def plant_hostile_chunk(directory: Path, marker: Path) -> Path:
+    """Replace chunk 0 with one carrying a code-running object; fix the manifest to match."""
+    payload = encode_chunk([make_group("a")], rank=0, iteration=0)
+    payload["errors"] = [PlantedPayload(marker), ""]
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    path = directory / "chunk-000000.pt"
+    path.write_bytes(data)
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    manifest["chunks"][0].update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return path
+
+
+def test_a_chunk_that_would_run_code_is_refused_even_with_a_matching_checksum(
+    tmp_path: Path,
+) -> None:
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a")]])
+    marker = tmp_path / "code-ran"
+    planted = plant_hostile_chunk(tmp_path / "r0", marker)
+    with pytest.raises(
+        AggregationError, match=r"rank 0: chunk .* refused by torch.load\(weights_only=True\)"
+    ):
+        aggregate_iteration(
+            {0: tmp_path / "r0"}, {0: ["a"]}, iteration=0, group_size=2, out_path=tmp_path / "b"
+        )
+    assert not marker.exists()
+    # The planted file really is hostile: an unguarded load runs its code.
+    torch.load(planted, weights_only=False)
+    assert marker.exists()
+
+
+def test_loading_a_hostile_train_batch_is_refused_without_running_code(tmp_path: Path) -> None:
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "batch.pt"
+    torch.save({"schema": "coordinator/train-batch", "x": PlantedPayload(marker)}, path)
+    with pytest.raises(TrainBatchError, match=r"batch\.pt was refused by torch.load"):
+        load_train_batch(path)
+    assert not marker.exists()
+
+
+def valid_batch(**change: object) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "iteration": 2,
+        "group_size": 2,
+        "task_ids": ["a", "a", "b", "b"],
+        "group_index": torch.tensor([0, 0, 1, 1]),
+        "prompt_ids": [[1], [1], [2], [2]],
+        "response_ids": [[5, 6], [7], [], [8]],
+        "old_logprobs": [[-1.0, -2.0], [-0.5], [], [-0.1]],
+        "rewards": torch.tensor([1.0, 0.0, 0.0, 1.0]),
+    }
+    fields.update(change)
+    return fields
+
+
+def test_train_batches_round_trip_through_the_exact_schema(tmp_path: Path) -> None:
+    batch = TrainBatch(**valid_batch())  # type: ignore[arg-type]
+    save_train_batch(tmp_path / "b.pt", batch)
+    raw = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert set(raw) == {
+        "schema", "version", "iteration", "group_size", "task_ids", "group_index",
+        "prompt_ids", "response_ids", "old_logprobs", "rewards",
+    }  # fmt: skip
+    assert (raw["schema"], raw["version"]) == ("coordinator/train-batch", 1)
+    loaded = load_train_batch(tmp_path / "b.pt")
+    assert loaded.task_ids == batch.task_ids and loaded.old_logprobs == batch.old_logprobs
+    assert torch.equal(loaded.rewards, batch.rewards)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rewards": torch.tensor([1.0, 0.0, 0.0])}, "rewards must be a torch.float32 tensor"),
+        ({"group_index": torch.tensor([0, 0, 2, 2])}, "count groups contiguously"),
+        ({"old_logprobs": [[-1.0], [-0.5], [], [-0.1]]}, r"old_logprobs\[0\] must hold one float"),
+        ({"prompt_ids": [[1], [1.5], [2], [2]]}, r"prompt_ids\[1\] must be a non-empty list"),
+        ({"task_ids": ["a", "b", "b", "b"]}, "group 0 must be the samples of one task"),
+        ({"group_index": torch.tensor([0, 1, 1, 1])}, r"every group must hold 2\.\.2 samples"),
+        ({"group_size": 0}, "group_size=0 is not a valid integer"),
+    ],
+)
+def test_train_batches_violating_the_schema_are_refused(change: dict, message: str) -> None:
+    with pytest.raises(TrainBatchError, match=message):
+        TrainBatch(**valid_batch(**change))  # type: ignore[arg-type]
+
+
+def test_a_train_batch_file_with_another_schema_version_is_refused(tmp_path: Path) -> None:
+    payload = TrainBatch(**valid_batch()).to_payload()  # type: ignore[arg-type]
+    payload["version"] = 2
+    torch.save(payload, tmp_path / "b.pt")
+    with pytest.raises(TrainBatchError, match="version 2: expected 'coordinator/train-batch'"):
+        load_train_batch(tmp_path / "b.pt")
+
+
+def test_eval_merging_reports_metrics_without_writing_a_batch(tmp_path: Path) -> None:
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a", 2, rewards=[1.0, 0.0])]])
+    write_raw_rank(tmp_path / "r1", 1, [[make_group("b", 2, failed=[0, 1])]])
+    metrics = merge_eval_metrics(
+        {0: tmp_path / "r0", 1: tmp_path / "r1"}, {0: ["a"], 1: ["b"]}, iteration=0, group_size=2
+    )
+    assert isinstance(metrics, AggregateMetrics)
+    assert (metrics.num_samples, metrics.num_failed, metrics.accuracy) == (4, 2, 0.5)
+    assert metrics.num_train_samples == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r0", "r1"]
+
+
+def test_metrics_are_none_when_every_sample_failed(tmp_path: Path) -> None:
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a", 2, failed=[0, 1])]])
+    out = tmp_path / "b.pt"
+    metrics = aggregate_iteration(
+        {0: tmp_path / "r0"}, {0: ["a"]}, iteration=0, group_size=2, out_path=out
+    )
+    assert metrics.reward_mean is None and metrics.accuracy is None
+    assert json.loads(metrics.to_json())["reward_mean"] is None
+    assert load_train_batch(out).num_samples == 0
+
+
+def test_mismatched_rank_sets_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(AggregationError, match=r"ranks \[0\] but assignments for ranks \[0, 1\]"):
+        merge_eval_metrics({0: tmp_path}, {0: ["a"], 1: ["b"]}, iteration=0, group_size=2)

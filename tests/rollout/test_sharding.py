@@ -1,0 +1,159 @@
+from __future__ import annotations
+
+import json
+import math
+import random
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout.errors import MalformedRecordError, ShardingError
+from rollout.sharding import (
+    MIN_RELATIVE_WEIGHT,
+    ShardPlan,
+    apportion,
+    shard_tasks,
+    throughput_weights,
+)
+
+weights_strategy = st.lists(
+    st.one_of(
+        st.just(0.0),
+        st.floats(min_value=1e-9, max_value=1e9, allow_nan=False, allow_infinity=False),
+        st.integers(min_value=1, max_value=10),
+    ),
+    min_size=1,
+    max_size=9,
+).filter(lambda ws: sum(ws) > 0)
+
+
+def ids(n: int) -> list[str]:
+    return [f"src/train/{i}" for i in range(n)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(weights=weights_strategy, total=st.integers(0, 400), seed=st.integers(0, 2**32))
+def test_every_task_is_placed_once_and_every_share_is_within_one_of_exact(
+    weights: list[float], total: int, seed: int
+) -> None:
+    tasks = ids(total)
+    shards = shard_tasks(tasks, weights, seed=seed, iteration=3)
+    assert len(shards) == len(weights)
+    placed = [t for shard in shards for t in shard]
+    assert sorted(placed) == sorted(tasks)
+    weight_sum = sum(Fraction(w) for w in weights)
+    for shard, w in zip(shards, weights, strict=True):
+        exact = total * Fraction(w) / weight_sum
+        assert abs(len(shard) - exact) < 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(weights=weights_strategy, total=st.integers(0, 200), seed=st.integers(0, 10**6))
+def test_same_inputs_give_the_same_shards_whatever_the_input_order(
+    weights: list[float], total: int, seed: int
+) -> None:
+    tasks = ids(total)
+    shuffled = tasks[:]
+    random.Random(seed).shuffle(shuffled)
+    first = shard_tasks(tasks, weights, seed=seed, iteration=5)
+    assert shard_tasks(tasks, weights, seed=seed, iteration=5) == first
+    assert shard_tasks(shuffled, weights, seed=seed, iteration=5) == first
+
+
+def test_iteration_and_seed_change_the_permutation() -> None:
+    tasks = ids(50)
+    base = shard_tasks(tasks, [1, 1], seed=0, iteration=0)
+    assert shard_tasks(tasks, [1, 1], seed=0, iteration=1) != base
+    assert shard_tasks(tasks, [1, 1], seed=1, iteration=0) != base
+
+
+def test_apportionment_gives_leftovers_to_the_largest_remainders() -> None:
+    assert apportion(10, [1, 1, 1]) == [4, 3, 3]
+    assert apportion(7, [3, 1]) == [5, 2]  # quotas 5.25, 1.75
+    assert apportion(5, [0, 2]) == [0, 5]
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ([1, -1], r"weight of rank 1 is -1, below 0: use 0 to give a rank no tasks"),
+        ([0, 0], r"sum to 0: at least one rank needs a positive weight"),
+        ([1, math.nan], r"weight of rank 1 is nan: weights must be finite"),
+        ([math.inf], r"weight of rank 0 is inf: weights must be finite"),
+        ([], r"no rank weights given"),
+        ([1, "2"], r"weight of rank 1 is '2': give a number"),
+    ],
+)
+def test_bad_weights_are_refused_naming_the_value_and_the_fix(
+    weights: list[float], message: str
+) -> None:
+    with pytest.raises(ShardingError, match=message):
+        shard_tasks(ids(4), weights, seed=0, iteration=0)
+
+
+def test_repeated_task_ids_are_refused() -> None:
+    with pytest.raises(ShardingError, match=r"1 task ids repeat \(first: \['a'\]\)"):
+        shard_tasks(["a", "b", "a"], [1], seed=0, iteration=0)
+
+
+def test_shard_plan_round_trips_through_versioned_json() -> None:
+    plan = ShardPlan.build(ids(11), [2.0, 1.0, 0.5], seed=9, iteration=4)
+    text = plan.to_json()
+    data = json.loads(text)
+    assert data["schema"] == "coordinator/shard-plan" and data["version"] == 1
+    assert ShardPlan.from_json(text) == plan
+    assert plan.as_mapping()[1] == plan.tasks_for(1)
+    data["added_by_a_newer_writer"] = True  # unknown fields are ignored
+    assert ShardPlan.from_json(json.dumps(data)) == plan
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"version": 2}, r"version 2: expected 'coordinator/shard-plan' version 1"),
+        ({"schema": "other"}, r"schema 'other'"),
+        ({"iteration": "4"}, r"iteration='4' is not an integer"),
+        ({"weights": [1.0]}, r"1 weights but 3 assignments"),
+        ({"assignments": [["a"], ["a"], []]}, r"assigns a task id twice"),
+        ({"assignments": "x"}, r"'assignments' must be a list of lists"),
+    ],
+)
+def test_malformed_shard_plans_are_refused_with_the_source_named(
+    change: dict, message: str
+) -> None:
+    data = json.loads(ShardPlan.build(ids(5), [1, 1, 1], seed=0, iteration=4).to_json())
+    data.update(change)
+    with pytest.raises(MalformedRecordError, match=f"plan.json.*{message}"):
+        ShardPlan.from_json(json.dumps(data), source="plan.json")
+
+
+def test_invalid_json_is_a_malformed_plan() -> None:
+    with pytest.raises(MalformedRecordError, match="not valid JSON"):
+        ShardPlan.from_json("{", source="plan.json")
+
+
+def test_throughput_weights_are_equal_without_measurements() -> None:
+    assert throughput_weights({}, 3) == [1.0, 1.0, 1.0]
+    assert throughput_weights({0: math.nan, 1: 0.0}, 2) == [1.0, 1.0]
+
+
+def test_throughput_weights_follow_measured_speed_and_fill_gaps_with_the_mean() -> None:
+    weights = throughput_weights({0: 30.0, 1: 10.0}, 3)
+    assert weights[0] == pytest.approx(3 * weights[1])
+    assert weights[2] == pytest.approx(2 * weights[1])  # mean of 30 and 10
+    assert sum(weights) == pytest.approx(3)
+
+
+def test_a_very_slow_rank_keeps_a_nonzero_share() -> None:
+    weights = throughput_weights({0: 1000.0, 1: 0.001}, 2)
+    assert weights[1] == pytest.approx(MIN_RELATIVE_WEIGHT * weights[0])
+    assert len(shard_tasks(ids(100), weights, seed=0, iteration=0)[1]) >= 4
+
+
+def test_throughput_of_an_unknown_rank_is_refused() -> None:
+    with pytest.raises(ShardingError, match=r"rank 5, outside ranks 0\.\.1"):
+        throughput_weights({5: 1.0}, 2)
+    with pytest.raises(ShardingError, match="num_ranks=0 is below 1"):
+        throughput_weights({}, 0)
