@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator import layout
+from coordinator import fsio, layout
 from coordinator.errors import MalformedRecordError, PhaseFailedError
 from coordinator.liveness import HeartbeatPublisher, Monitor, abort_error, describe_phase
 from coordinator.polling import Backoff, Clock, Wait, Waker
@@ -204,7 +204,8 @@ class Barrier:
             on_progress=lambda t: self.heartbeat.update(waiting_for=t), logger=log,
         )
         self.last_wait = wait
-        return wait.until(probe)
+        with fsio.STATS.tagged("poll"):
+            return wait.until(probe)
 
     def _announced(self, hb: Heartbeat | None, rank: int, field: str, at: tuple[int, int]) -> bool:
         if hb is None or hb.token != self.m.members[rank]:

@@ -277,6 +277,71 @@ def recover(
     typer.echo(recover_mod.describe(plan, dry_run=dry_run))
 
 
+@app.command("init-model")
+def init_model(
+    out: Annotated[Path, typer.Option(help="Directory to create (must not exist).")],
+    seed: Annotated[int, typer.Option(help="Weights seed.")] = 0,
+    warmstart_steps: Annotated[int, typer.Option(help="Supervised warm-up steps on the built-in task (0: none).")] = 150,
+) -> None:
+    """Create the tiny demo model (Hugging Face format, safetensors, tokenizer) locally."""
+    from trainer.launch import init_model as build
+
+    setup_logging(False)
+    if out.exists():
+        raise fail_usage(f"--out {out} already exists: give a new directory")
+    if warmstart_steps < 0:
+        raise fail_usage(f"--warmstart-steps {warmstart_steps} is negative: use 0 to skip it")
+    report = build(out, seed=seed, warmstart_steps=warmstart_steps)
+    typer.echo(f"tiny model written to {out}" + (f"; warm start: {report}" if report else ""))
+
+
+@app.command()
+def demo(
+    log_path: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/demo-<time>).")] = None,
+    nodes: Annotated[int, typer.Option(help="Simulated nodes (daemons) on this machine.")] = 3,
+    iterations: Annotated[int, typer.Option(help="RL iterations.")] = 8,
+    eval_interval: Annotated[int, typer.Option(help="Evaluate every K-th iteration.")] = 2,
+    extra: Annotated[list[str], typer.Option("--set", help="Extra config: section.key=value.")] = [],  # noqa: B006
+) -> None:
+    """Run the whole loop on simulated nodes of this machine with the tiny local model."""
+    import time as _time
+
+    from coordinator import demo as demo_mod
+    from trainer.launch import init_model as build
+
+    setup_logging(False)
+    if nodes < 1:
+        raise fail_usage(f"--nodes {nodes} is below 1: give the number of simulated nodes, e.g. 3")
+    if iterations < 1:
+        raise fail_usage(f"--iterations {iterations} is below 1")
+    path = (log_path or Path("runs") / f"demo-{_time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    model = path / "model-init"
+    if not (model / "manifest.json").exists():
+        typer.echo(f"building the tiny model in {model} (random init + short warm start)...")
+        report = build(model, seed=0, warmstart_steps=150)
+        typer.echo(f"  done: {report}")
+    extra_args = [a for item in extra for a in ("--set", item)]
+    typer.echo(f"starting {nodes} nodes; run directory {path}")
+    result = demo_mod.run_demo(log_path=path, nodes=nodes, iterations=iterations,
+                               eval_interval=eval_interval, model=model, extra_args=extra_args)
+    typer.echo(demo_mod.render_table(result.rows))
+    gain = demo_mod.improvement(result.rows)
+    if gain is not None:
+        first, last = gain
+        ratio = f"{last / first:.2f}x" if first > 0 else "n/a"
+        typer.echo(f"mean reward: first 2 iterations {first:.3f}, last 2 {last:.3f} ({ratio})")
+    if result.png:
+        typer.echo(f"reward curve: {result.png}")
+    typer.echo(f"{nodes} nodes, {iterations} iterations in {result.seconds:.0f} s")
+    if not result.ok:
+        for rank, code in sorted(result.codes.items()):
+            if code != 0:
+                typer.echo(f"node {rank} exited {code}; see {path}/demo-logs/rank-{rank}.log",
+                           err=True)
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -136,6 +136,20 @@ class Daemon:
             return ExitCode.INTERNAL
         finally:
             self.runtime.finished.set()
+            self._dump_fs_stats()
+
+    def _dump_fs_stats(self) -> None:
+        """Benchmarks set COORDINATOR_FS_STATS to a directory to get our operation counts."""
+        target = os.environ.get("COORDINATOR_FS_STATS")
+        if not target:
+            return
+        from coordinator import fsio
+
+        counts = {tag: dict(fsio.STATS.snapshot(tag))
+                  for tag in ("poll", "heartbeat", "monitor", "other")}
+        path = Path(target) / f"rank-{self.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"rank": self.rank, "counts": counts}))
 
     def _start(self) -> None:
         run_id, generation = self.manifest.run_id, self.manifest.generation
@@ -310,6 +324,7 @@ class Daemon:
         wait_started = time.monotonic()
         arrival = self.barrier.arrive(iteration, phase, status=status, error=error, done=done,
                                       payload=payload)
+        arrived_at = time.time()
         if not self.is_master:
             if status is ArrivalStatus.FAILED:
                 raise PhaseFailedError(
@@ -331,8 +346,11 @@ class Daemon:
             release = self.barrier.release(iteration, phase, extra)
         releases[int(phase)] = release.payload
         polls = self.barrier.last_wait.polls if self.barrier.last_wait else 0
+        # Wall times let a benchmark on one machine compute release latency
+        # (last arrival to last release) across ranks.
         return {"action_s": wait_started - action_started,
-                "wait_s": time.monotonic() - wait_started, "polls": float(polls)}
+                "wait_s": time.monotonic() - wait_started, "polls": float(polls),
+                "arrived_at": arrived_at, "released_at": time.time()}
 
     def _decide(self, iteration: int, phase: Phase, ctx: StepContext,
                 arrivals: Mapping[int, Any]) -> dict[str, Any]:

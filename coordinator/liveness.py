@@ -274,6 +274,7 @@ class Monitor:
             if self.runtime.failure is not None:
                 return
             try:
-                self.sweep()
+                with fsio.STATS.tagged("monitor"):
+                    self.sweep()
             except Exception as exc:  # a bad read must not kill the watcher
                 log.warning("heartbeat sweep failed (will retry): %s", exc)

@@ -65,23 +65,25 @@ class Waker:
         self._interest: frozenset[str] = frozenset()
         self._observer = None
         try:
-            from watchdog.events import FileSystemEventHandler
+            from watchdog.events import FileMovedEvent, FileSystemEventHandler
             from watchdog.observers import Observer
 
             waker = self
 
             class _Handler(FileSystemEventHandler):
-                def on_any_event(self, event) -> None:  # type: ignore[no-untyped-def]
-                    for attr in ("dest_path", "src_path"):
-                        path = getattr(event, attr, None)
-                        if path and str(path) in waker._interest:
-                            waker.event.set()
-                            return
+                def on_moved(self, event) -> None:  # type: ignore[no-untyped-def]
+                    if str(event.dest_path) in waker._interest:
+                        waker.event.set()
 
             root.mkdir(parents=True, exist_ok=True)
             observer = Observer()
             observer.daemon = True
-            observer.schedule(_Handler(), str(root), recursive=True)
+            # Records are published by rename, so a rename onto a watched name
+            # is the only event that matters.  Opens and reads must not wake
+            # anyone: every waiter reads the watched files, and waking on
+            # reads turns polling into a storm.
+            observer.schedule(_Handler(), str(root), recursive=True,
+                              event_filter=[FileMovedEvent])
             observer.start()
             self._observer = observer
         except Exception as exc:  # no inotify (limits, exotic fs): polling still works

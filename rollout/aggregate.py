@@ -1,24 +1,31 @@
 """Master-side aggregation of one iteration's rollouts into a training batch.
 
-    for each rank (one at a time):
+    pass 1, for each rank (one at a time):
         manifest.json --rank/iteration fence, id check against the plan-->
             assigned ids each present exactly once, none foreign, finalized
-        each chunk --SHA-256 of the bytes read--> torch.load(weights_only=True)
+        each chunk --SHA-256 of the bytes read--> torch.load(weights_only=True, mmap)
             --> every group exactly group_size samples, indices 0..n-1
-        --> metrics accumulated, kept samples appended, chunk released
+        --> metrics accumulated; which samples to keep decided from the
+            per-sample tensors; the chunk's token tensors kept, still mapped
+    lay out the batch file (per-sample arrays now, token arrays reserved)
+    pass 2, for each kept chunk: its kept token ranges written in place, the
+        chunk unmapped
     --> train batch published atomically; metrics returned
 
 Nothing is trusted before it is checked: a rank whose output is incomplete,
 duplicated, foreign, altered or not loadable as plain tensors stops the
-aggregation with an AggregationError naming the rank and the ids.  Chunks are
-read one at a time, so besides the growing batch, memory holds one file.
+aggregation with an AggregationError naming the rank and the ids, before any
+batch is published.  Pass 1 touches only the small per-sample tensors of the
+mapped chunks, so token data is read into memory once, in pass 2, one chunk at
+a time: the master's memory stays near one chunk file however big the batch.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +37,7 @@ from rollout.manifest import RankManifest, read_manifest
 from rollout.train_batch import (
     TrainBatch,
     TrainBatchError,
+    TrainBatchWriter,
     load_train_batch,
     min_group_samples,
     save_train_batch,
@@ -46,6 +54,8 @@ __all__ = [
     "merge_eval_metrics",
     "save_train_batch",
 ]
+
+logger = logging.getLogger(__name__)
 
 _SHOWN_IDS = 10  # ids quoted in an error; the count says how many more
 
@@ -84,8 +94,36 @@ class AggregateMetrics:
         return json.dumps(data, allow_nan=False, sort_keys=True)
 
 
+@dataclass(frozen=True, eq=False)
+class _KeptTokens:
+    """A verified chunk's token tensors (still file-mapped) and the sample runs to keep."""
+
+    prompt_tokens: torch.Tensor
+    prompt_offsets: torch.Tensor
+    response_tokens: torch.Tensor
+    response_offsets: torch.Tensor
+    response_logprobs: torch.Tensor
+    runs: tuple[tuple[int, int], ...]  # [first, end) sample ranges, in order
+    rank: int
+    path: Path
+
+
+def _runs(keep: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The [first, end) ranges where keep is True: one per stretch between dropped samples."""
+    padded = torch.zeros(keep.numel() + 2, dtype=torch.int8)
+    padded[1:-1] = keep.to(torch.int8)
+    edges = padded.diff()
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    ends = torch.nonzero(edges == -1).flatten().tolist()
+    return tuple(zip(starts, ends, strict=True))
+
+
 class _Accumulator:
-    """Running sums over chunks; float64 so thousands of chunks do not drift."""
+    """Running sums over chunks; float64 so thousands of chunks do not drift.
+
+    With `collect`, also the batch's per-sample arrays (small) and, per chunk
+    with survivors, its mapped token tensors for pass 2.
+    """
 
     def __init__(self, group_size: int, collect: bool) -> None:
         self.group_size = group_size
@@ -94,14 +132,15 @@ class _Accumulator:
         self.reward_sum = self.reward_sq = 0.0
         self.length_sum = 0
         self.length_max: int | None = None
-        self.task_ids: list[str] = []
-        self.group_index: list[int] = []
-        self.prompt_ids: list[list[int]] = []
-        self.response_ids: list[list[int]] = []
-        self.old_logprobs: list[list[float]] = []
-        self.rewards: list[float] = []
+        self.kept_samples = 0
+        self.group_task_ids: list[str] = []
+        self.group_index: list[torch.Tensor] = []
+        self.prompt_lengths: list[torch.Tensor] = []
+        self.response_lengths: list[torch.Tensor] = []
+        self.rewards: list[torch.Tensor] = []
+        self.tokens: deque[_KeptTokens] = deque()
 
-    def add(self, chunk: Chunk) -> None:
+    def add(self, chunk: Chunk, *, rank: int, path: Path) -> None:
         t = chunk.tensors
         ok = ~t["failed"]
         rewards = t["rewards"].double()[ok]
@@ -116,30 +155,80 @@ class _Accumulator:
             self.length_sum += int(lengths.sum())
             self.length_max = max(self.length_max or 0, int(lengths.max()))
         if self.collect:
-            self._collect(chunk, ok)
+            self._collect(chunk, ok, rank=rank, path=path)
 
-    def _collect(self, chunk: Chunk, ok: torch.Tensor) -> None:
+    def _collect(self, chunk: Chunk, ok: torch.Tensor, *, rank: int, path: Path) -> None:
         t = chunk.tensors
-        survivors = torch.bincount(t["sample_group"][ok], minlength=len(chunk.task_ids))
+        group = t["sample_group"]
+        survivors = torch.bincount(group[ok], minlength=len(chunk.task_ids))
         kept_groups = survivors >= min_group_samples(self.group_size)
         self.dropped += int((~kept_groups).sum())
-        keep = ok & kept_groups[t["sample_group"]]
-        # One tolist() per tensor, then list slicing: per-element tensor
-        # indexing would cost a Python call per token.
-        prompt, response = t["prompt_tokens"].tolist(), t["response_tokens"].tolist()
-        logprobs = t["response_logprobs"].tolist()
-        po, ro = t["prompt_offsets"].tolist(), t["response_offsets"].tolist()
-        groups, rewards = t["sample_group"].tolist(), t["rewards"].tolist()
-        base = self.group_index[-1] + 1 if self.group_index else 0
-        renumber: dict[int, int] = {}  # chunk group -> batch group, in order of first use
-        for s in torch.nonzero(keep).flatten().tolist():
-            batch_group = renumber.setdefault(groups[s], base + len(renumber))
-            self.task_ids.append(chunk.task_ids[groups[s]])
-            self.group_index.append(batch_group)
-            self.prompt_ids.append(prompt[po[s] : po[s + 1]])
-            self.response_ids.append(response[ro[s] : ro[s + 1]])
-            self.old_logprobs.append(logprobs[ro[s] : ro[s + 1]])
-            self.rewards.append(rewards[s])
+        keep = ok & kept_groups[group]
+        if not bool(keep.any()):
+            return
+        # Chunk groups are sorted, so numbering the kept ones in order keeps
+        # the batch's groups contiguous and in chunk order.
+        batch_group = kept_groups.cumsum(0) - 1 + len(self.group_task_ids)
+        self.group_index.append(batch_group[group[keep]])
+        self.group_task_ids.extend(
+            chunk.task_ids[g] for g in torch.nonzero(kept_groups).flatten().tolist()
+        )
+        self.prompt_lengths.append(t["prompt_offsets"].diff()[keep])
+        self.response_lengths.append(t["response_offsets"].diff()[keep])
+        self.rewards.append(t["rewards"][keep])
+        self.kept_samples += int(keep.sum())
+        self.tokens.append(
+            _KeptTokens(
+                prompt_tokens=t["prompt_tokens"],
+                prompt_offsets=t["prompt_offsets"],
+                response_tokens=t["response_tokens"],
+                response_offsets=t["response_offsets"],
+                response_logprobs=t["response_logprobs"],
+                runs=_runs(keep),
+                rank=rank,
+                path=path,
+            )
+        )
+
+    def layout(self) -> dict[str, torch.Tensor]:
+        """The batch's per-sample arrays, for TrainBatchWriter."""
+
+        def cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            return torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype)
+
+        def offsets(lengths: list[torch.Tensor]) -> torch.Tensor:
+            out = torch.zeros(self.kept_samples + 1, dtype=torch.int64)
+            out[1:] = cat(lengths, torch.int64).cumsum(0)
+            return out
+
+        return {
+            "group_index": cat(self.group_index, torch.int64),
+            "prompt_offsets": offsets(self.prompt_lengths),
+            "response_offsets": offsets(self.response_lengths),
+            "rewards": cat(self.rewards, torch.float32),
+        }
+
+    def write_tokens(self, writer: TrainBatchWriter) -> None:
+        """Pass 2: each kept chunk's kept token ranges, then the chunk is released."""
+        while self.tokens:
+            part = self.tokens.popleft()  # the last reference: unmapped after this loop body
+            po, ro = part.prompt_offsets, part.response_offsets
+            for first, end in part.runs:
+                p0, p1, r0, r1 = int(po[first]), int(po[end]), int(ro[first]), int(ro[end])
+                try:
+                    writer.append(
+                        samples=end - first,
+                        prompt_tokens=part.prompt_tokens[p0:p1],
+                        response_tokens=part.response_tokens[r0:r1],
+                        response_logprobs=part.response_logprobs[r0:r1],
+                    )
+                except TrainBatchError as exc:  # token values are first read here
+                    raise AggregationError(
+                        f"rank {part.rank}: chunk {part.path}, samples {first}..{end - 1}: {exc}",
+                        rank=part.rank,
+                        path=part.path,
+                    ) from exc
+            del part
 
     def metrics(self, iteration: int, samples_per_second: dict[int, float]) -> AggregateMetrics:
         good = self.samples - self.failed
@@ -156,7 +245,7 @@ class _Accumulator:
             response_length_mean=self.length_sum / good if good else None,
             response_length_max=self.length_max,
             samples_per_second=samples_per_second,
-            num_train_samples=len(self.task_ids),
+            num_train_samples=self.kept_samples,
             num_dropped_groups=self.dropped,
         )
 
@@ -280,10 +369,18 @@ def _merge(
                 task_ids=entry.task_ids,
                 group_size=group_size,
             )
-            acc.add(chunk)
-            del chunk  # release before reading the next file
+            acc.add(chunk, rank=rank, path=directory / entry.file)
+            # Released now unless its token tensors wait, mapped, for pass 2.
+            del chunk
         if manifest.rollout_seconds > 0:
             speeds[rank] = manifest.num_samples / manifest.rollout_seconds
+        logger.info(
+            "iteration %d: rank %d output verified (%d tasks, %d chunks)",
+            iteration,
+            rank,
+            len(assignments[rank]),
+            len(manifest.chunks),
+        )
     return acc, speeds
 
 
@@ -299,17 +396,22 @@ def aggregate_iteration(
     acc, speeds = _merge(
         rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=True
     )
-    batch = TrainBatch(
+    with TrainBatchWriter(
+        Path(out_path),
         iteration=iteration,
         group_size=group_size,
-        task_ids=acc.task_ids,
-        group_index=torch.tensor(acc.group_index, dtype=torch.int64),
-        prompt_ids=acc.prompt_ids,
-        response_ids=acc.response_ids,
-        old_logprobs=acc.old_logprobs,
-        rewards=torch.tensor(acc.rewards, dtype=torch.float32),
+        group_task_ids=acc.group_task_ids,
+        **acc.layout(),
+    ) as writer:
+        acc.write_tokens(writer)
+        writer.publish()
+    logger.info(
+        "iteration %d: train batch %s published (%d samples in %d groups)",
+        iteration,
+        out_path,
+        acc.kept_samples,
+        len(acc.group_task_ids),
     )
-    save_train_batch(Path(out_path), batch)
     return acc.metrics(iteration, speeds)
 
 

@@ -312,14 +312,15 @@ def valid_batch(**change: object) -> dict[str, object]:
 
 
 def test_train_batches_round_trip_through_the_exact_schema(tmp_path: Path) -> None:
-    batch = TrainBatch(**valid_batch())  # type: ignore[arg-type]
+    batch = TrainBatch.from_lists(**valid_batch())  # type: ignore[arg-type]
     save_train_batch(tmp_path / "b.pt", batch)
     raw = torch.load(tmp_path / "b.pt", weights_only=True)
     assert set(raw) == {
-        "schema", "version", "iteration", "group_size", "task_ids", "group_index",
-        "prompt_ids", "response_ids", "old_logprobs", "rewards",
+        "schema", "version", "iteration", "group_size", "group_task_ids", "group_index",
+        "prompt_tokens", "prompt_offsets", "response_tokens", "response_offsets",
+        "response_logprobs", "rewards",
     }  # fmt: skip
-    assert (raw["schema"], raw["version"]) == ("coordinator/train-batch", 1)
+    assert (raw["schema"], raw["version"]) == ("coordinator/train-batch", 2)
     loaded = load_train_batch(tmp_path / "b.pt")
     assert loaded.task_ids == batch.task_ids and loaded.old_logprobs == batch.old_logprobs
     assert torch.equal(loaded.rewards, batch.rewards)
@@ -339,14 +340,14 @@ def test_train_batches_round_trip_through_the_exact_schema(tmp_path: Path) -> No
 )
 def test_train_batches_violating_the_schema_are_refused(change: dict, message: str) -> None:
     with pytest.raises(TrainBatchError, match=message):
-        TrainBatch(**valid_batch(**change))  # type: ignore[arg-type]
+        TrainBatch.from_lists(**valid_batch(**change))  # type: ignore[arg-type]
 
 
 def test_a_train_batch_file_with_another_schema_version_is_refused(tmp_path: Path) -> None:
-    payload = TrainBatch(**valid_batch()).to_payload()  # type: ignore[arg-type]
-    payload["version"] = 2
+    payload = TrainBatch.from_lists(**valid_batch()).to_payload()  # type: ignore[arg-type]
+    payload["version"] = 3
     torch.save(payload, tmp_path / "b.pt")
-    with pytest.raises(TrainBatchError, match="version 2: expected 'coordinator/train-batch'"):
+    with pytest.raises(TrainBatchError, match="version 3: expected 'coordinator/train-batch'"):
         load_train_batch(tmp_path / "b.pt")
 
 

@@ -1,0 +1,238 @@
+"""Barrier release latency and filesystem load: ours against three peers, same run.
+
+    python benchmarks/barrier_bench.py            # the full run (about 6 minutes on 2 cores)
+    python benchmarks/barrier_bench.py --quick    # N = 2, 8 and a 10 s wait
+
+Peers (benchmarks/peer_rank.py): torch.distributed.FileStore on a file in the
+same directory, torch.distributed.barrier() over gloo with a TCP store on
+loopback (the network reference), and the flag-file design we replace (list
+the directory, count flags, every 5 s).  Ours is the real thing: N
+`coordinator run --actions scripted` daemons with no work in their actions,
+14 barriers per iteration.
+
+Latency of one barrier = last release seen by any rank - last arrival.
+Filesystem operations per rank per barrier: ours from the instrumented layer
+(coordinator/fsio.py, every call the daemon makes, heartbeats and lease
+checks included); peers from `strace -c` attached to one rank.  The second
+table is the long wait: N-1 ranks wait --wait-s seconds for a late rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PEER = HERE / "peer_rank.py"
+METADATA = {"openat", "open", "stat", "newfstatat", "statx", "fstat", "lstat", "access",
+            "rename", "renameat", "renameat2", "link", "linkat", "unlink", "unlinkat", "mkdir",
+            "mkdirat", "getdents64", "flock", "fcntl", "close"}
+DATA = {"read", "pread64", "write", "pwrite64", "fsync", "fdatasync", "lseek"}
+OUR_METADATA = {"open", "stat", "rename", "link", "unlink", "mkdir", "listdir", "rmdir",
+                "fsync_dir"}
+
+OUR_CONFIG = """
+[run]
+actions = "scripted"
+iterations = {iterations}
+[scripted]
+outputs = false
+sleeps = [{sleeps}]
+[coordination]
+join_timeout_s = 600.0
+"""
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def latencies(times: dict[int, list[list[float]]]) -> list[float]:
+    """Per barrier: last release - last arrival, over ranks."""
+    per: dict[int, list[tuple[float, float]]] = {}
+    for rows in times.values():
+        for k, arrived, released in rows:
+            per.setdefault(int(k), []).append((arrived, released))
+    return [max(r for _, r in v) - max(a for a, _ in v) for v in per.values()]
+
+
+def run_ours(n: int, iterations: int, work: Path, *, late_s: float = 0.0) -> dict:
+    work.mkdir(parents=True)
+    sleeps = f'"{n - 1}:0:1:{late_s}"' if late_s else ""
+    config = work / "c.toml"
+    config.write_text(OUR_CONFIG.format(iterations=iterations, sleeps=sleeps))
+    stats = work / "stats"
+    env = {**os.environ, "COORDINATOR_FS_STATS": str(stats)}
+    log_path = work / "run"
+    procs = []
+    for rank in range(n):
+        who = ["--master", "--num-nodes", str(n), "--config", str(config)] if rank == 0 \
+            else ["--worker", str(rank)]
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "run", "--log-path", str(log_path), *who],
+            stdout=subprocess.DEVNULL, stderr=open(work / f"rank{rank}.log", "wb"), env=env))
+    codes = [p.wait(timeout=900) for p in procs]
+    if any(codes):
+        raise SystemExit(f"our daemons failed ({codes}); see {work}")
+    times: dict[int, list[list[float]]] = {}
+    for rank in range(n):
+        rows = []
+        for it in range(iterations):
+            t = json.loads((log_path / f"iterations/{it:06d}/timings/rank-{rank}.json").read_text())
+            for phase, v in t["phases"].items():
+                rows.append([it * 14 + int(phase), v["arrived_at"], v["released_at"]])
+        times[rank] = rows
+    barriers = 14 * iterations
+    meta = data = poll_ops = 0
+    waiting = [r for r in range(n) if not (late_s and r == n - 1)]
+    for rank in waiting:
+        counts = json.loads((stats / f"rank-{rank}.json").read_text())["counts"]
+        for tag, ops in counts.items():
+            for op, k in ops.items():
+                if op in OUR_METADATA:
+                    meta += k
+                else:
+                    data += k
+                if tag == "poll":
+                    poll_ops += k
+    per = len(waiting) * (1 if late_s else barriers)
+    return {"lat": latencies(times), "meta": meta / per, "data": data / per,
+            "poll": poll_ops / per}
+
+
+def strace_counts(path: Path) -> tuple[int, int]:
+    meta = data = 0
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[-1] in METADATA | DATA:
+            try:
+                calls = int(parts[3])
+            except ValueError:
+                continue
+            if parts[-1] in METADATA:
+                meta += calls
+            else:
+                data += calls
+    return meta, data
+
+
+def run_peer(mode: str, n: int, barriers: int, work: Path, *, late_s: float = 0.0,
+             trace: bool = True) -> dict:
+    work.mkdir(parents=True)
+    if mode == "gloo":
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            (work / "port").write_text(str(s.getsockname()[1]))
+    late = [str(n - 1), str(late_s)] if late_s else []
+    procs = [subprocess.Popen([sys.executable, str(PEER), mode, str(r), str(n), str(work),
+                               str(barriers), *late], stdout=subprocess.DEVNULL,
+                              stderr=open(work / f"rank{r}.log", "wb"))
+             for r in range(n)]
+    deadline = time.monotonic() + 300
+    while not all((work / f"ready-{r}").exists() for r in range(n)):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            raise SystemExit(f"{mode} ranks did not get ready; see {work}")
+        time.sleep(0.05)
+    tracer = None
+    if trace and shutil.which("strace"):
+        tracer = subprocess.Popen(["strace", "-f", "-c", "-q", "-o", str(work / "strace.txt"),
+                                   "-p", str(procs[0].pid)], stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # let strace attach to every thread
+    (work / "go").write_text("")
+    codes = [p.wait(timeout=900) for p in procs]
+    if tracer is not None:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(timeout=30)
+    if any(codes):
+        raise SystemExit(f"{mode} ranks failed ({codes}); see {work}")
+    times = {r: json.loads((work / f"times-{r}.json").read_text()) for r in range(n)}
+    result: dict = {"lat": latencies(times), "meta": None, "data": None}
+    if tracer is not None and (work / "strace.txt").exists():
+        meta, data = strace_counts(work / "strace.txt")
+        result["meta"], result["data"] = meta / barriers, data / barriers
+    return result
+
+
+def fmt_ops(r: dict) -> str:
+    if r.get("meta") is None:
+        return "-"
+    return f"{r['meta']:.0f} + {r['data']:.0f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", default="2,8,32,64")
+    ap.add_argument("--iterations", type=int, default=2, help="our iterations (14 barriers each)")
+    ap.add_argument("--peer-barriers", type=int, default=20)
+    ap.add_argument("--anchor-barriers", type=int, default=2)
+    ap.add_argument("--wait-s", type=float, default=60.0)
+    ap.add_argument("--wait-n", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="sizes 2,8 and a 10 s wait")
+    args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.wait_s = "2,8", 10.0
+    sizes = [int(x) for x in args.sizes.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="barrier-bench-"))
+    print(f"machine: {os.cpu_count()} cores; filesystem of {root}: local "
+          f"({subprocess.run(['stat', '-f', '-c', '%T', str(root)], capture_output=True, text=True).stdout.strip()})")
+    rows = []
+    try:
+        for n in sizes:
+            ours = run_ours(n, args.iterations, root / f"ours-{n}")
+            fs = run_peer("filestore", n, args.peer_barriers, root / f"filestore-{n}")
+            gloo = run_peer("gloo", n, args.peer_barriers, root / f"gloo-{n}", trace=False)
+            anchor = run_peer("anchor", n, args.anchor_barriers, root / f"anchor-{n}")
+            rows.append((n, ours, fs, gloo, anchor))
+            print(f"N={n}: done", flush=True)
+        # The long wait: everyone but the last rank waits for it.
+        n, wait = args.wait_n, args.wait_s
+        ours_wait = run_ours(n, 1, root / "ours-wait", late_s=wait)
+        fs_wait = run_peer("filestore", n, 1, root / "filestore-wait", late_s=wait)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    print("\nrelease latency (ms, last arrival -> last release) and filesystem ops per rank "
+          "per barrier (metadata + data)")
+    head = f"{'N':>3} | {'ours p50':>8} {'p99':>7} {'ops':>9} | {'FileStore p50':>13} {'p99':>7} " \
+           f"{'ops':>9} | {'gloo p50':>8} {'p99':>7} | {'anchor p50':>10} {'ops':>7}"
+    print(head)
+    print("-" * len(head))
+    for n, ours, fs, gloo, anchor in rows:
+        print(f"{n:>3} | {pct(ours['lat'], .5) * 1e3:>8.1f} {pct(ours['lat'], .99) * 1e3:>7.1f} "
+              f"{fmt_ops(ours):>9} | {pct(fs['lat'], .5) * 1e3:>13.1f} "
+              f"{pct(fs['lat'], .99) * 1e3:>7.1f} {fmt_ops(fs):>9} | "
+              f"{pct(gloo['lat'], .5) * 1e3:>8.1f} {pct(gloo['lat'], .99) * 1e3:>7.1f} | "
+              f"{pct(anchor['lat'], .5) * 1e3:>10.0f} {fmt_ops(anchor):>7}")
+    print(f"\nlong wait: {n - 1} ranks wait {wait:.0f} s for rank {n - 1}; filesystem ops per "
+          "waiting rank over the whole wait (metadata + data), release latency after it arrives")
+    ours_ops = ours_wait["meta"] + ours_wait["data"]
+    fs_ops = (fs_wait["meta"] or 0) + (fs_wait["data"] or 0)
+    print(f"  ours:      {fmt_ops(ours_wait):>12} ops ({ours_wait['poll']:.0f} in barrier polls, "
+          f"the rest heartbeats and lease checks), release {ours_wait['lat'][1] * 1e3:.1f} ms")
+    print(f"  FileStore: {fmt_ops(fs_wait):>12} ops, release {fs_wait['lat'][0] * 1e3:.1f} ms")
+    print("\nratios")
+    big = rows[-1]
+    print(f"  ours / FileStore filesystem ops over the {wait:.0f} s wait: "
+          f"{ours_ops / fs_ops:.4f} (target <= 0.05)" if fs_ops else "  FileStore ops: n/a")
+    print(f"  ours / FileStore release p50 at N={big[0]}: "
+          f"{pct(big[1]['lat'], .5) / max(pct(big[2]['lat'], .5), 1e-9):.2f} (target <= 3)")
+    print(f"  ours release p50 / p99 at N={big[0]}: {pct(big[1]['lat'], .5) * 1e3:.1f} ms / "
+          f"{pct(big[1]['lat'], .99) * 1e3:.1f} ms (targets 50 / 250 ms)")
+    print(f"  anchor / ours release p50 at N={big[0]}: "
+          f"{pct(big[4]['lat'], .5) / max(pct(big[1]['lat'], .5), 1e-9):.0f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""`coordinator demo`: the whole loop on simulated nodes of this machine.
+
+Starts N `coordinator run` daemons (master + workers) as separate processes
+sharing one log path, with the tiny local model, the built-in task and the
+`hf` engine; shows each node's iteration and phase live; at the end prints a
+table per iteration (reward, eval accuracy, time per phase) and writes a
+reward curve PNG into the log path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator import layout
+from coordinator.liveness import describe_phase
+
+
+DEMO_CONFIG = """\
+# Written by `coordinator demo`; every key not listed takes its default.
+[run]
+actions = "rl"
+iterations = {iterations}
+eval_interval = {eval_interval}
+eval_before_train = true
+
+[model]
+path = "{model}"
+
+[engine]
+kind = "hf"
+
+[coordination]
+heartbeat_interval_s = 1.0
+lease_s = 10.0
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoResult:
+    codes: dict[int, int]
+    rows: list[dict[str, Any]]
+    png: Path | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(c == 0 for c in self.codes.values())
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def iteration_rows(log_path: Path, iterations: int, num_nodes: int) -> list[dict[str, Any]]:
+    """Reward, eval accuracy and per-phase seconds (slowest rank) per iteration."""
+    rows = []
+    for it in range(iterations):
+        base = log_path / layout.iteration_dir(it)
+        rollout = _read_json(base / "metrics" / "rollout.json") or {}
+        evaluation = _read_json(base / "metrics" / "eval.json") or {}
+        train = _read_json(base / "metrics" / "train.json") or {}
+        phase_s: dict[int, float] = {}
+        for rank in range(num_nodes):
+            t = _read_json(log_path / layout.timings(it, rank)) or {}
+            for phase, v in t.get("phases", {}).items():
+                phase_s[int(phase)] = max(phase_s.get(int(phase), 0.0),
+                                          float(v["action_s"]) + float(v["wait_s"]))
+        rows.append({
+            "iteration": it,
+            "reward_mean": rollout.get("reward_mean"),
+            "eval_accuracy": evaluation.get("accuracy"),
+            "loss": train.get("loss"),
+            "phase_s": phase_s,
+            "total_s": sum(phase_s.values()) if phase_s else None,
+        })
+    return rows
+
+
+def improvement(rows: list[dict[str, Any]]) -> tuple[float, float] | None:
+    rewards = [r["reward_mean"] for r in rows if r["reward_mean"] is not None]
+    if len(rewards) < 4:
+        return None
+    return sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="coordinator demo: per iteration")
+    table.add_column("iter")
+    table.add_column("reward")
+    table.add_column("eval acc")
+    table.add_column("loss")
+    groups = [("rollout", (1, 2, 3)), ("aggregate", (4,)), ("eval", (5, 6)),
+              ("stop", (7,)), ("train", (8, 9, 10)), ("publish", (11,)),
+              ("restart", (12,)), ("sync", (0, 13))]
+    for name, _ in groups:
+        table.add_column(f"{name} s")
+    table.add_column("total s")
+
+    def fmt(v: Any, spec: str = ".3f") -> str:
+        return "-" if v is None else format(v, spec)
+
+    for r in rows:
+        cells = [str(r["iteration"]), fmt(r["reward_mean"]), fmt(r["eval_accuracy"]),
+                 fmt(r["loss"], ".4f")]
+        for _, phases in groups:
+            cells.append(fmt(sum(r["phase_s"].get(p, 0.0) for p in phases) if r["phase_s"]
+                             else None, ".1f"))
+        cells.append(fmt(r["total_s"], ".1f"))
+        table.add_row(*cells)
+    console = Console(width=150, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(table)
+    return console.export_text()
+
+
+def plot_rewards(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    points = [(r["iteration"], r["reward_mean"]) for r in rows if r["reward_mean"] is not None]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label="train reward")
+    evals = [(r["iteration"], r["eval_accuracy"]) for r in rows if r["eval_accuracy"] is not None]
+    if evals:
+        ax.plot([p[0] for p in evals], [p[1] for p in evals], marker="s", label="eval accuracy")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean exact-match reward")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def node_line(log_path: Path, rank: int) -> str:
+    hb = _read_json(log_path / layout.heartbeat(rank))
+    if hb is None:
+        return f"node {rank}: starting"
+    age = time.time() - float(hb.get("wall_time", 0))
+    phase = describe_phase(int(hb.get("phase", 0)))
+    text = f"node {rank}: iteration {hb.get('iteration')} {phase} {hb.get('state')} " \
+           f"(heartbeat {age:.1f} s ago)"
+    if hb.get("error"):
+        text += f" - {hb['error'][:100]}"
+    return text
+
+
+def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
+             model: Path, extra_args: list[str]) -> DemoResult:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    log_path.mkdir(parents=True, exist_ok=True)
+    config = log_path / "demo-config.toml"
+    config.write_text(DEMO_CONFIG.format(iterations=iterations, eval_interval=eval_interval,
+                                         model=model))
+    logs = log_path / "demo-logs"
+    logs.mkdir(exist_ok=True)
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    started = time.monotonic()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    for rank in range(nodes):
+        who = ["--master", "--num-nodes", str(nodes), "--config", str(config), *extra_args] \
+            if rank == 0 else ["--worker", str(rank)]
+        cmd = [sys.executable, "-m", "coordinator", "run", "--log-path", str(log_path), *who]
+        with open(logs / f"rank-{rank}.log", "wb") as out:
+            procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    console = Console()
+    try:
+        with Live(console=console, refresh_per_second=2, transient=False) as live:
+            while any(p.poll() is None for p in procs.values()):
+                rows = iteration_rows(log_path, iterations, nodes)
+                done = [r for r in rows if r["reward_mean"] is not None]
+                lines = [node_line(log_path, r) for r in range(nodes)]
+                if done:
+                    lines.append(f"last train reward: {done[-1]['reward_mean']:.3f} "
+                                 f"(iteration {done[-1]['iteration']})")
+                lines.append(f"elapsed {time.monotonic() - started:.0f} s; logs in {logs}")
+                live.update(Text("\n".join(lines)))
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+    codes = {r: p.wait() for r, p in procs.items()}
+    rows = iteration_rows(log_path, iterations, nodes)
+    png = plot_rewards(rows, log_path / "reward-curve.png")
+    return DemoResult(codes=codes, rows=rows, png=png, seconds=time.monotonic() - started)
+
+
+

@@ -1,0 +1,150 @@
+"""Configuration sections of the RL actions (`run.actions = "rl"`).
+
+    [model]       which model to start from
+    [data]        where tasks come from, which reward
+    [rollout]     sampling and checkpointing of the rollout
+    [engine]      the inference server (rollout/engine.py: EngineConfig)
+    [train]       GRPO hyper-parameters (trainer/config.py: TrainConfig)
+    [torchrun]    how phase 10 launches the trainer
+    [checkpoint]  node-local cache and how many published checkpoints to keep
+
+Every section is a frozen dataclass validated on construction; the master
+writes the resolved sections (defaults filled in) into the run manifest.
+The defaults run the demo: the tiny local model on the built-in task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from coordinator.config import from_mapping, to_plain
+from coordinator.errors import UsageError
+from rollout.engine import EngineConfig
+
+SECTIONS: Final = ("model", "data", "rollout", "engine", "train", "torchrun", "checkpoint")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    # A local Hugging Face causal LM directory; "" builds the tiny demo model
+    # (with a short supervised warm start) under <log-path>/model-init.
+    path: str = ""
+    init_seed: int = 0
+    warmstart_steps: int = 150
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSection:
+    path: str = "builtin:reverse"  # or a verl-style parquet / JSONL file or directory
+    reward: str = ""  # "" picks the reward registered for the tasks' data_source
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSection:
+    group_size: int = 8  # samples per prompt (GRPO's group)
+    tasks_per_iteration: int = 48  # 0: the whole train split every iteration
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eval_tasks: int = 64  # 0: the whole eval split
+    eval_group_size: int = 2
+    eval_temperature: float = 1.0
+    checkpoint_every_groups: int = 8  # a killed rank redoes at most this many groups
+    concurrency: int = 4
+    request_retries: int = 3
+    max_failed_fraction: float = 0.1  # more failed groups than this fail the phase
+    progress_interval_s: float = 5.0
+    keep_rank_files: bool = False  # rank trajectory files are removed once an iteration completes
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "max_tokens", "eval_group_size", "checkpoint_every_groups",
+                     "concurrency"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        if self.group_size < 2:
+            raise UsageError(
+                f"rollout.group_size={self.group_size} is below 2: GRPO normalises rewards "
+                "within a group, so each prompt needs at least 2 samples (8 is typical)"
+            )
+        if self.tasks_per_iteration < 0 or self.eval_tasks < 0:
+            raise UsageError("rollout.tasks_per_iteration and rollout.eval_tasks must be >= 0")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise UsageError(
+                f"rollout.max_failed_fraction={self.max_failed_fraction} must be within 0..1"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchrunSection:
+    nproc_per_node: int = 1
+    wall_limit_s: float = 21600.0  # phase 10 fails after this long
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise UsageError(f"torchrun.nproc_per_node={self.nproc_per_node} must be >= 1")
+        if self.wall_limit_s <= 0:
+            raise UsageError(f"torchrun.wall_limit_s={self.wall_limit_s} must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    local_cache: str = ""  # "" means /tmp/coordinator-cache/<run id>/rank-<R>
+    keep: int = 2  # published checkpoints kept (the initial model is never removed)
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise UsageError(
+                f"checkpoint.keep={self.keep} is below 1: the newest checkpoint is the policy "
+                "the next iteration samples from"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RlSections:
+    model: ModelSection
+    data: DataSection
+    rollout: RolloutSection
+    engine: EngineConfig
+    train: Any  # trainer.config.TrainConfig (imported lazily: it pulls in torch)
+    torchrun: TorchrunSection
+    checkpoint: CheckpointSection
+
+
+def parse_sections(raw: Mapping[str, Any]) -> RlSections:
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise UsageError(
+            f"config section [{unknown[0]}] is unknown to run.actions='rl': known sections are "
+            f"[run], [coordination], {', '.join(f'[{s}]' for s in SECTIONS)}"
+        )
+    from trainer.config import ConfigError, TrainConfig
+
+    try:
+        train = TrainConfig.from_dict(dict(raw.get("train", {})))
+    except ConfigError as exc:
+        raise UsageError(f"[train]: {exc}") from exc
+    try:
+        engine = from_mapping(EngineConfig, raw.get("engine", {}), "engine")
+    except ValueError as exc:
+        raise UsageError(f"[engine]: {exc}") from exc
+    return RlSections(
+        model=from_mapping(ModelSection, raw.get("model", {}), "model"),
+        data=from_mapping(DataSection, raw.get("data", {}), "data"),
+        rollout=from_mapping(RolloutSection, raw.get("rollout", {}), "rollout"),
+        engine=engine,
+        train=train,
+        torchrun=from_mapping(TorchrunSection, raw.get("torchrun", {}), "torchrun"),
+        checkpoint=from_mapping(CheckpointSection, raw.get("checkpoint", {}), "checkpoint"),
+    )
+
+
+def resolve_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Defaults filled in, as plain JSON for the manifest."""
+    s = parse_sections(raw)
+    out = {name: to_plain(getattr(s, name)) for name in SECTIONS if name != "train"}
+    out["train"] = s.train.to_dict()
+    return out

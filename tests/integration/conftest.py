@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo model with a manifest, random weights (no warm start: fast)."""
+    from trainer.launch import init_model
+
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    init_model(out, seed=0, warmstart_steps=0)
+    return out

@@ -1,0 +1,81 @@
+"""Three daemons run real rollouts (hf engine, tiny model) and the master merges them."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.core.cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+[run]
+actions = "rl"
+rl_phase = "rollout"
+iterations = 1
+eval_interval = 1
+eval_before_train = true
+
+[model]
+path = "{model}"
+
+[rollout]
+group_size = 4
+tasks_per_iteration = 21
+eval_tasks = 9
+eval_group_size = 2
+checkpoint_every_groups = 4
+max_tokens = 6
+
+[coordination]
+heartbeat_interval_s = 0.5
+lease_s = 10.0
+join_timeout_s = 120.0
+"""
+
+
+def test_three_ranks_roll_out_and_the_batch_holds_every_assigned_task_times_the_group(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    from rollout.sharding import ShardPlan
+    from rollout.train_batch import load_train_batch
+
+    config = tmp_path / "rl.toml"
+    config.write_text(CONFIG.format(model=tiny_model))
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
+                     master_args=("--rank-weights", "2,1,1"))
+    try:
+        c.start_all()
+        codes = c.wait_all(timeout=300)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+    finally:
+        c.close()
+    it = c.log_path / "iterations" / "000000"
+    plan = ShardPlan.from_json((it / "shard-train.json").read_text(), source="plan")
+    shares = [len(plan.tasks_for(r)) for r in range(3)]
+    assert sum(shares) == 21 and shares == [11, 5, 5]  # 2:1:1 of 21, largest remainder
+    batch = load_train_batch(it / "batch.pt")
+    counts = Counter(batch.task_ids)
+    assigned = [t for r in range(3) for t in plan.tasks_for(r)]
+    assert sorted(counts) == sorted(assigned)
+    for task_id in assigned:
+        assert counts[task_id] == 4, task_id
+    metrics = json.loads((it / "metrics" / "rollout.json").read_text())
+    assert metrics["num_samples"] == 84 and metrics["num_failed"] == 0
+    assert set(metrics["samples_per_second"]) == {"0", "1", "2"}
+    evaluation = json.loads((it / "metrics" / "eval.json").read_text())
+    assert evaluation["num_samples"] == 18 and 0.0 <= evaluation["accuracy"] <= 1.0
+    # Every engine was stopped at phase 7: no server process is left.
+    import psutil
+
+    run_id = json.loads((c.log_path / "run.json").read_text())["run_id"]
+    servers = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+    servers = [s for s in servers if "rollout.hf_server" in s]
+    assert not [s for s in servers if run_id in s], servers
+    # The engines served the node-local, verified copies of the model.
+    engine_log = (c.log_path / "ranks" / "1" / "logs").iterdir()
+    assert any(run_id in p.read_text(errors="replace") for p in engine_log)
