@@ -125,7 +125,11 @@ class Manifest:
             if not isinstance(info, dict):
                 raise bad(f"entry for {name!r} must be an object")
             sha, size = info.get("sha256"), info.get("size")
-            if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            if (
+                not isinstance(sha, str)
+                or len(sha) != 64
+                or any(c not in "0123456789abcdef" for c in sha)
+            ):
                 raise bad(f"sha256 of {name!r} is not 64 hex digits")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise bad(f"size of {name!r} must be an integer >= 0")
@@ -182,9 +186,7 @@ def verify_checkpoint(directory: Path) -> Manifest:
     for name, entry in expected.items():
         path = directory / name
         if name not in present:
-            raise CheckpointError(
-                f"{path}: file listed in the manifest is missing", path=path
-            )
+            raise CheckpointError(f"{path}: file listed in the manifest is missing", path=path)
         size = path.stat().st_size
         if size != entry.size:
             raise CheckpointError(
@@ -349,7 +351,7 @@ def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:
         copied = _build_manifest(tmp, manifest.iteration)
         if copied != manifest:
             bad = sorted({f.name for f in copied.files} ^ {f.name for f in manifest.files}) or [
-                a.name for a, b in zip(copied.files, manifest.files) if a != b
+                a.name for a, b in zip(copied.files, manifest.files, strict=False) if a != b
             ]
             raise CheckpointError(
                 f"{src_dir / bad[0]}: the copy differs from the manifest: the source changed "
@@ -423,13 +425,19 @@ def _load_optimizer_file(path: Path) -> OptimizerState:
     except Exception as exc:  # any unpickling failure means a corrupt or foreign file
         raise CheckpointError(f"{path}: unreadable optimizer state ({exc})", path=path) from exc
     if not isinstance(data, dict) or data.get("schema") != OPTIM_SCHEMA:
-        raise CheckpointError(f"{path}: not an optimizer state (schema {OPTIM_SCHEMA!r})", path=path)
+        raise CheckpointError(
+            f"{path}: not an optimizer state (schema {OPTIM_SCHEMA!r})", path=path
+        )
     if data.get("version") != OPTIM_VERSION:
-        raise CheckpointError(f"{path}: version {data.get('version')!r} is not {OPTIM_VERSION}", path=path)
+        raise CheckpointError(
+            f"{path}: version {data.get('version')!r} is not {OPTIM_VERSION}", path=path
+        )
     for key in ("iteration", "rank", "world_size", "step"):
         value = data.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise CheckpointError(f"{path}: field {key}={value!r} must be an integer >= 0", path=path)
+            raise CheckpointError(
+                f"{path}: field {key}={value!r} must be an integer >= 0", path=path
+            )
     optimizer = data.get("optimizer")
     if not isinstance(optimizer, dict) or set(optimizer) != {"state", "param_groups"}:
         raise CheckpointError(f"{path}: field optimizer is not an optimizer state_dict", path=path)
@@ -476,7 +484,9 @@ def save_optimizer_state(state: OptimizerState, optim_dir: Path) -> Path:
     return path
 
 
-def load_optimizer_state(optim_dir: Path, *, rank: int, before_iteration: int) -> OptimizerState | None:
+def load_optimizer_state(
+    optim_dir: Path, *, rank: int, before_iteration: int
+) -> OptimizerState | None:
     """This rank's newest saved state from an iteration before `before_iteration`, if any.
 
     Unreadable files are logged and skipped: losing Adam's moments costs a
@@ -495,6 +505,8 @@ def load_optimizer_state(optim_dir: Path, *, rank: int, before_iteration: int) -
         if state.rank != rank:
             log.warning("ignoring %s: it belongs to rank %d", path, state.rank)
             continue
-        if state.iteration < before_iteration and (best is None or state.iteration > best.iteration):
+        if state.iteration < before_iteration and (
+            best is None or state.iteration > best.iteration
+        ):
             best = state
     return best

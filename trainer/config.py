@@ -47,6 +47,13 @@ class DType(str, enum.Enum):
     BFLOAT16 = "bfloat16"
 
 
+class LossAgg(str, enum.Enum):
+    """How per-token losses are averaged over a step."""
+
+    TOKEN_MEAN = "token-mean"  # every response token weighs the same (DAPO)
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # every response weighs the same (GRPO paper)
+
+
 class Strategy(str, enum.Enum):
     AUTO = "auto"  # ddp on cpu (gloo), fsdp2 on cuda (nccl)
     DDP = "ddp"
@@ -67,9 +74,13 @@ def _finite(name: str, value: float) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """GRPO hyper-parameters.  Defaults are the values that worked for the tiny demo."""
+    """GRPO hyper-parameters.
 
-    lr: float = 2e-3
+    Defaults are the values that doubled the tiny model's reward in 8
+    iterations of 128 prompts x 8 samples (tests/trainer/test_rl_reward_rises.py).
+    """
+
+    lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.99)
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
@@ -81,14 +92,20 @@ class TrainConfig:
     # Added to the group's reward std so that a group of equal rewards gives
     # advantages of exactly 0 rather than 0/0.
     adv_eps: float = 1e-6
+    loss_agg: LossAgg = LossAgg.SEQ_MEAN_TOKEN_MEAN
     # Samples per forward pass on one rank.
-    micro_batch_size: int = 32
+    micro_batch_size: int = 64
     # Samples (over all ranks) per optimizer step; 0 means the whole batch, one
     # step per epoch.  Gradient accumulation is derived from it.
-    mini_batch_size: int = 0
+    mini_batch_size: int = 128
     # Passes over the batch per iteration; each pass reshuffles.
-    epochs: int = 1
+    epochs: int = 3
     max_grad_norm: float = 1.0
+    # Linear lr warm-up over the first optimizer steps of the run (counted
+    # across iterations through the saved optimizer state).  Adam's first
+    # steps move every weight by about lr whatever its gradient, which on a
+    # small model undoes the warm start; ramping lr avoids that shock.
+    warmup_steps: int = 48
     seed: int = 0
     device: Device = Device.AUTO
     dtype: DType = DType.AUTO
@@ -112,7 +129,12 @@ class TrainConfig:
         )
         _check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0 (0 turns KL off)")
         _check(self.adv_eps > 0, f"adv_eps={self.adv_eps} must be > 0, e.g. 1e-6")
-        for name, low in (("micro_batch_size", 1), ("mini_batch_size", 0), ("epochs", 1)):
+        for name, low in (
+            ("micro_batch_size", 1),
+            ("mini_batch_size", 0),
+            ("epochs", 1),
+            ("warmup_steps", 0),
+        ):
             value = getattr(self, name)
             _check(
                 isinstance(value, int) and not isinstance(value, bool) and value >= low,
@@ -129,7 +151,12 @@ class TrainConfig:
         )
         # Accept the enum values as plain strings too (JSON, CLI), and say
         # what is allowed when a value is not one of them.
-        for name, kind in (("device", Device), ("dtype", DType), ("strategy", Strategy)):
+        for name, kind in (
+            ("device", Device),
+            ("dtype", DType),
+            ("strategy", Strategy),
+            ("loss_agg", LossAgg),
+        ):
             value = getattr(self, name)
             try:
                 object.__setattr__(self, name, kind(value))
@@ -137,10 +164,16 @@ class TrainConfig:
                 allowed = ", ".join(k.value for k in kind)
                 raise ConfigError(f"{name}={value!r} is not one of: {allowed}") from None
 
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step `step` (1-based, counted over the whole run)."""
+        if self.warmup_steps == 0:
+            return self.lr
+        return self.lr * min(1.0, step / self.warmup_steps)
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["betas"] = list(self.betas)
-        for name in ("device", "dtype", "strategy"):
+        for name in ("device", "dtype", "strategy", "loss_agg"):
             out[name] = getattr(self, name).value
         return out
 
@@ -158,8 +191,10 @@ class TrainConfig:
                     f"config.betas={value!r} must be a list of two numbers",
                 )
                 value = (float(value[0]), float(value[1]))
-            elif isinstance(f.default, float) and isinstance(value, int) and not isinstance(
-                value, bool
+            elif (
+                isinstance(f.default, float)
+                and isinstance(value, int)
+                and not isinstance(value, bool)
             ):
                 value = float(value)  # JSON writes 1.0 as 1 in some writers
             elif isinstance(f.default, (int, float)) and not isinstance(f.default, enum.Enum):
@@ -229,7 +264,14 @@ class TrainJob:
     def to_json(self) -> str:
         data: dict[str, Any] = {"schema": JOB_SCHEMA, "version": JOB_VERSION}
         data["iteration"] = self.iteration
-        for name in ("model_dir", "ref_model_dir", "batch_path", "out_dir", "optim_dir", "metrics_path"):
+        for name in (
+            "model_dir",
+            "ref_model_dir",
+            "batch_path",
+            "out_dir",
+            "optim_dir",
+            "metrics_path",
+        ):
             value = getattr(self, name)
             data[name] = None if value is None else str(value)
         data["config"] = self.config.to_dict()

@@ -12,11 +12,17 @@ generated the data ("old"):
     ratio = exp(logp - old_logp)
     loss_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)
 
-Losses are summed over tokens and divided by a caller-given normaliser (the
-number of response tokens in the whole optimizer step, over all ranks and
-micro-batches), so that gradient accumulation and data parallelism give the
-same gradient as one big batch: the "token-mean" of DAPO, which lets long and
-short responses weigh by their tokens.
+Losses are summed over tokens and divided by a caller-given normaliser
+counted over the whole optimizer step (all ranks, all micro-batches), so that
+gradient accumulation and data parallelism give the same gradient as one big
+batch.  Two normalisations are offered (TrainConfig.loss_agg):
+
+    token-mean           sum over tokens / response tokens in the step (DAPO)
+    seq-mean-token-mean  each response's token mean, summed / samples in the
+                         step (the GRPO paper); every response weighs the same
+
+`plan_steps` decides, identically on every rank and without communication,
+which samples each rank runs in which micro-batch of which optimizer step.
 
 Layout: prompt and response are concatenated and right-padded.  Token-level
 tensors are over *targets*, i.e. shape [B, T-1] where column t is the
@@ -57,7 +63,9 @@ def group_advantages(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6)
     rewards = rewards.to(torch.float64)  # group sums of many rewards stay exact
     _, inverse = torch.unique(group_index, return_inverse=True)
     groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    count = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(rewards))
+    count = torch.zeros(groups, dtype=torch.float64).index_add_(
+        0, inverse, torch.ones_like(rewards)
+    )
     total = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, rewards)
     mean = total / count
     centred = rewards - mean[inverse]
@@ -92,7 +100,7 @@ def collate(
             f"got {len(prompt_ids)} prompts and {len(response_ids)} responses: "
             "need the same, non-zero number"
         )
-    rows = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+    rows = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("a prompt has no tokens: the first response token needs a context")
     width = max(2, max(len(row) for row in rows))
@@ -100,7 +108,7 @@ def collate(
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
     attention = torch.zeros((batch, width), dtype=torch.long)
     response_mask = torch.zeros((batch, width - 1), dtype=torch.float32)
-    for b, (p, r, row) in enumerate(zip(prompt_ids, response_ids, rows)):
+    for b, (p, r, row) in enumerate(zip(prompt_ids, response_ids, rows, strict=True)):
         input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
         attention[b, : len(row)] = 1
         response_mask[b, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
@@ -124,7 +132,7 @@ def place_response_values(values: Sequence[Tensor], batch: PackedBatch) -> Tenso
     """Put each sample's per-response-token values at its response columns: [B, T-1]."""
     width = batch.response_mask.shape[1]
     out = torch.zeros((len(values), width), dtype=torch.float32)
-    for b, (v, p, r) in enumerate(zip(values, batch.prompt_lens, batch.response_lens)):
+    for b, (v, p, r) in enumerate(zip(values, batch.prompt_lens, batch.response_lens, strict=True)):
         if v.numel() != r:
             raise ValueError(f"sample {b} has {v.numel()} values for {r} response tokens")
         out[b, p - 1 : p - 1 + r] = v.to(torch.float32)
@@ -135,7 +143,7 @@ def extract_response_values(token_values: Tensor, batch: PackedBatch) -> list[Te
     """The inverse of place_response_values: one 1-D tensor per sample."""
     return [
         token_values[b, p - 1 : p - 1 + r].detach().clone()
-        for b, (p, r) in enumerate(zip(batch.prompt_lens, batch.response_lens))
+        for b, (p, r) in enumerate(zip(batch.prompt_lens, batch.response_lens, strict=True))
     ]
 
 
@@ -185,8 +193,14 @@ def grpo_loss(
     normalizer: float,
     ref_logp: Tensor | None = None,
     kl_coef: float = 0.0,
+    sample_weights: Tensor | None = None,
 ) -> LossTerms:
-    """Clipped policy loss plus kl_coef * k3 KL, summed over masked tokens / normalizer."""
+    """Clipped policy loss plus kl_coef * k3 KL, summed over masked tokens / normalizer.
+
+    `sample_weights` ([B]) scales every token of a sample: 1 / response length
+    with the number of samples as normaliser gives the per-sequence mean.
+    The returned sums (policy_sum, kl_sum, ...) are unweighted token sums.
+    """
     if normalizer <= 0:
         raise ValueError(f"normalizer={normalizer} must be > 0: count the step's response tokens")
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
@@ -197,25 +211,23 @@ def grpo_loss(
     per_token, clip_active = clipped_policy_loss(
         logp, old_logp, advantages, mask, clip_eps=clip_eps
     )
-    policy_sum = per_token.sum()
-    if ref_logp is not None and kl_coef > 0:
-        kl_sum = (kl_k3(logp, ref_logp) * mask).sum()
-        total = policy_sum + kl_coef * kl_sum
-    else:
-        kl_sum = torch.zeros((), dtype=logp.dtype)
-        total = policy_sum
+    kl_token = (
+        kl_k3(logp, ref_logp) * mask
+        if ref_logp is not None and kl_coef > 0
+        else torch.zeros_like(per_token)
+    )
+    weight = 1.0 if sample_weights is None else sample_weights.to(logp.dtype).unsqueeze(-1)
+    total = ((per_token + kl_coef * kl_token) * weight).sum()
     with torch.no_grad():
         ratio_sum = (torch.exp((logp - old_logp).clamp(max=_MAX_LOG_RATIO)) * mask).sum()
     return LossTerms(
         loss=total / normalizer,
-        policy_sum=policy_sum.detach(),
-        kl_sum=kl_sum.detach(),
+        policy_sum=per_token.sum().detach(),
+        kl_sum=kl_token.sum().detach(),
         clipped_tokens=clip_active.sum().detach(),
         ratio_sum=ratio_sum,
         tokens=mask.sum().detach(),
     )
-
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,7 +235,8 @@ class Step:
     """One optimizer step: for each rank, its micro-batches (lists of sample indices)."""
 
     micro: tuple[tuple[tuple[int, ...], ...], ...]  # [rank][micro] -> sample indices
-    tokens: int  # response tokens in the step over all ranks: the loss normaliser
+    tokens: int  # response tokens in the step over all ranks: the token-mean normaliser
+    samples: int  # samples in the step over all ranks: the sequence-mean normaliser
 
 
 def shard(num_samples: int, world: int, rank: int) -> list[int]:
@@ -259,5 +272,6 @@ def plan_steps(
                 for c in chunks
             )
             tokens = sum(response_lens[i] for c in chunks for i in c)
-            steps.append(Step(micro=micro, tokens=tokens))
+            samples = sum(len(c) for c in chunks)
+            steps.append(Step(micro=micro, tokens=tokens, samples=samples))
     return steps

@@ -12,8 +12,9 @@ deterministic shard:
         │
         └─ for each epoch, for each optimizer step:
                micro-batches: forward, GRPO loss, backward (grad sync on the last)
-               clip grad norm, AdamW step
-    ──> rank 0: publish checkpoint to out_dir, write metrics; every rank: save optimizer state
+               clip grad norm, AdamW step (lr warm-up by the run's global step)
+    ──> every rank: save optimizer state ── barrier ──> rank 0: publish the
+        checkpoint to out_dir, then metrics_path (last: it means "done")
 
 Every rank runs the same number of forward/backward passes (a rank short of
 samples runs a zero-weight copy of a real one), because DDP and FSDP2 issue
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from coordinator.fsio import publish_bytes
+from rollout.train_batch import TrainBatch, TrainBatchError, load_train_batch
 from trainer import grpo
 from trainer.checkpoint import (
     OptimizerState,
@@ -52,7 +54,15 @@ from trainer.checkpoint import (
     save_optimizer_state,
     verify_checkpoint,
 )
-from trainer.config import Device, Strategy, TrainConfig, TrainerError, TrainJob
+from trainer.config import (
+    Device,
+    DType,
+    LossAgg,
+    Strategy,
+    TrainConfig,
+    TrainerError,
+    TrainJob,
+)
 from trainer.grpo import plan_steps, shard
 
 log = logging.getLogger("trainer")
@@ -90,6 +100,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     strategy: Strategy
+    compute_dtype: torch.dtype = torch.float32  # weights and optimizer stay float32
 
     @property
     def is_distributed(self) -> bool:
@@ -103,7 +114,9 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise TrainError(f"environment {name}={raw!r} is not an integer: torchrun sets it") from None
+        raise TrainError(
+            f"environment {name}={raw!r} is not an integer: torchrun sets it"
+        ) from None
 
 
 def init_distributed(config: TrainConfig) -> DistContext:
@@ -124,12 +137,19 @@ def init_distributed(config: TrainConfig) -> DistContext:
     strategy = config.strategy
     if strategy == Strategy.AUTO:
         strategy = Strategy.FSDP2 if use_cuda else Strategy.DDP
+    if config.dtype == DType.AUTO:
+        compute = torch.bfloat16 if use_cuda else torch.float32
+    else:
+        compute = torch.bfloat16 if config.dtype == DType.BFLOAT16 else torch.float32
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world
-        )
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     return DistContext(
-        rank=rank, world_size=world, local_rank=local_rank, device=device, strategy=strategy
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        device=device,
+        strategy=strategy,
+        compute_dtype=compute,
     )
 
 
@@ -141,114 +161,37 @@ def all_reduce(values: Sequence[float], ctx: DistContext, op: Any = None) -> lis
     return t.tolist()
 
 
-def set_determinism(seed: int) -> None:
+def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-    # warn_only: a few CUDA kernels have no deterministic version; CPU has all we use.
-    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 # ---------------------------------------------------------------- the batch
-# Stand-in for rollout.trajectory.load_train_batch until that module lands.
-
-BATCH_SCHEMA: Final = "coordinator/train-batch"
-BATCH_VERSION: Final = 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainBatch:
-    iteration: int
-    group_size: int
-    task_ids: list[str]
-    group_index: Tensor  # [S] long
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    old_logprobs: list[Tensor]  # engine log-probs, one 1-D tensor per sample
-    rewards: Tensor  # [S] float32
-
-    @property
-    def size(self) -> int:
-        return len(self.task_ids)
-
-    @property
-    def response_lens(self) -> list[int]:
-        return [len(r) for r in self.response_ids]
-
-    @property
-    def num_response_tokens(self) -> int:
-        return sum(self.response_lens)
-
-    def check_vocab(self, vocab: int, *, source: Path) -> None:
-        for i, (p, r) in enumerate(zip(self.prompt_ids, self.response_ids, strict=True)):
-            bad = [t for t in (*p, *r) if not 0 <= t < vocab]
-            if bad:
-                raise TrainError(
-                    f"{source}: sample {i} ({self.task_ids[i]}) has token id {bad[0]} outside the "
-                    f"model's vocabulary 0..{vocab - 1}: the batch was made with another tokenizer"
-                )
-
-
-def _int_lists(value: Any, name: str, size: int, source: Path) -> list[list[int]]:
-    if not isinstance(value, list) or len(value) != size:
-        raise TrainError(f"{source}: {name} must be a list of {size} token lists")
-    for i, row in enumerate(value):
-        if not isinstance(row, list) or not all(type(t) is int for t in row):
-            raise TrainError(f"{source}: {name}[{i}] must be a list of integer token ids")
-    return value
 
 
 def load_batch(path: Path) -> TrainBatch:
-    """Read and validate a train-batch file (torch.save, weights_only)."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        return load_train_batch(path)
     except FileNotFoundError:
-        raise TrainError(f"batch file {path} does not exist") from None
-    except Exception as exc:  # any unpickling error means a corrupt or foreign file
-        raise TrainError(f"batch file {path} is unreadable: {exc}") from exc
-    if not isinstance(data, dict) or data.get("schema") != BATCH_SCHEMA:
-        raise TrainError(f"{path}: schema is not {BATCH_SCHEMA!r}")
-    if data.get("version") != BATCH_VERSION:
-        raise TrainError(f"{path}: version {data.get('version')!r} is not {BATCH_VERSION}")
-    task_ids = data.get("task_ids")
-    if not isinstance(task_ids, list) or not task_ids or not all(isinstance(t, str) and t for t in task_ids):
-        raise TrainError(f"{path}: task_ids must be a non-empty list of non-empty strings")
-    size = len(task_ids)
-    for key in ("iteration", "group_size"):
-        if type(data.get(key)) is not int or data[key] < 0:
-            raise TrainError(f"{path}: {key}={data.get(key)!r} must be an integer >= 0")
-    group_index, rewards = data.get("group_index"), data.get("rewards")
-    if not isinstance(group_index, Tensor) or group_index.dtype != torch.long or group_index.shape != (size,):
-        raise TrainError(f"{path}: group_index must be a LongTensor of shape [{size}]")
-    if not isinstance(rewards, Tensor) or not rewards.is_floating_point() or rewards.shape != (size,):
-        raise TrainError(f"{path}: rewards must be a float tensor of shape [{size}]")
-    if not bool(torch.isfinite(rewards).all()):
-        raise TrainError(f"{path}: rewards contain NaN or inf")
-    prompts = _int_lists(data.get("prompt_ids"), "prompt_ids", size, path)
-    responses = _int_lists(data.get("response_ids"), "response_ids", size, path)
-    engine = data.get("old_logprobs")
-    if not isinstance(engine, list) or len(engine) != size:
-        raise TrainError(f"{path}: old_logprobs must be a list of {size} lists")
-    old: list[Tensor] = []
-    for i, (row, resp) in enumerate(zip(engine, responses, strict=True)):
-        if not isinstance(row, list) or len(row) != len(resp):
-            raise TrainError(f"{path}: old_logprobs[{i}] must have one value per response token ({len(resp)})")
-        t = torch.tensor(row, dtype=torch.float32)
-        # A log-probability is <= 0; a little slack for engines' rounding.
-        if not bool(torch.isfinite(t).all()) or bool((t > 1e-3).any()):
-            raise TrainError(f"{path}: old_logprobs[{i}] has values that are not finite log-probabilities")
-        old.append(t)
-        if not prompts[i]:
-            raise TrainError(f"{path}: prompt_ids[{i}] is empty: a response needs a prompt")
-    return TrainBatch(
-        iteration=data["iteration"],
-        group_size=data["group_size"],
-        task_ids=task_ids,
-        group_index=group_index,
-        prompt_ids=prompts,
-        response_ids=responses,
-        old_logprobs=old,
-        rewards=rewards.to(torch.float32),
-    )
+        raise TrainError(
+            f"batch file {path} does not exist: the rollout phase must write it"
+        ) from None
+    except TrainBatchError as exc:
+        raise TrainError(str(exc)) from exc
+
+
+def check_vocab(batch: TrainBatch, vocab: int, source: Path) -> None:
+    for name in ("prompt", "response"):
+        flat, offsets = getattr(batch, f"{name}_tokens"), getattr(batch, f"{name}_offsets")
+        bad = ((flat < 0) | (flat >= vocab)).nonzero()
+        if bad.numel():
+            pos = int(bad[0, 0])
+            sample = int(torch.searchsorted(offsets, torch.tensor(pos), right=True)) - 1
+            raise TrainError(
+                f"{source}: sample {sample} ({batch.task_ids[sample]}) has {name} token id "
+                f"{int(flat[pos])} outside the model's vocabulary 0..{vocab - 1}: the batch "
+                "was made with another tokenizer"
+            )
 
 
 # ---------------------------------------------------------------- optimizer state
@@ -256,6 +199,24 @@ def load_batch(path: Path) -> TrainBatch:
 
 def _local(value: Any) -> Any:
     return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _fits(saved: OptimizerState, params: list[Any], groups: int, ctx: DistContext) -> bool:
+    """Whether a saved state can be loaded into this optimizer on this rank."""
+    if saved.strategy != ctx.strategy.value:
+        return False
+    if ctx.strategy == Strategy.FSDP2 and saved.world_size != ctx.world_size:
+        return False  # shards only fit the split they were cut for
+    state = saved.optimizer["state"]
+    if len(saved.optimizer["param_groups"]) != groups or len(state) > len(params):
+        return False
+    return all(
+        isinstance(i, int)
+        and 0 <= i < len(params)
+        and isinstance(entry.get("exp_avg"), Tensor)
+        and entry["exp_avg"].shape == _local(params[i]).shape
+        for i, entry in state.items()
+    )
 
 
 def restore_optimizer(optimizer: Any, job: TrainJob, ctx: DistContext) -> int:
@@ -267,38 +228,36 @@ def restore_optimizer(optimizer: Any, job: TrainJob, ctx: DistContext) -> int:
     """
     saved = load_optimizer_state(job.optim_dir, rank=ctx.rank, before_iteration=job.iteration)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    usable = saved is not None and saved.strategy == ctx.strategy.value
-    if usable and ctx.strategy == Strategy.FSDP2:
-        usable = saved.world_size == ctx.world_size  # shards only fit the same split
-    if usable:
-        state = saved.optimizer["state"]
-        usable = len(saved.optimizer["param_groups"]) == len(optimizer.param_groups) and all(
-            isinstance(state.get(i, {}).get("exp_avg"), Tensor)
-            and state[i]["exp_avg"].shape == _local(p).shape
-            for i, p in enumerate(params)
-        )
-    key = [saved.iteration, saved.step] if usable and saved else [-1, -1]
+    usable = saved is not None and _fits(saved, params, len(optimizer.param_groups), ctx)
+    key = [saved.iteration, saved.step] if saved is not None and usable else [-1, -1]
     low = all_reduce(key, ctx, dist.ReduceOp.MIN if ctx.is_distributed else None)
     high = all_reduce(key, ctx, dist.ReduceOp.MAX if ctx.is_distributed else None)
     if low[0] < 0 or low != high:
         if high[0] >= 0:
             log.warning(
                 "optimizer state in %s is missing, unfit or from different iterations on some "
-                "rank: every rank starts with fresh Adam moments", job.optim_dir,
+                "rank: every rank starts with fresh Adam moments",
+                job.optim_dir,
             )
         return 0
     assert saved is not None
     optimizer.load_state_dict(saved.optimizer)
     for group in optimizer.param_groups:  # this iteration's config wins over the saved one
-        group.update(lr=job.config.lr, betas=job.config.betas, eps=job.config.adam_eps,
-                     weight_decay=job.config.weight_decay)
+        group.update(
+            lr=job.config.lr,
+            betas=job.config.betas,
+            eps=job.config.adam_eps,
+            weight_decay=job.config.weight_decay,
+        )
     if ctx.strategy == Strategy.FSDP2:
         from torch.distributed.tensor import DTensor
 
         for p in params:
             for k, v in optimizer.state.get(p, {}).items():
                 if k != "step" and isinstance(p, DTensor) and not isinstance(v, DTensor):
-                    optimizer.state[p][k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements)
+                    optimizer.state[p][k] = DTensor.from_local(
+                        v.to(p.device), p.device_mesh, p.placements
+                    )
     log.info("restored optimizer state of iteration %d (step %d)", saved.iteration, saved.step)
     return saved.step
 
@@ -307,8 +266,14 @@ def save_optimizer(optimizer: Any, job: TrainJob, ctx: DistContext, step: int) -
     sd = optimizer.state_dict()
     sd["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in sd["state"].items()}
     save_optimizer_state(
-        OptimizerState(iteration=job.iteration, rank=ctx.rank, world_size=ctx.world_size,
-                       strategy=ctx.strategy.value, step=step, optimizer=sd),
+        OptimizerState(
+            iteration=job.iteration,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            strategy=ctx.strategy.value,
+            step=step,
+            optimizer=sd,
+        ),
         job.optim_dir,
     )
 
@@ -328,7 +293,7 @@ def load_model(model_dir: Path, ctx: DistContext) -> tuple[Any, Any]:
         model_dir, dtype=torch.float32, local_files_only=True, use_safetensors=True
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model.to(ctx.device)
+    model.to(ctx.device)  # type: ignore[arg-type]  # transformers' stub is wrong
     model.config.use_cache = False  # no KV cache while training
     return model, tokenizer
 
@@ -340,8 +305,9 @@ def wrap_model(model: Any, ctx: DistContext, *, trainable: bool) -> Any:
     if ctx.strategy == Strategy.FSDP2:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
+        policy = MixedPrecisionPolicy(param_dtype=ctx.compute_dtype, reduce_dtype=torch.float32)
+        # One shard group per decoder layer (all-gathered just in time), then the rest.
+        for layer in getattr(getattr(model, "model", None), "layers", []):
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         return model
@@ -373,41 +339,49 @@ def grad_sync(model: Any, ctx: DistContext, enabled: bool) -> Iterator[None]:
             yield
 
 
-def forward_logprobs(model: Any, packed: grpo.PackedBatch, device: torch.device) -> Tensor:
-    out = model(
-        input_ids=packed.input_ids.to(device),
-        attention_mask=packed.attention_mask.to(device),
-        use_cache=False,
+def autocast(ctx: DistContext) -> contextlib.AbstractContextManager[Any]:
+    """bf16 compute for DDP/single process; FSDP2 casts through its own policy."""
+    if ctx.compute_dtype == torch.float32 or (
+        ctx.is_distributed and ctx.strategy == Strategy.FSDP2
+    ):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=ctx.device.type, dtype=ctx.compute_dtype)
+
+
+def forward_logits(model: Any, packed: grpo.PackedBatch, ctx: DistContext) -> Tensor:
+    with autocast(ctx):
+        out = model(
+            input_ids=packed.input_ids.to(ctx.device),
+            attention_mask=packed.attention_mask.to(ctx.device),
+            use_cache=False,
+        )
+    return out.logits
+
+
+def _packed(batch: TrainBatch, idx: Sequence[int], pad_id: int) -> grpo.PackedBatch:
+    return grpo.collate(
+        [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id=pad_id
     )
-    return grpo.token_logprobs(out.logits, packed.input_ids.to(device)).cpu()
-
-
-def micro_batches(indices: Sequence[int], size: int, count: int) -> list[list[int]]:
-    out = [list(indices[i * size : (i + 1) * size]) for i in range(count)]
-    return out
 
 
 def policy_logprobs(
-    model: Any, batch: TrainBatch, own: Sequence[int], ctx: DistContext, config: TrainConfig, pad_id: int
+    model: Any, batch: TrainBatch, own: Sequence[int], ctx: DistContext, micro: int, pad_id: int
 ) -> dict[int, Tensor]:
     """Per-response-token log-probs of `own` samples under `model`, without grad.
 
     All ranks run the same number of forwards (FSDP2 all-gathers inside).
     """
-    longest = max(len(shard(batch.size, ctx.world_size, r)) for r in range(ctx.world_size))
-    count = max(1, math.ceil(longest / config.micro_batch_size))
+    longest = len(shard(batch.num_samples, ctx.world_size, 0))  # rank 0's shard is the largest
     out: dict[int, Tensor] = {}
     with torch.no_grad():
-        for chunk in micro_batches(own, config.micro_batch_size, count):
-            real = bool(chunk)
-            idx = chunk if real else [0]  # a throwaway forward keeps collectives in step
-            packed = grpo.collate(
-                [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id=pad_id
-            )
-            logp = forward_logprobs(model, packed, ctx.device)
-            if real:
-                for i, values in zip(idx, grpo.extract_response_values(logp, packed), strict=True):
-                    out[i] = values
+        for m in range(max(1, math.ceil(longest / micro))):
+            chunk = list(own[m * micro : (m + 1) * micro])
+            idx = chunk or [0]  # a throwaway forward keeps the collectives in step
+            packed = _packed(batch, idx, pad_id)
+            logits = forward_logits(model, packed, ctx)
+            logp = grpo.token_logprobs(logits, packed.input_ids.to(ctx.device)).cpu()
+            for i, values in zip(chunk, grpo.extract_response_values(logp, packed), strict=False):
+                out[i] = values
     return out
 
 
@@ -424,21 +398,129 @@ def param_digest(model: Any) -> str:
 # ---------------------------------------------------------------- the iteration
 
 
+@dataclass
+class Sums:
+    """Token sums over the iteration, added over ranks before they become means."""
+
+    loss: float = 0.0  # the objective as optimised (already normalised)
+    policy: float = 0.0
+    kl: float = 0.0
+    clipped: float = 0.0
+    ratio: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, terms: grpo.LossTerms) -> None:
+        self.loss += float(terms.loss.detach())
+        self.policy += float(terms.policy_sum)
+        self.kl += float(terms.kl_sum)
+        self.clipped += float(terms.clipped_tokens)
+        self.ratio += float(terms.ratio_sum)
+        self.tokens += float(terms.tokens)
+
+    def reduced(self, ctx: DistContext) -> Sums:
+        return Sums(
+            *all_reduce(
+                [self.loss, self.policy, self.kl, self.clipped, self.ratio, self.tokens], ctx
+            )
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inputs:
+    """What the optimizer steps read: advantages and the per-sample reference values."""
+
+    batch: TrainBatch
+    advantages: Tensor  # [S]
+    old: dict[int, Tensor]  # recomputed "old" log-probs of this rank's samples
+    ref: dict[int, Tensor] | None  # reference log-probs (KL on) of this rank's samples
+    own: list[int]
+    pad_id: int
+
+
+def optimizer_step(
+    wrapped: Any,
+    optimizer: Any,
+    step: grpo.Step,
+    inputs: Inputs,
+    ctx: DistContext,
+    config: TrainConfig,
+    total_steps: int,
+) -> tuple[Sums, float]:
+    """Accumulate the step's micro-batches, clip, and apply AdamW; returns (local sums, grad norm)."""
+    sums = Sums()
+    optimizer.zero_grad(set_to_none=True)
+    mine = step.micro[ctx.rank]
+    for m, chunk in enumerate(mine):
+        real = bool(chunk)
+        # A rank short of samples runs a zero-weight copy of a real one: DDP
+        # and FSDP2 need every rank in every backward's collectives.
+        idx = list(chunk) if real else [inputs.own[0] if inputs.own else 0]
+        packed = _packed(inputs.batch, idx, inputs.pad_id)
+        with grad_sync(wrapped, ctx, enabled=m == len(mine) - 1):
+            logits = forward_logits(wrapped, packed, ctx)
+            logp = grpo.token_logprobs(logits, packed.input_ids.to(ctx.device))
+            if real:
+                old = grpo.place_response_values([inputs.old[i] for i in idx], packed)
+            else:
+                old = logp.detach().cpu()
+            ref = None
+            if inputs.ref is not None and real:
+                ref = grpo.place_response_values([inputs.ref[i] for i in idx], packed).to(
+                    ctx.device
+                )
+            if config.loss_agg == LossAgg.TOKEN_MEAN:
+                weights, normalizer = None, max(step.tokens, 1)
+            else:
+                weights = torch.tensor([1.0 / max(r, 1) for r in packed.response_lens])
+                normalizer = max(step.samples, 1)
+            terms = grpo.grpo_loss(
+                logp,
+                old.to(ctx.device),
+                inputs.advantages[idx].to(ctx.device),
+                packed.response_mask.to(ctx.device),
+                clip_eps=config.clip_eps,
+                normalizer=normalizer,
+                ref_logp=ref,
+                kl_coef=config.kl_coef,
+                sample_weights=None if weights is None else weights.to(ctx.device),
+            )
+            # DDP and FSDP2 average gradients over ranks, while the normaliser
+            # already counts every rank's tokens/samples: scale the average back to a sum.
+            (terms.loss * (float(ctx.world_size) if real else 0.0)).backward()
+        if real:
+            sums.add(terms)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), config.max_grad_norm))
+    if not math.isfinite(grad_norm):
+        raise TrainError(
+            f"gradient norm is {grad_norm}: lower lr (now {config.lr}) or check the batch's rewards"
+        )
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr_at(total_steps)
+    optimizer.step()
+    return sums, grad_norm
+
+
 def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
-    """Train one iteration and publish its outputs; returns the metrics (all ranks)."""
+    """Train one iteration and publish its outputs; returns the metrics (on every rank)."""
     started = time.monotonic()
     config = job.config
-    set_determinism(config.seed * 1_000_003 + job.iteration)
+    seed_everything(config.seed * 1_000_003 + job.iteration)
     batch = load_batch(job.batch_path)
-    log.info("batch %s: %d samples, %d response tokens", job.batch_path, batch.size, batch.num_response_tokens)
+    if batch.iteration != job.iteration:
+        raise TrainError(
+            f"{job.batch_path} holds the batch of iteration {batch.iteration}, but this is "
+            f"iteration {job.iteration}: a stale batch; aggregate iteration {job.iteration} again"
+        )
+    lens = [len(r) for r in batch.response_ids]
+    log.info(
+        "batch %s: %d samples, %d response tokens", job.batch_path, batch.num_samples, sum(lens)
+    )
 
     model, tokenizer = load_model(job.model_dir, ctx)
-    vocab = model.get_input_embeddings().num_embeddings
-    batch.check_vocab(vocab, source=job.batch_path)
+    check_vocab(batch, model.get_input_embeddings().num_embeddings, job.batch_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     model.train()
     wrapped = wrap_model(model, ctx, trainable=True)
-
     optimizer = torch.optim.AdamW(
         wrapped.parameters(),
         lr=config.lr,
@@ -446,111 +528,95 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
     )
-    restored_step = restore_optimizer(optimizer, job, ctx)
+    start_step = restore_optimizer(optimizer, job, ctx)
 
-    advantages = grpo.group_advantages(batch.rewards, batch.group_index, eps=config.adv_eps)
-    own = shard(batch.size, ctx.world_size, ctx.rank)
-
-    # The PPO "old" policy is the current weights, recomputed here; the
+    own = shard(batch.num_samples, ctx.world_size, ctx.rank)
+    if batch.num_samples == 0:
+        # Every group failed: publish the unchanged model so the run moves on.
+        log.warning("batch %s is empty: publishing the model unchanged", job.batch_path)
+        steps: list[grpo.Step] = []
+    else:
+        steps = plan_steps(lens, world=ctx.world_size, config=config, iteration=job.iteration)
+    # The PPO "old" policy is the current weights, recomputed here: the
     # engine's log-probs differ by kernels and precision and are only compared.
-    old = policy_logprobs(wrapped, batch, own, ctx, config, pad_id)
-    mismatch_sum = sum(float((old[i] - batch.old_logprobs[i]).abs().sum()) for i in own)
-    mismatch_max = max((float((old[i] - batch.old_logprobs[i]).abs().max()) for i in own if old[i].numel()), default=0.0)
-    ref: dict[int, Tensor] | None = None
-    if config.kl_coef > 0:
+    old = (
+        policy_logprobs(wrapped, batch, own, ctx, config.micro_batch_size, pad_id) if steps else {}
+    )
+    offsets = batch.response_offsets.tolist()
+    engine = {i: batch.response_logprobs[offsets[i] : offsets[i + 1]] for i in own}
+    gaps = [(old[i] - engine[i]).abs() for i in own if lens[i]]
+    mismatch_sum = all_reduce([sum(float(g.sum()) for g in gaps)], ctx)[0]
+    mismatch_max = all_reduce(
+        [max((float(g.max()) for g in gaps), default=0.0)],
+        ctx,
+        dist.ReduceOp.MAX if ctx.is_distributed else None,
+    )[0]
+    ref = None
+    if config.kl_coef > 0 and steps:
         assert job.ref_model_dir is not None  # TrainJob enforces it
         ref_model, _ = load_model(job.ref_model_dir, ctx)
         ref_model.eval()
-        ref = policy_logprobs(wrap_model(ref_model, ctx, trainable=False), batch, own, ctx, config, pad_id)
-        del ref_model
-    log.info("old log-probs ready (engine mismatch mean %.4g)", mismatch_sum / max(1, batch.num_response_tokens))
+        ref_wrapped = wrap_model(ref_model, ctx, trainable=False)
+        ref = policy_logprobs(ref_wrapped, batch, own, ctx, config.micro_batch_size, pad_id)
+        del ref_model, ref_wrapped
+    log.info(
+        "old log-probs ready; engine mismatch mean %.3g max %.3g",
+        mismatch_sum / max(1, sum(lens)),
+        mismatch_max,
+    )
 
-    steps = plan_steps(batch.response_lens, world=ctx.world_size, config=config, iteration=job.iteration)
-    totals = dict(policy=0.0, kl=0.0, clipped=0.0, ratio=0.0, tokens=0.0)
-    step_losses: list[float] = []
-    grad_norms: list[float] = []
+    advantages = (
+        grpo.group_advantages(batch.rewards, batch.group_index, eps=config.adv_eps)
+        if batch.num_samples
+        else torch.zeros(0)
+    )
+    inputs = Inputs(batch=batch, advantages=advantages, old=old, ref=ref, own=own, pad_id=pad_id)
+    totals, step_losses, grad_norms = Sums(), [], []
     for number, step in enumerate(steps, start=1):
-        optimizer.zero_grad(set_to_none=True)
-        sums = [0.0] * 5
-        mine = step.micro[ctx.rank]
-        for m, chunk in enumerate(mine):
-            real = bool(chunk)
-            idx = list(chunk) if real else [own[0] if own else 0]
-            packed = grpo.collate(
-                [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id=pad_id
-            )
-            with grad_sync(wrapped, ctx, enabled=m == len(mine) - 1):
-                out = wrapped(
-                    input_ids=packed.input_ids.to(ctx.device),
-                    attention_mask=packed.attention_mask.to(ctx.device),
-                    use_cache=False,
-                )
-                logp = grpo.token_logprobs(out.logits, packed.input_ids.to(ctx.device))
-                mask = packed.response_mask.to(ctx.device)
-                if real:
-                    old_t = grpo.place_response_values([old[i] for i in idx], packed).to(ctx.device)
-                else:
-                    old_t = logp.detach()
-                ref_t = None
-                if ref is not None and real:
-                    ref_t = grpo.place_response_values([ref[i] for i in idx], packed).to(ctx.device)
-                terms = grpo.grpo_loss(
-                    logp, old_t, advantages[idx].to(ctx.device), mask,
-                    clip_eps=config.clip_eps, normalizer=max(step.tokens, 1),
-                    ref_logp=ref_t, kl_coef=config.kl_coef,
-                )
-                # DDP and FSDP2 average gradients over ranks; the normaliser
-                # already counts every rank's tokens, so undo the average.
-                weight = float(ctx.world_size) if real else 0.0
-                (terms.loss * weight).backward()
-            if real:
-                for k, v in enumerate((terms.policy_sum, terms.kl_sum, terms.clipped_tokens, terms.ratio_sum, terms.tokens)):
-                    sums[k] += float(v)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), config.max_grad_norm))
-        if not math.isfinite(grad_norm):
-            raise TrainError(
-                f"step {number}: gradient norm is {grad_norm}: lower lr (now {config.lr}) "
-                "or check the batch's rewards"
-            )
-        optimizer.step()
-        sums = all_reduce(sums, ctx)
-        loss = (sums[0] + config.kl_coef * sums[1]) / max(step.tokens, 1)
-        step_losses.append(loss)
+        local, grad_norm = optimizer_step(
+            wrapped, optimizer, step, inputs, ctx, config, start_step + number
+        )
+        sums = local.reduced(ctx)
+        step_losses.append(sums.loss)
         grad_norms.append(grad_norm)
-        for key, value in zip(totals, sums, strict=True):
-            totals[key] += value
-        log.info("step %d/%d loss %.5f grad_norm %.4f", number, len(steps), loss, grad_norm)
+        for name in ("loss", "policy", "kl", "clipped", "ratio", "tokens"):
+            setattr(totals, name, getattr(totals, name) + getattr(sums, name))
+        log.info(
+            "step %d/%d loss %.5f grad_norm %.4f lr %.3g",
+            number,
+            len(steps),
+            step_losses[-1],
+            grad_norm,
+            optimizer.param_groups[0]["lr"],
+        )
 
-    agg = all_reduce([mismatch_sum], ctx)[0]
-    agg_max = all_reduce([mismatch_max], ctx, dist.ReduceOp.MAX if ctx.is_distributed else None)[0]
-    tokens_seen = max(totals["tokens"], 1.0)
+    seen = max(totals.tokens, 1.0)
     metrics: dict[str, Any] = {
         "schema": METRICS_SCHEMA,
         "version": METRICS_VERSION,
         "iteration": job.iteration,
         "world_size": ctx.world_size,
         "strategy": ctx.strategy.value,
-        "samples": batch.size,
-        "tokens": batch.num_response_tokens,
+        "samples": batch.num_samples,
+        "tokens": sum(lens),
         "steps": len(steps),
-        "loss": (totals["policy"] + config.kl_coef * totals["kl"]) / tokens_seen,
+        "loss": totals.loss / len(steps) if steps else 0.0,
         "loss_per_step": step_losses,
-        "kl": totals["kl"] / tokens_seen,
-        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "kl": totals.kl / seen,
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
         "grad_norm_per_step": grad_norms,
-        "clip_fraction": totals["clipped"] / tokens_seen,
-        "ratio_mean": totals["ratio"] / tokens_seen,
-        "lr": optimizer.param_groups[0]["lr"],
-        "reward_mean": float(batch.rewards.mean()),
-        "advantage_mean": float(advantages.mean()),
-        "advantage_abs_mean": float(advantages.abs().mean()),
-        "logprob_mismatch_mean_abs": agg / max(1, batch.num_response_tokens),
-        "logprob_mismatch_max_abs": agg_max,
-        "optimizer_step_start": restored_step,
-        "optimizer_step_end": restored_step + len(steps),
+        "clip_fraction": totals.clipped / seen,
+        "ratio_mean": totals.ratio / seen if totals.tokens else 1.0,
+        "lr": config.lr_at(start_step + max(len(steps), 1)),
+        "reward_mean": float(batch.rewards.mean()) if batch.num_samples else 0.0,
+        "advantage_mean": float(advantages.mean()) if batch.num_samples else 0.0,
+        "advantage_abs_mean": float(advantages.abs().mean()) if batch.num_samples else 0.0,
+        "logprob_mismatch_mean_abs": mismatch_sum / max(1, sum(lens)),
+        "logprob_mismatch_max_abs": mismatch_max,
+        "optimizer_step_start": start_step,
+        "optimizer_step_end": start_step + len(steps),
     }
-
-    finish(job, ctx, wrapped, tokenizer, optimizer, metrics, started)
+    finish(job, ctx, wrapped, optimizer, metrics, started)
     return metrics
 
 
@@ -559,16 +625,26 @@ def gathered_state(model: Any, ctx: DistContext) -> dict[str, Tensor] | None:
     if ctx.is_distributed and ctx.strategy == Strategy.FSDP2:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(
+        state = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        return dict(state)  # type: ignore[arg-type]
     return None
 
 
 def finish(
-    job: TrainJob, ctx: DistContext, model: Any, tokenizer: Any, optimizer: Any,
-    metrics: dict[str, Any], started: float,
+    job: TrainJob,
+    ctx: DistContext,
+    model: Any,
+    optimizer: Any,
+    metrics: dict[str, Any],
+    started: float,
 ) -> None:
+    """Save every rank's optimizer state, then (rank 0) the checkpoint, then the metrics.
+
+    The metrics file is written last: the coordinator may take its presence
+    as "iteration trained", so everything it describes must exist first.
+    """
     digest = param_digest(model)
     log.info("params sha256 %s", digest)
     full_state = gathered_state(model, ctx)
@@ -578,14 +654,20 @@ def finish(
     if ctx.rank == 0:
         inner = unwrap(model)
         manifest = publish_checkpoint(
-            inner, None, job.out_dir, iteration=job.iteration, state_dict=full_state,
+            inner,
+            None,
+            job.out_dir,
+            iteration=job.iteration,
+            state_dict=full_state,
             carry_files_from=job.model_dir,
         )
         metrics["checkpoint_digest"] = manifest.digest
         metrics["params_sha256"] = digest
         metrics["seconds"] = time.monotonic() - started
         publish_bytes(job.metrics_path, (json.dumps(metrics, indent=2) + "\n").encode())
-        log.info("published %s (manifest %s) in %.1f s", job.out_dir, manifest.digest, metrics["seconds"])
+        log.info(
+            "published %s (manifest %s) in %.1f s", job.out_dir, manifest.digest, metrics["seconds"]
+        )
     if ctx.is_distributed:
         dist.barrier()
 
@@ -603,19 +685,29 @@ def _setup_logging(rank: int, world: int, iteration: int | str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n")[0])
-    parser.add_argument("--job", type=Path, required=True, help="train job JSON (trainer.config.TrainJob)")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.train", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--job", type=Path, required=True, help="train job JSON (trainer.config.TrainJob)"
+    )
     args = parser.parse_args(argv)
     die_with_parent()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers.utils.logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # tqdm bars would flood the per-rank logs
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     _setup_logging(rank, world, "?")
     ctx: DistContext | None = None
     try:
         job = TrainJob.load(args.job)
         _setup_logging(rank, world, job.iteration)
+        # Process-wide, so set here rather than in run(), which tests call in-process.
+        # warn_only: a few CUDA kernels have no deterministic version; CPU has all we use.
+        torch.use_deterministic_algorithms(True, warn_only=True)
         ctx = init_distributed(job.config)
         log.info("start: %s on %s, strategy %s", args.job, ctx.device, ctx.strategy.value)
         run(job, ctx)
@@ -625,7 +717,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as exc:
         log.exception("failed with an unexpected error")
-        print(f"trainer: unexpected error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(
+            f"trainer: unexpected error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True
+        )
         return 1
     else:
         log.info("done")

@@ -1,0 +1,219 @@
+"""Publishing, verifying, caching and choosing checkpoints on a real filesystem."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointError,
+    copy_to_local_cache,
+    latest_checkpoint,
+    publish_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+)
+
+
+class FakeModel:
+    """Implements the save_pretrained interface publish_checkpoint uses."""
+
+    def __init__(
+        self,
+        weights: bytes = b"\x00" * 64,
+        *,
+        pause: threading.Event | None = None,
+        resume: threading.Event | None = None,
+        fail: bool = False,
+    ) -> None:
+        self.weights, self.pause, self.resume, self.fail = weights, pause, resume, fail
+        self.written_to: Path | None = None
+
+    def save_pretrained(self, directory: Path, state_dict: dict[str, Any] | None = None) -> None:
+        self.written_to = Path(directory)
+        (self.written_to / "config.json").write_text('{"model_type": "llama"}\n')
+        if self.pause is not None and self.resume is not None:
+            self.pause.set()
+            assert self.resume.wait(10)
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        (self.written_to / "model.safetensors").write_bytes(self.weights)
+
+
+class FakeTokenizer:
+    def save_pretrained(self, directory: Path) -> None:
+        (Path(directory) / "tokenizer.json").write_text('{"model": {}}\n')
+
+
+def publish(final: Path, iteration: int = 1, weights: bytes = b"\x00" * 64) -> None:
+    publish_checkpoint(FakeModel(weights), FakeTokenizer(), final, iteration=iteration)
+
+
+def test_published_checkpoint_lists_every_file_with_hash_and_size(tmp_path: Path) -> None:
+    final = tmp_path / "ckpt" / "iter-000001"
+    publish(final, iteration=1)
+    manifest = verify_checkpoint(final)
+    assert manifest.iteration == 1
+    assert {f.name: f.size for f in manifest.files} == {
+        "config.json": 24,
+        "model.safetensors": 64,
+        "tokenizer.json": 14,
+    }
+    assert all(oct(p.stat().st_mode & 0o777) == "0o644" for p in final.iterdir())
+    assert [p.name for p in final.parent.iterdir()] == ["iter-000001"]  # no temp left over
+
+
+def test_a_file_altered_after_publishing_is_refused_naming_it(tmp_path: Path) -> None:
+    final = tmp_path / "iter-1"
+    publish(final)
+    weights = final / "model.safetensors"
+    weights.write_bytes(b"\x01" + weights.read_bytes()[1:])  # same size, one flipped byte
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: sha256 differs") as err:
+        verify_checkpoint(final)
+    assert err.value.path == weights
+
+
+def test_truncated_missing_and_extra_files_are_each_named(tmp_path: Path) -> None:
+    final = tmp_path / "iter-1"
+    publish(final)
+    (final / "tokenizer.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: size 2 differs"):
+        verify_checkpoint(final)
+    (final / "tokenizer.json").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"tokenizer\.json: file listed in the manifest is missing"
+    ):
+        verify_checkpoint(final)
+    publish(tmp_path / "iter-2")
+    (tmp_path / "iter-2" / "stray.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"stray\.bin: extra file"):
+        verify_checkpoint(tmp_path / "iter-2")
+
+
+def test_manifest_naming_a_path_outside_the_checkpoint_is_malformed(tmp_path: Path) -> None:
+    final = tmp_path / "iter-1"
+    publish(final)
+    data = json.loads((final / MANIFEST_NAME).read_text())
+    data["files"]["../escape"] = {"sha256": "0" * 64, "size": 1}
+    (final / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"'\.\./escape' is not a plain relative path"):
+        verify_checkpoint(final)
+
+
+def test_the_final_name_never_shows_a_partial_checkpoint(tmp_path: Path) -> None:
+    final = tmp_path / "iter-000003"
+    pause, resume = threading.Event(), threading.Event()
+    model = FakeModel(pause=pause, resume=resume)
+    worker = threading.Thread(
+        target=publish_checkpoint, args=(model, FakeTokenizer(), final), kwargs={"iteration": 3}
+    )
+    worker.start()
+    try:
+        assert pause.wait(10)
+        # Half written: the files go to a hidden sibling, the final name is absent
+        # and a reader choosing the latest checkpoint sees nothing.
+        assert model.written_to is not None and model.written_to.parent == tmp_path
+        assert model.written_to.name.startswith(".")
+        assert not final.exists()
+        assert latest_checkpoint(tmp_path) is None
+    finally:
+        resume.set()
+        worker.join(10)
+    assert verify_checkpoint(final).iteration == 3
+    assert latest_checkpoint(tmp_path) == final
+
+
+def test_a_failed_write_leaves_neither_final_nor_temporary_dir(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="No space left"):
+        publish_checkpoint(FakeModel(fail=True), FakeTokenizer(), tmp_path / "iter-1", iteration=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_republishing_identical_content_is_a_no_op_and_different_content_is_refused(
+    tmp_path: Path,
+) -> None:
+    final = tmp_path / "iter-1"
+    publish(final, weights=b"a" * 8)
+    before = (final / MANIFEST_NAME).stat().st_ino
+    publish(final, weights=b"a" * 8)
+    assert (final / MANIFEST_NAME).stat().st_ino == before
+    with pytest.raises(CheckpointError, match="already holds a different checkpoint"):
+        publish(final, weights=b"b" * 8)
+    assert (final / "model.safetensors").read_bytes() == b"a" * 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-1"]
+
+
+def test_local_cache_copy_is_verified_and_reused(tmp_path: Path) -> None:
+    src = tmp_path / "shared" / "iter-000002"
+    publish(src, iteration=2)
+    cache = tmp_path / "cache"
+    copy = copy_to_local_cache(src, cache)
+    assert copy.parent == cache and copy != src
+    assert verify_checkpoint(copy) == verify_checkpoint(src)
+    inode = (copy / "model.safetensors").stat().st_ino
+    assert copy_to_local_cache(src, cache) == copy
+    assert (copy / "model.safetensors").stat().st_ino == inode  # reused, not copied again
+
+
+def test_a_damaged_cache_copy_is_replaced(tmp_path: Path) -> None:
+    src = tmp_path / "iter-1"
+    publish(src)
+    copy = copy_to_local_cache(src, tmp_path / "cache")
+    (copy / "model.safetensors").write_bytes(b"garbage")
+    again = copy_to_local_cache(src, tmp_path / "cache")
+    assert again == copy
+    verify_checkpoint(again)
+
+
+def test_a_corrupt_source_is_not_cached(tmp_path: Path) -> None:
+    src = tmp_path / "iter-1"
+    publish(src)
+    (src / "config.json").write_text('{"model_type": "gpt2"}\n')
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        copy_to_local_cache(src, tmp_path / "cache")
+    cache = tmp_path / "cache"
+    assert not cache.exists() or not any(p.name.startswith("iter-1") for p in cache.iterdir())
+
+
+def test_latest_is_chosen_by_manifest_iteration_not_mtime_or_name(tmp_path: Path) -> None:
+    publish(tmp_path / "b", iteration=2)
+    publish(tmp_path / "c", iteration=1)  # newer mtime, later name, older iteration
+    os.utime(tmp_path / "b", (0, 0))
+    (tmp_path / ".c.tmp-1-abcd").mkdir()  # an interrupted publish
+    (tmp_path / "junk").mkdir()  # no manifest
+    assert latest_checkpoint(tmp_path) == tmp_path / "b"
+
+
+def test_latest_skips_a_damaged_newest_checkpoint(tmp_path: Path) -> None:
+    publish(tmp_path / "a", iteration=1)
+    publish(tmp_path / "z", iteration=5)
+    (tmp_path / "z" / "model.safetensors").write_bytes(b"")
+    assert latest_checkpoint(tmp_path) == tmp_path / "a"
+    assert latest_checkpoint(tmp_path, verify=False) == tmp_path / "z"
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_a_real_model_round_trips_through_publish_and_verify(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from trainer.tiny_model import create_tiny_model
+
+    src = create_tiny_model(tmp_path / "tiny", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(src, local_files_only=True)
+    final = tmp_path / "iter-000007"
+    manifest = publish_checkpoint(model, None, final, iteration=7, carry_files_from=src)
+    assert read_manifest(final) == manifest == verify_checkpoint(final)
+    # Non-weight files are carried over byte for byte; the weights are the model's.
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (final / name).read_bytes() == (src / name).read_bytes()
+    reloaded = AutoModelForCausalLM.from_pretrained(final, local_files_only=True)
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), reloaded.state_dict().items(), strict=True
+    ):
+        assert bool((a == b).all()), name
