@@ -281,7 +281,7 @@ def recover(
 def init_model(
     out: Annotated[Path, typer.Option(help="Directory to create (must not exist).")],
     seed: Annotated[int, typer.Option(help="Weights seed.")] = 0,
-    warmstart_steps: Annotated[int, typer.Option(help="Supervised warm-up steps on the built-in task (0: none).")] = 150,
+    warmstart_steps: Annotated[int, typer.Option(help="Supervised warm-up steps on the built-in task (0: none).")] = 65,
 ) -> None:
     """Create the tiny demo model (Hugging Face format, safetensors, tokenizer) locally."""
     from trainer.launch import init_model as build
@@ -319,7 +319,7 @@ def demo(
     model = path / "model-init"
     if not (model / "manifest.json").exists():
         typer.echo(f"building the tiny model in {model} (random init + short warm start)...")
-        report = build(model, seed=0, warmstart_steps=150)
+        report = build(model, seed=0, warmstart_steps=65)
         typer.echo(f"  done: {report}")
     extra_args = [a for item in extra for a in ("--set", item)]
     typer.echo(f"starting {nodes} nodes; run directory {path}")

@@ -32,7 +32,7 @@ class ModelSection:
     # (with a short supervised warm start) under <log-path>/model-init.
     path: str = ""
     init_seed: int = 0
-    warmstart_steps: int = 150
+    warmstart_steps: int = 65  # 8-14% sampled accuracy: room for RL to double it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,8 +45,8 @@ class DataSection:
 @dataclass(frozen=True, kw_only=True)
 class RolloutSection:
     group_size: int = 8  # samples per prompt (GRPO's group)
-    tasks_per_iteration: int = 48  # 0: the whole train split every iteration
-    max_tokens: int = 8
+    tasks_per_iteration: int = 128  # 0: the whole train split every iteration
+    max_tokens: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
     eval_tasks: int = 64  # 0: the whole eval split
