@@ -13,3 +13,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("model") / "tiny"
     init_model(out, seed=0, warmstart_steps=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's model: warm-started, so rewards vary and training moves the weights."""
+    from trainer.launch import init_model
+
+    out = tmp_path_factory.mktemp("model") / "warm"
+    init_model(out, seed=0, warmstart_steps=65)
+    return out

@@ -1,0 +1,180 @@
+"""The whole loop on 3 daemons: rollout, aggregation, eval, torchrun training,
+publishing and engine restart; a trainer killed mid-training; a tampered checkpoint."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.core.cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+LEASE = 6.0
+
+CONFIG = """
+[run]
+actions = "rl"
+iterations = {iterations}
+eval_interval = 1
+eval_before_train = false
+
+[model]
+path = "{model}"
+
+[rollout]
+group_size = 4
+tasks_per_iteration = 12
+eval_tasks = 6
+eval_group_size = 2
+checkpoint_every_groups = 4
+max_tokens = 6
+
+[train]
+mini_batch_size = 16
+
+[coordination]
+heartbeat_interval_s = 0.5
+lease_s = {lease}
+join_timeout_s = 120.0
+"""
+
+
+def cluster(tmp_path: Path, model: Path, iterations: int) -> LocalCluster:
+    config = tmp_path / "rl.toml"
+    config.write_text(CONFIG.format(model=model, iterations=iterations, lease=LEASE))
+    return LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
+
+
+def trainers(run_dir: Path) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "trainer.train" in cmd and str(run_dir) in cmd:
+            out.append(p)
+    return out
+
+
+def test_three_nodes_run_two_full_iterations(tmp_path: Path, warm_model: Path) -> None:
+    from trainer.checkpoint import verify_checkpoint
+
+    c = cluster(tmp_path, warm_model, iterations=2)
+    try:
+        c.start_all()
+        codes = c.wait_all(timeout=600)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+    finally:
+        c.close()
+    run = c.log_path
+    for it in (0, 1):
+        base = run / f"iterations/{it:06d}"
+        assert json.loads((base / "metrics/rollout.json").read_text())["num_samples"] == 48
+        # eval_interval 1 without eval_before_train: iteration 1 evaluates, 0 does not.
+        assert (base / "metrics/eval.json").exists() == (it == 1)
+        if it == 1:
+            assert json.loads((base / "metrics/eval.json").read_text())["num_samples"] == 12
+        train = json.loads((base / "metrics/train.json").read_text())
+        assert train["samples"] == 48
+        manifest = verify_checkpoint(run / f"checkpoints/iter-{it:06d}")
+        assert manifest.iteration == it
+    # Iteration 1 trained from iteration 0's checkpoint; the optimizer steps carried on.
+    job1 = json.loads((run / "iterations/000001/train/job.json").read_text())
+    assert job1["model_dir"].endswith("checkpoints/iter-000000")
+    t0 = json.loads((run / "iterations/000000/metrics/train.json").read_text())
+    t1 = json.loads((run / "iterations/000001/metrics/train.json").read_text())
+    assert t1["optimizer_step_start"] == t0["optimizer_step_end"] > 0
+    weights = [verify_checkpoint(run / f"checkpoints/iter-{it:06d}").files for it in (0, 1)]
+    assert weights[0] != weights[1]
+    # Phase 12 restarted every engine on the new checkpoint: the rollout of
+    # iteration 1 was served from a verified local copy of iter-000000.
+    for rank in range(3):
+        log = (run / f"ranks/{rank}/logs/hf_server.log").read_text()
+        assert "iter-000000-" in log
+    assert not trainers(run)
+
+
+@pytest.mark.parametrize("victim", ["trainer", "node"])
+def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
+    tmp_path: Path, warm_model: Path, victim: str
+) -> None:
+    c = cluster(tmp_path, warm_model, iterations=2)
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(2, 1, 10) and any(
+            "--node-rank 2" in " ".join(p.parent().cmdline()) for p in trainers(c.log_path)
+            if p.is_running()), 600, "node 2's trainer in iteration 1")
+        if victim == "trainer":
+            next(p for p in trainers(c.log_path)
+                 if "--node-rank 2" in " ".join(p.parent().cmdline())).kill()
+        else:
+            c.procs[2].kill()  # the whole node: its daemon, torchrun and trainer go down
+        killed = time.monotonic()
+        survivors = [0, 1, 2] if victim == "trainer" else [0, 1]
+        for rank in survivors:
+            code = c.wait(rank, timeout=LEASE + 5 + 10)
+            took = time.monotonic() - killed
+            assert took <= LEASE + 5, f"rank {rank} needed {took:.1f} s to stop"
+            if victim == "trainer":
+                assert code == 4, c.output(rank)[-2000:]
+                assert re.search(r"rank 2 .*failed iteration 1 phase 10 \(train\).*torchrun on "
+                                 r"rank 2", c.output(rank)), c.output(rank)[-2000:]
+            else:
+                assert code == 3, c.output(rank)[-2000:]
+                assert re.search(r"rank 2 \(host [^)]+\) lost at iteration 1 phase 10 \(train\)",
+                                 c.output(rank)), c.output(rank)[-2000:]
+        time.sleep(1.0)
+        assert not trainers(c.log_path), "every node stopped its torchrun"
+
+        out = subprocess.run([sys.executable, "-m", "coordinator", "recover", "--log-path",
+                              str(c.log_path), "--iteration", "1"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        c.start_all()
+        codes = c.wait_all(timeout=600)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+        # Training of iteration 1 was rerun from iteration 0's checkpoint.
+        job = json.loads((c.log_path / "iterations/000001/train/job.json").read_text())
+        assert job["model_dir"].endswith("checkpoints/iter-000000")
+        assert (c.log_path / "checkpoints/iter-000001/manifest.json").exists()
+        # The rollout of iteration 1, finished before the kill, was not redone.
+        assert "already done (journal), not redone" in c.output(1)
+    finally:
+        c.close()
+
+
+def test_a_checkpoint_altered_after_publishing_is_refused_at_phase_12_naming_the_file(
+    tmp_path: Path, warm_model: Path
+) -> None:
+    import shutil
+
+    from coordinator.actions import StepContext, resolve_config
+    from coordinator.errors import ActionError
+    from coordinator.phases import Phase
+    from coordinator.runtime import Runtime
+    from rollout.rl_actions import build
+
+    run = tmp_path / "run"
+    published = run / "checkpoints/iter-000000"
+    shutil.copytree(warm_model, published)
+    weights = published / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    config = resolve_config({"run": {"actions": "rl"}, "model": {"path": str(warm_model)},
+                             "checkpoint": {"local_cache": str(tmp_path / "cache")}})
+    actions = build(config, rank=1, num_nodes=3, run_dir=run)
+    ctx = StepContext(rank=1, num_nodes=3, iteration=0, phase=Phase.RESTART_ENGINE, run_dir=run,
+                      run_id="r", config=config, weights=(1.0, 1.0, 1.0), host="h",
+                      address="127.0.0.1", runtime=Runtime(),
+                      releases={11: {"checkpoint": "checkpoints/iter-000000"}})
+    try:
+        with pytest.raises(ActionError, match=r"model\.safetensors"):
+            actions.run(Phase.RESTART_ENGINE, ctx)
+    finally:
+        actions.close()
