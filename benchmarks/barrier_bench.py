@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ iterations = {iterations}
 outputs = false
 sleeps = [{sleeps}]
 [coordination]
+wakeups = {wakeups}
 join_timeout_s = 600.0
 """
 
@@ -70,7 +70,7 @@ def run_ours(n: int, iterations: int, work: Path, *, late_s: float = 0.0) -> dic
     work.mkdir(parents=True)
     sleeps = f'"{n - 1}:0:1:{late_s}"' if late_s else ""
     config = work / "c.toml"
-    config.write_text(OUR_CONFIG.format(iterations=iterations, sleeps=sleeps))
+    config.write_text(OUR_CONFIG.format(iterations=iterations, sleeps=sleeps, wakeups=os.environ.get("WAKEUPS", "true")))
     stats = work / "stats"
     env = {**os.environ, "COORDINATOR_FS_STATS": str(stats)}
     log_path = work / "run"
@@ -215,6 +215,7 @@ def main() -> None:
               f"{pct(fs['lat'], .99) * 1e3:>7.1f} {fmt_ops(fs):>9} | "
               f"{pct(gloo['lat'], .5) * 1e3:>8.1f} {pct(gloo['lat'], .99) * 1e3:>7.1f} | "
               f"{pct(anchor['lat'], .5) * 1e3:>10.0f} {fmt_ops(anchor):>7}")
+    n = args.wait_n
     print(f"\nlong wait: {n - 1} ranks wait {wait:.0f} s for rank {n - 1}; filesystem ops per "
           "waiting rank over the whole wait (metadata + data), release latency after it arrives")
     ours_ops = ours_wait["meta"] + ours_wait["data"]

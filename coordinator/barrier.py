@@ -97,7 +97,11 @@ class Barrier:
         )
         publish_record(self.store, layout.arrival(iteration, phase, self.m.rank), record)
         state = NodeState.WAITING if status is ArrivalStatus.OK else NodeState.FAILED
-        self.heartbeat.update(arrived=(iteration, phase), state=state, error=error)
+        changes = {"arrived": (iteration, phase), "state": state, "error": error}
+        if self.m.is_master and status is ArrivalStatus.OK:
+            self.heartbeat.set(**changes)  # nobody polls for the master's arrival
+        else:
+            self.heartbeat.update(**changes)
         return record
 
     # -- master -------------------------------------------------------------
@@ -195,8 +199,9 @@ class Barrier:
 
     # -- helpers ------------------------------------------------------------
     def _wait(self, probe: Callable[[], Any], describe: Callable[[], str], deadline_s: float) -> Any:
-        text = describe()
-        self.heartbeat.update(waiting_for=text)
+        # The arrival just published the heartbeat; what we wait for rides
+        # along with the next beat or progress report, not a publish of its own.
+        self.heartbeat.set(waiting_for=describe())
         wait = Wait(
             deadline_s=deadline_s, backoff=self.backoff,
             progress_interval_s=self.progress_interval_s, describe=describe, clock=self.clock,

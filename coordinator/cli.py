@@ -14,7 +14,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -161,28 +161,28 @@ def setup_logging(verbose: bool, rank: int | None = None) -> None:
 
 @app.command()
 def run(
-    log_path: Annotated[Optional[Path], typer.Option(help="Run directory on the shared filesystem.")] = None,
+    log_path: Annotated[Path | None, typer.Option(help="Run directory on the shared filesystem.")] = None,
     master: Annotated[bool, typer.Option("--master", help="This node is rank 0.")] = False,
-    worker: Annotated[Optional[int], typer.Option(help="This node is worker rank R (1..N-1).")] = None,
-    num_nodes: Annotated[Optional[int], typer.Option(help="Number of nodes (master; workers read it).")] = None,
-    rank_weights: Annotated[Optional[str], typer.Option(help="Share of rollout work per node, e.g. 2,1,1, or 'auto'.")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML or YAML config file.")] = None,
-    iterations: Annotated[Optional[int], typer.Option(help="Number of RL iterations.")] = None,
-    eval_interval: Annotated[Optional[int], typer.Option(help="Evaluate every K-th iteration (0: never).")] = None,
-    eval_before_train: Annotated[Optional[bool], typer.Option("--eval-before-train/--no-eval-before-train", help="Evaluate the initial model in iteration 0.")] = None,
-    rollout_split: Annotated[Optional[str], typer.Option(help="train-only, eval-only or both.")] = None,
-    rl_phase: Annotated[Optional[str], typer.Option(help="both (phases 0-13), rollout (0-6) or update (7-13).")] = None,
-    actions: Annotated[Optional[str], typer.Option(help="rl (default) or scripted (no ML; smoke test).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Run seed.")] = None,
-    lease: Annotated[Optional[float], typer.Option(help="Seconds without heartbeat before a node is lost.")] = None,
-    heartbeat_interval: Annotated[Optional[float], typer.Option(help="Seconds between heartbeats.")] = None,
-    model: Annotated[Optional[Path], typer.Option(help="Hugging Face model directory (default: the tiny demo model).")] = None,
-    data_path: Annotated[Optional[str], typer.Option(help="Task data: builtin:reverse, a parquet or JSONL file or directory.")] = None,
-    engine: Annotated[Optional[str], typer.Option(help="Inference engine: hf or vllm.")] = None,
-    local_cache: Annotated[Optional[Path], typer.Option(help="Node-local directory for checkpoint copies.")] = None,
-    keep_checkpoints: Annotated[Optional[int], typer.Option(help="Published checkpoints to keep.")] = None,
-    node_ip: Annotated[Optional[str], typer.Option(help="Address this node serves on (master: what workers use).")] = None,
-    ifname: Annotated[Optional[str], typer.Option(help="Interface whose IPv4 address to serve on.")] = None,
+    worker: Annotated[int | None, typer.Option(help="This node is worker rank R (1..N-1).")] = None,
+    num_nodes: Annotated[int | None, typer.Option(help="Number of nodes (master; workers read it).")] = None,
+    rank_weights: Annotated[str | None, typer.Option(help="Share of rollout work per node, e.g. 2,1,1, or 'auto'.")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML or YAML config file.")] = None,
+    iterations: Annotated[int | None, typer.Option(help="Number of RL iterations.")] = None,
+    eval_interval: Annotated[int | None, typer.Option(help="Evaluate every K-th iteration (0: never).")] = None,
+    eval_before_train: Annotated[bool | None, typer.Option("--eval-before-train/--no-eval-before-train", help="Evaluate the initial model in iteration 0.")] = None,
+    rollout_split: Annotated[str | None, typer.Option(help="train-only, eval-only or both.")] = None,
+    rl_phase: Annotated[str | None, typer.Option(help="both (phases 0-13), rollout (0-6) or update (7-13).")] = None,
+    actions: Annotated[str | None, typer.Option(help="rl (default) or scripted (no ML; smoke test).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Run seed.")] = None,
+    lease: Annotated[float | None, typer.Option(help="Seconds without heartbeat before a node is lost.")] = None,
+    heartbeat_interval: Annotated[float | None, typer.Option(help="Seconds between heartbeats.")] = None,
+    model: Annotated[Path | None, typer.Option(help="Hugging Face model directory (default: the tiny demo model).")] = None,
+    data_path: Annotated[str | None, typer.Option(help="Task data: builtin:reverse, a parquet or JSONL file or directory.")] = None,
+    engine: Annotated[str | None, typer.Option(help="Inference engine: hf or vllm.")] = None,
+    local_cache: Annotated[Path | None, typer.Option(help="Node-local directory for checkpoint copies.")] = None,
+    keep_checkpoints: Annotated[int | None, typer.Option(help="Published checkpoints to keep.")] = None,
+    node_ip: Annotated[str | None, typer.Option(help="Address this node serves on (master: what workers use).")] = None,
+    ifname: Annotated[str | None, typer.Option(help="Interface whose IPv4 address to serve on.")] = None,
     new_run: Annotated[bool, typer.Option("--new-run", help="Archive an existing run in --log-path and start anew.")] = False,
     set_: Annotated[list[str], typer.Option("--set", help="Any config key: section.key=value.")] = [],  # noqa: B006
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
@@ -253,7 +253,7 @@ def recover(
     iteration: Annotated[int, typer.Option(help="The iteration that failed.")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List, do not remove.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Proceed even if daemons still heartbeat.")] = False,
-    window: Annotated[Optional[float], typer.Option(help="Seconds to watch heartbeats (default: heartbeat interval + 1).")] = None,
+    window: Annotated[float | None, typer.Option(help="Seconds to watch heartbeats (default: heartbeat interval + 1).")] = None,
 ) -> None:
     """Clean up a failed iteration so that restarting every node resumes the run."""
     from coordinator import recover as recover_mod
@@ -297,7 +297,7 @@ def init_model(
 
 @app.command()
 def demo(
-    log_path: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/demo-<time>).")] = None,
+    log_path: Annotated[Path | None, typer.Option(help="Run directory (default: runs/demo-<time>).")] = None,
     nodes: Annotated[int, typer.Option(help="Simulated nodes (daemons) on this machine.")] = 3,
     iterations: Annotated[int, typer.Option(help="RL iterations.")] = 8,
     eval_interval: Annotated[int, typer.Option(help="Evaluate every K-th iteration.")] = 2,

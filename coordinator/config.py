@@ -64,6 +64,8 @@ class CoordinationConfig:
     cancel_grace_s: float = 2.0
     read_retry_s: float = 5.0
     probe_timeout_s: float = 5.0
+    # inotify wake-ups on a local filesystem (a hint: NFS never delivers them).
+    wakeups: bool = True
     phase_timeouts_s: PhaseTimeouts = dataclasses.field(default_factory=PhaseTimeouts)
 
     def __post_init__(self) -> None:

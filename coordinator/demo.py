@@ -22,7 +22,6 @@ from typing import Any
 from coordinator import layout
 from coordinator.liveness import describe_phase
 
-
 DEMO_CONFIG = """\
 # Written by `coordinator demo`; every key not listed takes its default.
 [run]

@@ -125,7 +125,7 @@ def _open_temp(path: Path) -> tuple[Path, int]:
         return tmp, os.open(tmp, flags, FILE_MODE)
 
 
-def _write_temp(path: Path, data: bytes, *, sync: bool = True) -> Path:
+def _write_temp(path: Path, data: bytes) -> Path:
     tmp, fd = _open_temp(path)
     try:
         view = memoryview(data)
@@ -133,9 +133,8 @@ def _write_temp(path: Path, data: bytes, *, sync: bool = True) -> Path:
             STATS.count("write")
             written = os.write(fd, view)
             view = view[written:]
-        if sync:
-            STATS.count("fsync")
-            os.fsync(fd)
+        STATS.count("fsync")
+        os.fsync(fd)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):  # best effort: recover removes leftovers
@@ -145,15 +144,9 @@ def _write_temp(path: Path, data: bytes, *, sync: bool = True) -> Path:
     return tmp
 
 
-def publish_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Atomically replace `path` with `data`: temp, fsync, rename, fsync dir.
-
-    `durable=False` skips both fsyncs, for records rewritten every few
-    seconds (heartbeats) whose loss in a power cut does not matter: the
-    rename is still atomic, and close() sends the data to an NFS server
-    before the rename (close-to-open), so readers never see a torn file.
-    """
-    tmp = _write_temp(path, data, sync=durable)
+def publish_bytes(path: Path, data: bytes) -> None:
+    """Atomically replace `path` with `data`: temp, fsync, rename, fsync dir."""
+    tmp = _write_temp(path, data)
     try:
         STATS.count("rename")
         os.replace(tmp, path)
@@ -161,8 +154,7 @@ def publish_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    if durable:
-        fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def create_exclusive(path: Path, data: bytes) -> bool:

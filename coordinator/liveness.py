@@ -59,6 +59,11 @@ class HeartbeatPublisher:
         self.beat()
         self._thread.start()
 
+    def set(self, **changes: Any) -> None:
+        """Change fields without publishing: the next beat carries them."""
+        with self._lock:
+            self._record = dataclasses.replace(self._record, **changes)
+
     def update(self, **changes: Any) -> Heartbeat:
         """Change fields and publish at once (state changes must not wait a beat)."""
         return self.beat(**changes)
@@ -68,9 +73,8 @@ class HeartbeatPublisher:
             record = dataclasses.replace(
                 self._record, counter=self._record.counter + 1, wall_time=time.time(), **changes
             )
-            # Rewritten every few seconds, so the directory fsync buys nothing.
             with fsio.STATS.tagged("heartbeat"):
-                publish_record(self.store, self.key, record, durable=False)
+                publish_record(self.store, self.key, record)
             self._record = record
             return record
 

@@ -11,6 +11,7 @@ so two daemons racing for one dead claim cannot both keep writing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -118,10 +119,10 @@ def claim_rank(
         why = "another run" if stale else "a dead holder"
         log.warning("taking over rank %d from %s (pid %d on %s)", claim.rank, why,
                     holder.pid, holder.host)
-        try:
+        # Race: another daemon may move the dead holder's claim first; then
+        # the next round sees its fresh claim.
+        with contextlib.suppress(FileNotFoundError):
             store.rename(key, f"{layout.rank_dir(claim.rank)}/claim.stale-{holder.token}.json")
-        except FileNotFoundError:
-            pass  # someone else moved it first; try again
     raise RankHeldError(
         f"could not claim rank {claim.rank}: other daemons kept claiming it; is a second daemon "
         "for this rank starting on another host?",

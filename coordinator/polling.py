@@ -60,7 +60,7 @@ class Waker:
     NFS it stays silent and waiters fall back to their poll interval.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, recursive: bool = True) -> None:
         self.event = threading.Event()
         self._interest: frozenset[str] = frozenset()
         self._observer = None
@@ -82,7 +82,7 @@ class Waker:
             # is the only event that matters.  Opens and reads must not wake
             # anyone: every waiter reads the watched files, and waking on
             # reads turns polling into a storm.
-            observer.schedule(_Handler(), str(root), recursive=True,
+            observer.schedule(_Handler(), str(root), recursive=recursive,
                               event_filter=[FileMovedEvent])
             observer.start()
             self._observer = observer
@@ -132,7 +132,8 @@ class Wait:
         # The start goes to the debug log (and, through on_progress, into the
         # heartbeat that `status` shows); the info log speaks once a wait has
         # lasted a second, so fast barriers do not flood it.
-        self.logger.debug("waiting for %s", self.describe())
+        if self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug("waiting for %s", self.describe())
         next_report = start + min(1.0, self.progress_interval_s)
         for interval in self.backoff.intervals():
             if self.check is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 import types
@@ -100,12 +101,11 @@ class Record:
             raise MalformedRecordError(
                 path, f"version {obj.get('version')!r} is not supported (this build reads {VERSION})"
             )
-        hints = typing.get_type_hints(cls)
         values = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in obj:
-                raise MalformedRecordError(path, f"field {f.name!r} is missing")
-            values[f.name] = _decode(obj[f.name], hints[f.name], f.name, path)
+        for name, hint in _fields(cls):
+            if name not in obj:
+                raise MalformedRecordError(path, f"field {name!r} is missing")
+            values[name] = _decode(obj[name], hint, name, path)
         try:
             return cls(**values)
         except (TypeError, ValueError) as exc:
@@ -118,6 +118,13 @@ class Record:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise MalformedRecordError(path, f"not valid JSON ({exc})") from exc
         return cls.from_json(obj, path)
+
+
+@functools.cache
+def _fields(cls: type[Record]) -> tuple[tuple[str, Any], ...]:
+    """(name, type) of a record's fields; resolving type hints is slow, so once per class."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 def _encode(value: Any) -> Any:
@@ -169,7 +176,7 @@ def _decode(value: Any, hint: Any, name: str, path: Path) -> Any:
             return tuple(_decode(v, args[0], name, path) for v in value)
         if len(value) != len(args):
             raise MalformedRecordError(path, f"field {name!r} must have {len(args)} items")
-        return tuple(_decode(v, a, name, path) for v, a in zip(value, args))
+        return tuple(_decode(v, a, name, path) for v, a in zip(value, args, strict=True))
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise MalformedRecordError(path, f"field {name!r} must be an object")

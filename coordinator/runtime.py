@@ -11,6 +11,7 @@ plus a few seconds even if an action ignores cancellation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -37,16 +38,12 @@ def kill_tree(pid: int, *, grace_s: float = 2.0) -> list[int]:
     except psutil.NoSuchProcess:
         return []
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):  # it exited meanwhile: fine
             proc.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for proc in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):  # it exited meanwhile: fine
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(alive, timeout=grace_s)
     return [p.pid for p in alive]
 

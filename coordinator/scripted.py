@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import fsio, layout
+from coordinator.actions import StepContext
 from coordinator.config import RunConfig, from_mapping, to_plain
 from coordinator.errors import ActionError, UsageError
 from coordinator.phases import Phase
 from coordinator.records import Arrival
-from coordinator.actions import StepContext
 
 
 def _part(text: str, rule: str) -> int | None:

@@ -30,7 +30,7 @@ R = TypeVar("R", bound=Record)
 class Store(Protocol):
     """Whole-file records under relative keys; one writer per key."""
 
-    def publish(self, key: str, data: bytes, *, durable: bool = True) -> None: ...
+    def publish(self, key: str, data: bytes) -> None: ...
 
     def read(self, key: str) -> bytes | None:
         """The file's bytes, or None when it does not exist."""
@@ -56,8 +56,8 @@ class FsStore:
     def path(self, key: str) -> Path:
         return self.root / key
 
-    def publish(self, key: str, data: bytes, *, durable: bool = True) -> None:
-        fsio.publish_bytes(self.path(key), data, durable=durable)
+    def publish(self, key: str, data: bytes) -> None:
+        fsio.publish_bytes(self.path(key), data)
 
     def read(self, key: str) -> bytes | None:
         try:
@@ -93,7 +93,7 @@ class MemoryStore:
         self._lock = threading.Lock()
         self.reads: list[str] = []
 
-    def publish(self, key: str, data: bytes, *, durable: bool = True) -> None:
+    def publish(self, key: str, data: bytes) -> None:
         with self._lock:
             self._files[key] = bytes(data)
 
@@ -150,6 +150,11 @@ def read_record(
             return None
         return cls.from_bytes(data, path)
 
+    try:
+        return attempt()  # the common case: one open+read, no retry machinery
+    except Exception as exc:
+        if not _retryable(exc) or retry_s <= 0:
+            raise
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception(_retryable),
         stop=tenacity.stop_after_delay(retry_s),
@@ -163,5 +168,5 @@ def read_record(
     return retrying(attempt)
 
 
-def publish_record(store: Store, key: str, record: Record, *, durable: bool = True) -> None:
-    store.publish(key, record.to_bytes(), durable=durable)
+def publish_record(store: Store, key: str, record: Record) -> None:
+    store.publish(key, record.to_bytes())

@@ -219,7 +219,8 @@ class RlActions:
             data = fsio.read_bytes(manifest)
         except FileNotFoundError:
             if self._plan_for(ctx.iteration, split).tasks_for(self.rank):
-                raise ActionError(f"rank {self.rank} has tasks but no manifest at {manifest}")
+                raise ActionError(
+                    f"rank {self.rank} has tasks but no manifest at {manifest}") from None
             return {"manifest_sha256": None}
         return {"manifest_sha256": hashlib.sha256(data).hexdigest()}
 

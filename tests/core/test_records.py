@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.errors import MalformedRecordError
-from coordinator.records import Abort, AbortKind, Heartbeat, Journal, NodeState, Release, Decision
+from coordinator.records import Abort, AbortKind, Decision, Heartbeat, Journal, NodeState, Release
 from coordinator.store import FsStore, MemoryStore, read_record
 
 P = Path("x.json")
