@@ -70,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--iterations", type=int, default=6)
-    ap.add_argument("--anchor-barriers", type=int, default=2)
+    ap.add_argument("--anchor-barriers", type=int, default=3)
     ap.add_argument("--ceiling", type=float, default=1.0, help="coordination.poll_ceiling_s")
     ap.add_argument("--no-netfs", action="store_true")
     args = ap.parse_args()

@@ -1,8 +1,9 @@
 """One rank of a peer barrier, for benchmarks/barrier_bench.py.
 
-    python benchmarks/peer_rank.py MODE RANK WORLD WORKDIR BARRIERS [LATE_RANK LATE_S]
+    python benchmarks/peer_rank.py MODES RANK WORLD WORKDIR BARRIERS [LATE_RANK LATE_S]
 
-MODE is one of:
+MODES is a comma-separated list run one after the other in the same process
+(so torch is imported once), each of:
   filestore  torch.distributed.FileStore on a file in WORKDIR: each rank adds 1
              to a counter, the last one sets a release key, all wait for it
              (FileStore polls its file every 10 ms).
@@ -10,9 +11,9 @@ MODE is one of:
   anchor     the flag-file design we replace: write <k>_rank_<r>, then list the
              directory and count flags every 5 s.
 
-The rank waits for WORKDIR/go before its first barrier (so imports and
-connection setup are not measured, and strace can attach), then writes
-WORKDIR/times-<rank>.json: [[barrier, arrived_at, released_at], ...].
+The rank waits for WORKDIR/go before its first barrier (so imports are not
+measured, and strace can attach), then for each mode writes
+WORKDIR/times-<mode>-<rank>.json: [[barrier, arrived_at, released_at], ...].
 A LATE_RANK arrives LATE_S seconds after the others at every barrier.
 """
 
@@ -28,22 +29,25 @@ ANCHOR_POLL_S = 5.0
 
 
 def main() -> None:
-    mode, rank, world, workdir, barriers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-        Path(sys.argv[4]), int(sys.argv[5])
+    modes, rank, world, workdir, barriers = sys.argv[1].split(","), int(sys.argv[2]), \
+        int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5])
     late_rank = int(sys.argv[6]) if len(sys.argv) > 6 else -1
     late_s = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0
-    barrier = setup(mode, rank, world, workdir)
+    if "filestore" in modes or "gloo" in modes:
+        import torch.distributed  # noqa: F401  (imported before the gate, not timed)
     (workdir / f"ready-{rank}").write_text(str(os.getpid()))
     while not (workdir / "go").exists():
         time.sleep(0.01)
-    times = []
-    for k in range(barriers):
-        if rank == late_rank:
-            time.sleep(late_s)
-        arrived = time.time()
-        barrier(k)
-        times.append([k, arrived, time.time()])
-    (workdir / f"times-{rank}.json").write_text(json.dumps(times))
+    for mode in modes:
+        barrier = setup(mode, rank, world, workdir)
+        times = []
+        for k in range(barriers):
+            if rank == late_rank:
+                time.sleep(late_s)
+            arrived = time.time()
+            barrier(k)
+            times.append([k, arrived, time.time()])
+        (workdir / f"times-{mode}-{rank}.json").write_text(json.dumps(times))
 
 
 def setup(mode: str, rank: int, world: int, workdir: Path):  # type: ignore[no-untyped-def]
