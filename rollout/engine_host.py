@@ -11,6 +11,7 @@ peer or a failure kills it at once.
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 from coordinator import layout
@@ -66,10 +67,24 @@ class EngineHost:
                  local)
         self._engine.start(local)
         self._serving = local
+        self._prune_cache(local, self.cache_root(ctx.run_id))
         if self._engine.pid is not None:
             self._registered = self._engine.pid
             ctx.add_child(self._engine.pid, f"{self.s.engine.kind.value} inference engine")
         self._ctx = ctx
+
+    def _prune_cache(self, keep: Path, root: Path) -> None:
+        """Old local copies go once the engine serves a newer one: the cache holds one model.
+
+        Only copies inside our own cache root: a user's model served in place
+        lives elsewhere and is never touched.
+        """
+        if keep.parent != root or not root.is_dir():
+            return
+        for child in root.iterdir():
+            if child != keep and child.is_dir() and not child.name.startswith("."):
+                shutil.rmtree(child, ignore_errors=True)
+                log.info("rank %d: removed old cached model %s", self.rank, child)
 
     def client(self) -> CompletionClient:
         engine = self._engine

@@ -162,3 +162,32 @@ def test_module_entry_point_prints_help() -> None:
     out = subprocess.run([sys.executable, "-m", "coordinator", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "recover" in out.stdout and "status" in out.stdout
+
+
+def test_status_shows_every_rank_what_it_waits_for_and_the_last_error(cluster) -> None:
+    c = cluster(scripted='sleeps = ["2:0:1:30"]')
+    c.start_all()
+    c.wait_until(lambda: c.at_phase(2, 0, 1, "running"), 40, "rank 2 in its rollout")
+
+    def status() -> dict:
+        out = subprocess.run([sys.executable, "-m", "coordinator", "status", "--log-path",
+                              str(c.log_path), "--json"], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    c.wait_until(lambda: "rank 2 at iteration 0 phase 1" in
+                 status()["ranks"][0]["waiting_for"], 20, "the master's waiting_for")
+    report = status()
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2]
+    assert [r["state"] for r in report["ranks"]] == ["waiting", "waiting", "running"]
+    assert all(r["host"] and r["heartbeat_age_s"] < 3 for r in report["ranks"])
+    assert report["ranks"][0]["address"] != "-"
+    table = subprocess.run([sys.executable, "-m", "coordinator", "status", "--log-path",
+                            str(c.log_path)], capture_output=True, text=True, timeout=60).stdout
+    assert "waiting for" in table and "rollout" in table
+    c.kill(2)
+    c.wait_all(timeout=20)
+    report = status()
+    assert report["ranks"][0]["state"] == "failed"
+    assert "rank 2 (host" in report["last_error"] and "lost" in report["last_error"]
