@@ -50,6 +50,7 @@ def pid_is_dead_here(claim: Claim) -> bool:
 class _Progress:
     counter: int = -1
     changed_at: float = 0.0
+    token: str = ""
 
 
 def holder_alive(
@@ -227,11 +228,14 @@ def gather_members(
             hb = read_record(store, layout.heartbeat(rank), Heartbeat, retry_s=retry_s)
             if hb is None or hb.token != claim.token or hb.state not in LIVE_STATES:
                 continue
-            seen = progress.setdefault(rank, _Progress(hb.counter, now))
-            if hb.counter != seen.counter:
-                seen.counter, seen.changed_at = hb.counter, now
-            if now - seen.changed_at > lease_s:
-                continue  # joined, then went silent: wait for a restart
+            # A claim and heartbeat left by a daemon that died look exactly
+            # like a live one: only a counter seen advancing proves life.
+            seen = progress.get(rank)
+            if seen is None or seen.token != hb.token:
+                progress[rank] = _Progress(hb.counter, now, hb.token)
+                continue
+            if hb.counter == seen.counter:
+                continue
             claims[rank], beats[rank] = claim, hb
             missing.remove(rank)
         return True if not missing else None

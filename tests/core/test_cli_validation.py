@@ -127,3 +127,20 @@ def test_recover_rejects_a_negative_or_unreached_iteration(tmp_path) -> None:
 def test_recover_without_a_run_exits_2(tmp_path) -> None:
     code, out = invoke("recover", "--log-path", str(tmp_path), "--iteration", "0")
     assert code == 2 and "holds no run" in out
+
+
+def test_a_yaml_config_works_like_toml(tmp_path) -> None:
+    from coordinator.actions import resolve_config
+    from coordinator.config import load_file
+
+    (tmp_path / "c.yaml").write_text(
+        "run:\n  actions: scripted\n  iterations: 3\ncoordination:\n  lease_s: 9\n")
+    (tmp_path / "c.toml").write_text(
+        '[run]\nactions = "scripted"\niterations = 3\n[coordination]\nlease_s = 9\n')
+    yaml_config = resolve_config(load_file(tmp_path / "c.yaml"))
+    assert yaml_config == resolve_config(load_file(tmp_path / "c.toml"))
+    assert yaml_config.coordination.lease_s == 9.0
+    (tmp_path / "c.ini").write_text("x")
+    code, out = invoke("run", "--master", "--log-path", str(tmp_path / "run"), "--config",
+                       str(tmp_path / "c.ini"))
+    assert code == 2 and "use .toml, .yaml or .yml" in out

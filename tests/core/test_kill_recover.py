@@ -102,3 +102,23 @@ def test_recover_refuses_while_a_rank_still_heartbeats(tmp_path: Path) -> None:
         assert (c.log_path / "session.json").exists(), "a dry run removes nothing"
     finally:
         c.close()
+
+
+def test_a_restart_without_recover_replaces_the_dead_claim_and_completes(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.toml", lease=LEASE, scripted='sleeps = ["1:1:4:1.5"]')
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(1, 1, 4, "running"), 60, "rank 1 in iteration 1 phase 4")
+        c.kill(1)
+        assert c.wait(0, timeout=LEASE + 10) == 3 and c.wait(2, timeout=LEASE + 10) == 3
+        # The dead daemon's claim is still there; its pid is gone on this host,
+        # so the restarted rank 1 takes it over at once.
+        assert (c.log_path / "ranks/1/claim.json").exists()
+        c.start_all()
+        codes = c.wait_all(timeout=90)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-2000:] for r in codes}
+        assert "taking over rank 1 from a dead holder" in c.output(1)
+        assert set(scripted_runs(c.log_path).values()) == {1}
+    finally:
+        c.close()
