@@ -212,7 +212,13 @@ def run(
             num_nodes = len(weights)
         path = check_log_path(log_path)
         overrides = parse_set(set_)
-        given = locals()
+        given = {
+            "iterations": iterations, "eval_interval": eval_interval,
+            "eval_before_train": eval_before_train, "rollout_split": rollout_split,
+            "rl_phase": rl_phase, "actions": actions, "seed": seed, "lease": lease,
+            "heartbeat_interval": heartbeat_interval, "model": model, "data_path": data_path,
+            "engine": engine, "local_cache": local_cache, "keep_checkpoints": keep_checkpoints,
+        }
         for flag, key in FLAG_KEYS.items():
             value = given[flag]
             if value is not None:

@@ -79,3 +79,28 @@ def test_three_ranks_roll_out_and_the_batch_holds_every_assigned_task_times_the_
     # The engines served the node-local, verified copies of the model.
     engine_log = (c.log_path / "ranks" / "1" / "logs").iterdir()
     assert any(run_id in p.read_text(errors="replace") for p in engine_log)
+
+
+def test_rank_weights_auto_follow_the_previous_iterations_throughput(tmp_path: Path) -> None:
+    from coordinator.actions import StepContext, resolve_config
+    from coordinator.phases import Phase
+    from coordinator.runtime import Runtime
+    from rollout.rl_actions import RlActions, metrics_path
+
+    config = resolve_config({"run": {"actions": "rl"}})
+    actions = RlActions(config, rank=0, num_nodes=3, run_dir=tmp_path)
+
+    def ctx(iteration: int) -> StepContext:
+        return StepContext(rank=0, num_nodes=3, iteration=iteration, phase=Phase.SYNC,
+                           run_dir=tmp_path, run_id="r", config=config, weights="auto",
+                           host="h", address="127.0.0.1", runtime=Runtime())
+
+    try:
+        assert actions._weights(ctx(0)) == [1.0, 1.0, 1.0]  # nothing measured yet: equal
+        path = metrics_path(tmp_path, 0, "rollout")
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"samples_per_second": {"0": 40.0, "1": 20.0, "2": 20.0}}))
+        weights = actions._weights(ctx(1))
+        assert weights[0] == pytest.approx(2 * weights[1]) and weights[1] == weights[2]
+    finally:
+        actions.close()
