@@ -46,11 +46,15 @@ class Clock:
     def now(self) -> float:
         return time.monotonic()
 
-    def sleep(self, seconds: float, wake: threading.Event | None = None) -> None:
+    def sleep(self, seconds: float, wake: threading.Event | None = None) -> bool:
+        """Sleep; True when `wake` cut the sleep short."""
         if wake is None:
             time.sleep(seconds)
-        elif wake.wait(seconds):
+            return False
+        if wake.wait(seconds):
             wake.clear()
+            return True
+        return False
 
 
 class Waker:
@@ -63,6 +67,8 @@ class Waker:
     def __init__(self, root: Path, *, recursive: bool = True) -> None:
         self.event = threading.Event()
         self._interest: frozenset[str] = frozenset()
+        self._changed: set[str] = set()
+        self._lock = threading.Lock()
         self._observer = None
         try:
             from watchdog.events import FileMovedEvent, FileSystemEventHandler
@@ -72,7 +78,10 @@ class Waker:
 
             class _Handler(FileSystemEventHandler):
                 def on_moved(self, event) -> None:  # type: ignore[no-untyped-def]
-                    if str(event.dest_path) in waker._interest:
+                    path = str(event.dest_path)
+                    if path in waker._interest:
+                        with waker._lock:
+                            waker._changed.add(path)
                         waker.event.set()
 
             root.mkdir(parents=True, exist_ok=True)
@@ -91,6 +100,12 @@ class Waker:
 
     def watch(self, paths: Iterable[Path]) -> None:
         self._interest = frozenset(str(p) for p in paths)
+
+    def drain(self) -> set[str]:
+        """The watched files renamed into place since the last drain."""
+        with self._lock:
+            changed, self._changed = self._changed, set()
+        return changed
 
     def close(self) -> None:
         if self._observer is not None:
@@ -124,6 +139,7 @@ class Wait:
         self.on_progress = on_progress
         self.logger = logger
         self.polls = 0
+        self.woken = False  # the last sleep ended on a file-change event, not its timer
 
     def until(self, probe: Callable[[], T | None]) -> T:
         clock = self.clock
@@ -154,5 +170,5 @@ class Wait:
                 raise WaitTimeout(
                     f"gave up after {self.deadline_s:.0f} s waiting for {self.describe()}"
                 )
-            clock.sleep(min(interval, max(0.0, deadline - now)), self.wake)
+            self.woken = bool(clock.sleep(min(interval, max(0.0, deadline - now)), self.wake))
         raise AssertionError("unreachable: Backoff.intervals is infinite")

@@ -1,237 +1,54 @@
 """Inference engines: an OpenAI-compatible server run as a child process.
 
-Both engines (the CPU `hf` server of this package and `vllm serve`) are the
-same thing seen from the coordinator: a command line, a port, an API key, a
-log file.  `ServerEngine` owns that lifecycle; subclasses only build the
-command and its environment.
+The public face of the engines; import from here.  The parts live in:
 
-    STOPPED ──start()──► STARTING ──a real completion succeeds──► READY
-       ▲                    │ died / not ready in time               │
-       │                    ▼                                        │ stop()
-       └──── STOPPED ◄── STOPPING ◄──────────────────────────────────┘
-                FAILED: the server died, or stop() could not release it;
-                        start() again (it cleans up first) or stop().
+    engine_config.py   EngineKind, EngineState, EngineConfig and the errors
+    server_engine.py   ServerEngine: start/stop/check_alive of the server
+                       process (the lifecycle diagram is there)
+    hf_engine.py       HfEngine: the CPU server of rollout.hf_server
+    vllm_engine.py     VllmEngine: `vllm serve`
 
-Waits for / released by:
-    start()  waits for  the server answering one completion (ready_timeout_s)
-    stop()   waits for  the whole process tree to exit (stop_grace_s, then
-                        SIGKILL) and for the GPU memory of those pids to be
-                        released (gpu_release_timeout_s)
-
-close() is stop() plus ending whatever an engine keeps for its next start
-(the hf engine's warm spare, see hf_engine.py); call it at daemon shutdown.
-Engines are driven from one thread (the daemon's main thread: see process.py
-on PR_SET_PDEATHSIG).  The port file, when given, holds
-{"version": 1, "kind", "host", "port", "pid", "model_dir"} (never the key).
+This module adds the `Engine` interface the coordinator programs against and
+`make_engine`, which picks the implementation for a config.  The subclasses
+are imported inside make_engine, so a daemon that runs one kind never loads
+the other's module, and importing this one loads neither torch nor vllm.
 """
 
 from __future__ import annotations
 
-import enum
-import json
-import logging
-import os
-import secrets
 import sys
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-import tenacity
+from rollout.engine_config import (
+    DTYPES,
+    EngineConfig,
+    EngineDied,
+    EngineError,
+    EngineKind,
+    EngineStartError,
+    EngineState,
+    EngineStateError,
+    GpuNotReleased,
+)
+from rollout.server_engine import PORT_FILE_VERSION, ServerEngine
 
-from coordinator.fsio import publish_bytes
-from rollout import process as proc_mod
-from rollout.errors import RolloutError
-
-log = logging.getLogger(__name__)
-
-PORT_FILE_VERSION: Final = 1
-_READY_PROMPT: Final = "1"  # one character: valid for every tokenizer, tiny ones included
-DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float", "float32")
-
-
-# --- errors ----------------------------------------------------------------
-
-
-class EngineError(RolloutError, RuntimeError):
-    """Root of the inference-engine errors (under the package's RolloutError)."""
-
-
-class EngineStateError(EngineError):
-    """An operation was asked in a state that does not allow it."""
-
-
-class EngineStartError(EngineError):
-    """The server did not become ready; carries its log tail."""
-
-    def __init__(self, message: str, *, log_path: Path | None = None, log_tail: str = "") -> None:
-        self.log_path = log_path
-        self.log_tail = log_tail
-        super().__init__(
-            f"{message}\n--- last lines of {log_path} ---\n{log_tail}" if log_path else message
-        )
-
-
-class EngineDied(EngineError):
-    """The server process exited while it should have been running."""
-
-    def __init__(
-        self, *, kind: str, pid: int, returncode: int, log_path: Path, log_tail: str
-    ) -> None:
-        self.kind = kind
-        self.pid = pid
-        self.returncode = returncode
-        self.log_path = log_path
-        self.log_tail = log_tail
-        super().__init__(
-            f"{kind} inference server pid {pid} died: {proc_mod.describe_exit(returncode)}; "
-            f"its log {log_path} ends with the cause (out of memory, bad model directory, "
-            f"port in use); fix it and start the engine again\n--- last lines ---\n{log_tail}"
-        )
-
-
-class GpuNotReleased(EngineError, TimeoutError):
-    """Processes still hold accelerator memory after the release deadline."""
-
-    def __init__(self, holders: Mapping[int, int], timeout_s: float) -> None:
-        self.holders = dict(holders)
-        self.timeout_s = timeout_s
-        listing = ", ".join(f"pid {p} ({mib} MiB)" for p, mib in sorted(holders.items()))
-        super().__init__(
-            f"GPU memory still held after {timeout_s:g}s by {listing}: processes of the "
-            "stopped inference server did not release it; kill them (kill -9 PID) before "
-            "training, or raise gpu_release_timeout_s if the driver is slow to free memory"
-        )
-
-
-# --- configuration ---------------------------------------------------------
-
-
-class EngineKind(str, enum.Enum):
-    HF = "hf"
-    VLLM = "vllm"
-
-
-class EngineState(str, enum.Enum):
-    """STOPPED → STARTING → READY → STOPPING → STOPPED; FAILED from any live state."""
-
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    STOPPING = "stopping"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """One inference engine.  Fields marked (hf)/(vllm) apply to that kind only."""
-
-    kind: EngineKind = EngineKind.HF
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port is picked at each start
-    api_key: str | None = None  # None: a fresh random key at each start
-    served_model_name: str = "policy"  # stable name, so clients never see model paths
-    seed: int = 0
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    extra_args: tuple[str, ...] = ()  # appended verbatim to the server command
-    env: tuple[tuple[str, str], ...] = ()  # extra environment for the server
-    cuda_visible_devices: str | None = None  # None: inherit the daemon's
-    tensor_parallel_size: int = 1  # (vllm)
-    gpu_memory_utilization: float = 0.9  # (vllm)
-    use_model_generation_config: bool = False  # (vllm) see vllm_engine.py
-    vllm_executable: str = "vllm"  # (vllm)
-    device: str = "cpu"  # (hf)
-    max_batch: int = 64  # (hf) rows (prompts x n) per forward pass
-    threads: int = 0  # (hf) torch threads; 0 = torch's default
-    python_executable: str | None = None  # (hf) None: the daemon's interpreter
-    prewarm: bool = False  # (hf) keep a spare server with imports done: see hf_engine.py
-    ready_timeout_s: float = 300.0
-    ready_poll_s: float = 0.5
-    stop_grace_s: float = 10.0
-    kill_timeout_s: float = 10.0
-    gpu_release_timeout_s: float = 60.0
-    request_timeout_s: float = 60.0
-    log_tail_lines: int = 40
-
-    def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "kind", EngineKind(self.kind))
-        except ValueError:
-            raise ValueError(
-                f"kind={self.kind!r} is not an engine: use one of {[k.value for k in EngineKind]}"
-            ) from None
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port={self.port} is outside 0..65535: use 0 to pick a free port")
-        if self.api_key is not None and (
-            not self.api_key or any(c.isspace() for c in self.api_key)
-        ):
-            raise ValueError("api_key is empty or contains whitespace: use None for a random key")
-        if not self.served_model_name or any(c.isspace() for c in self.served_model_name):
-            raise ValueError(f"served_model_name={self.served_model_name!r} is not a usable name")
-        if self.dtype not in DTYPES:
-            raise ValueError(
-                f"dtype={self.dtype!r} is not one of {DTYPES} (vLLM's --dtype choices)"
-            )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} is below 1: use None for the model's own"
-            )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is below 1: use 1 per GPU"
-            )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]: "
-                "it is a fraction of the GPU, e.g. 0.9"
-            )
-        if self.cuda_visible_devices is not None:
-            ids = self.cuda_visible_devices.split(",")
-            if not all(ids) or any(c.isspace() for c in self.cuda_visible_devices):
-                raise ValueError(
-                    f"cuda_visible_devices={self.cuda_visible_devices!r} is not a comma-separated "
-                    "list of GPU indices or UUIDs, e.g. '0,1'"
-                )
-            if self.kind is EngineKind.VLLM and len(ids) < self.tensor_parallel_size:
-                raise ValueError(
-                    f"tensor_parallel_size={self.tensor_parallel_size} needs that many GPUs but "
-                    f"cuda_visible_devices={self.cuda_visible_devices!r} shows {len(ids)}"
-                )
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device={self.device!r} is not cpu, cuda or cuda:N")
-        if self.log_tail_lines < 1:
-            raise ValueError(f"log_tail_lines={self.log_tail_lines} is below 1: show at least one")
-        if self.max_batch < 1 or self.threads < 0:
-            raise ValueError(
-                f"max_batch={self.max_batch} must be >= 1 and threads={self.threads} >= 0"
-            )
-        for name in (
-            "ready_timeout_s",
-            "ready_poll_s",
-            "stop_grace_s",
-            "kill_timeout_s",
-            "gpu_release_timeout_s",
-            "request_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
-        if self.ready_poll_s >= self.ready_timeout_s:
-            raise ValueError(
-                f"ready_poll_s={self.ready_poll_s} must be below ready_timeout_s={self.ready_timeout_s}"
-            )
-        object.__setattr__(self, "extra_args", tuple(self.extra_args))
-        object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in self.env))
-
-    @property
-    def connect_host(self) -> str:
-        # A wildcard bind address is not an address to connect to.
-        return "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
-
-
-# --- interface -------------------------------------------------------------
+__all__ = [
+    "DTYPES",
+    "PORT_FILE_VERSION",
+    "Engine",
+    "EngineConfig",
+    "EngineDied",
+    "EngineError",
+    "EngineKind",
+    "EngineStartError",
+    "EngineState",
+    "EngineStateError",
+    "GpuNotReleased",
+    "ServerEngine",
+    "default_python",
+    "make_engine",
+]
 
 
 @runtime_checkable
@@ -251,249 +68,6 @@ class Engine(Protocol):
     def stop(self) -> None: ...
     def close(self) -> None: ...
     def check_alive(self) -> None: ...
-
-
-class _NotReady(Exception):
-    """One readiness probe failed in a way worth retrying."""
-
-
-class ServerEngine:
-    """Shared lifecycle; subclasses implement `command` (and may extend `environment`)."""
-
-    kind: EngineKind
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        log_dir: Path,
-        port_file: Path | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        if config.kind is not self.kind:
-            raise ValueError(
-                f"config.kind={config.kind.value!r} given to the {self.kind.value} engine"
-            )
-        self.config = config
-        self.log_dir = Path(log_dir)
-        self.port_file = Path(port_file) if port_file is not None else None
-        self._sleep = sleep
-        self._state = EngineState.STOPPED
-        self._proc: proc_mod.ManagedProcess | None = None
-        self._port: int | None = None
-        self._api_key: str | None = None
-        self._log_offset = 0
-        self.model_dir: Path | None = None
-        self.startup_s: float | None = None  # last start's duration, for reports
-
-    # subclass hooks
-    def command(self, model_dir: Path, port: int) -> list[str]:
-        raise NotImplementedError
-
-    def _launch(self, model_dir: Path) -> tuple[proc_mod.ManagedProcess, int, str]:
-        """Spawn the server for `model_dir`: (process, port, api key)."""
-        port = self.config.port or proc_mod.free_port(self.config.connect_host)
-        api_key = self.config.api_key or secrets.token_urlsafe(24)
-        proc = proc_mod.ManagedProcess(
-            self.command(model_dir, port), log_path=self.log_path, env=self.environment(api_key)
-        )
-        return proc, port, api_key
-
-    def environment(self, api_key: str) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-        if self.config.cuda_visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.config.cuda_visible_devices
-        env.update(dict(self.config.env))
-        return env
-
-    # properties
-    @property
-    def state(self) -> EngineState:
-        return self._state
-
-    @property
-    def base_url(self) -> str:
-        if self._port is None:
-            raise EngineStateError(f"engine is {self._state.value}: start it to get a URL")
-        return f"http://{self.config.connect_host}:{self._port}"
-
-    @property
-    def api_key(self) -> str:
-        if self._api_key is None:
-            raise EngineStateError(f"engine is {self._state.value}: start it to get its API key")
-        return self._api_key
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def log_path(self) -> Path:
-        return self.log_dir / f"{self.kind.value}_server.log"
-
-    def pids(self) -> tuple[int, ...]:
-        return self._proc.pids() if self._proc is not None else ()
-
-    def _set_state(self, state: EngineState) -> None:
-        log.info(
-            "%s engine: %s -> %s (pid %s)",
-            self.kind.value,
-            self._state.value,
-            state.value,
-            self.pid,
-        )
-        self._state = state
-
-    # lifecycle
-    def start(self, model_dir: Path) -> None:
-        if self._state not in (EngineState.STOPPED, EngineState.FAILED):
-            raise EngineStateError(f"start() while {self._state.value}: stop() the engine first")
-        if self._proc is not None:  # FAILED with leftovers: clear them before reuse
-            self.stop()
-        model_dir = Path(model_dir).resolve()
-        if not (model_dir / "config.json").is_file():
-            raise EngineStartError(
-                f"model directory {model_dir} has no config.json: give a Hugging Face model directory"
-            )
-        cfg = self.config
-        t0 = time.monotonic()
-        self.model_dir = model_dir
-        self.log_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-        self._proc, self._port, self._api_key = self._launch(model_dir)
-        self._log_offset = self._proc.log_offset
-        self._set_state(EngineState.STARTING)
-        if self.port_file is not None:
-            record = {
-                "version": PORT_FILE_VERSION,
-                "kind": self.kind.value,
-                "host": cfg.connect_host,
-                "port": self._port,
-                "pid": self._proc.pid,
-                "model_dir": str(model_dir),
-            }
-            publish_bytes(self.port_file, (json.dumps(record, sort_keys=True) + "\n").encode())
-        try:
-            self._wait_ready()
-        except BaseException:
-            self._fail_start()
-            raise
-        self.startup_s = time.monotonic() - t0
-        log.info(
-            "%s engine ready on %s in %.1fs (model %s)",
-            self.kind.value,
-            self.base_url,
-            self.startup_s,
-            model_dir,
-        )
-        self._set_state(EngineState.READY)
-
-    def _wait_ready(self) -> None:
-        # client.py imports this module (its errors are EngineErrors).
-        from rollout.client import CompletionClient, HttpError, TransientError
-
-        cfg = self.config
-        client = CompletionClient(
-            self.base_url,
-            self.api_key,
-            model=cfg.served_model_name,
-            concurrency=1,
-            request_timeout_s=cfg.request_timeout_s,
-            retries=0,
-        )
-
-        def probe() -> None:
-            self.check_alive()  # EngineDied is not retried: the log says why
-            try:
-                # /health first, with a short timeout: a port that accepts but
-                # never answers (a stranger on our port) must not stall the
-                # liveness check for a whole request timeout.
-                client.health(timeout_s=min(5.0, cfg.request_timeout_s))
-                client.complete_one(_READY_PROMPT, n=1, max_tokens=1, temperature=1.0, seed=0)
-            except TransientError as e:
-                raise _NotReady(str(e)) from e
-            except HttpError as e:
-                raise EngineStartError(
-                    f"{self.kind.value} server at {self.base_url} refused the readiness "
-                    f"completion: {e}",
-                    log_path=self.log_path,
-                    log_tail=self._tail(),
-                ) from e
-
-        try:
-            tenacity.Retrying(
-                stop=tenacity.stop_after_delay(cfg.ready_timeout_s),
-                wait=tenacity.wait_fixed(cfg.ready_poll_s),
-                retry=tenacity.retry_if_exception_type(_NotReady),
-                sleep=self._sleep,
-                reraise=True,
-            )(probe)
-        except _NotReady as e:
-            raise EngineStartError(
-                f"{self.kind.value} server did not answer a completion within "
-                f"ready_timeout_s={cfg.ready_timeout_s:g}s (last error: {e}); raise the "
-                "timeout for large models, or read the log for a hang",
-                log_path=self.log_path,
-                log_tail=self._tail(),
-            ) from None
-
-    def _fail_start(self) -> None:
-        # Leave nothing running behind a failed start; keep the error of start().
-        try:
-            self.stop()
-        except EngineError as e:
-            log.error("cleanup after failed start: %s", e)
-        self._set_state(EngineState.FAILED)
-
-    def _tail(self) -> str:
-        return proc_mod.log_tail(self.log_path, self.config.log_tail_lines, start=self._log_offset)
-
-    def stop(self) -> None:
-        """Stop the tree and wait for GPU release; raise EngineError if either fails."""
-        if self._proc is None:
-            self._set_state(EngineState.STOPPED)
-            return
-        self._set_state(EngineState.STOPPING)
-        proc, self._proc = self._proc, None
-        report = proc.stop(
-            grace_s=self.config.stop_grace_s, kill_timeout_s=self.config.kill_timeout_s
-        )
-        if self.port_file is not None:
-            self.port_file.unlink(missing_ok=True)
-        if report.survivors:
-            self._set_state(EngineState.FAILED)
-            raise EngineError(
-                f"{self.kind.value} server pids {list(report.survivors)} survived SIGKILL for "
-                f"{self.config.kill_timeout_s:g}s (stuck in the kernel, e.g. on a GPU driver "
-                "call): inspect them with ps, the node may need a reset"
-            )
-        try:
-            proc_mod.wait_gpu_released(report.tree_pids, self.config.gpu_release_timeout_s)
-        except GpuNotReleased:
-            self._set_state(EngineState.FAILED)
-            raise
-        self._port = None if self.config.port == 0 else self._port
-        self._set_state(EngineState.STOPPED)
-
-    def close(self) -> None:
-        """stop(), and release anything kept for the next start (nothing here)."""
-        self.stop()
-
-    def check_alive(self) -> None:
-        """Raise EngineDied (exit status, log tail) if the server process has exited."""
-        if self._proc is None:
-            raise EngineStateError(f"engine is {self._state.value}: there is no server process")
-        rc = self._proc.returncode
-        if rc is not None:
-            if self._state is not EngineState.STOPPING:
-                self._set_state(EngineState.FAILED)
-            raise EngineDied(
-                kind=self.kind.value,
-                pid=self._proc.pid,
-                returncode=rc,
-                log_path=self.log_path,
-                log_tail=self._tail(),
-            )
 
 
 def default_python() -> str:

@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 
 from rollout import process as proc_mod
-from rollout.engine import EngineKind, ServerEngine
+from rollout.engine_config import EngineKind
 from rollout.hf_server import API_KEY_ENV
+from rollout.server_engine import ServerEngine
 
 log = logging.getLogger(__name__)
 

@@ -10,24 +10,10 @@ Routes: GET /health (no key, like vLLM), GET /v1/models, POST /v1/completions
 (Bearer key required, 401 otherwise).  The key may also come from the
 environment variable ROLLOUT_API_KEY, which keeps it out of `ps`.
 
-Responses mirror vLLM's CompletionResponse so one client parses both: each
-choice has text, index (prompt i, sample j -> i*n + j), finish_reason
-("stop" on EOS or a stop string, "length" at max_tokens), stop_reason,
-logprobs {tokens, token_logprobs, top_logprobs, text_offset} and, with
-`return_token_ids`, prompt_token_ids and token_ids.  As in vLLM, token_ids
-include the EOS token and the token that completed a stop string; the text
-excludes both.
-
-Log-probabilities are log_softmax of the model's raw logits (before
-temperature and top-p), i.e. the policy's log-prob of each sampled token;
-vLLM's default logprobs mode ("raw_logprobs") reports the same quantity.
-
-Sampling is a short loop over the model's forward pass with a KV cache rather
-than `generate()`: `generate` draws from torch's global RNG, which concurrent
-requests would share, while here each request owns a torch.Generator, so a
-request with a seed always gets the same samples (as in vLLM).  Requests are
-served one at a time (a lock); each is batched over its prompts x n rows.
-Startup is dominated by importing torch and transformers (a few seconds).
+This module is the HTTP layer and the process; the request, the sampling
+loop and the response format (vLLM's CompletionResponse) are in
+hf_sampling.py.  Startup is dominated by importing torch and transformers
+(a few seconds).
 """
 
 from __future__ import annotations
@@ -39,310 +25,40 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 import uuid
-from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Final
 
+from rollout.hf_sampling import (
+    DTYPES,
+    MAX_TOP_LOGPROBS,
+    BadRequest,
+    CompletionRequest,
+    Generator,
+)
+
+__all__ = [
+    "API_KEY_ENV",
+    "DTYPES",
+    "MAX_BODY_BYTES",
+    "MAX_TOP_LOGPROBS",
+    "BadRequest",
+    "CompletionRequest",
+    "Generator",
+    "Handler",
+    "Server",
+    "import_runtime",
+    "main",
+    "parse_args",
+]
+
 log = logging.getLogger("rollout.hf_server")
 
 API_KEY_ENV: Final = "ROLLOUT_API_KEY"
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024
-MAX_TOP_LOGPROBS: Final = 20  # vLLM's default --max-logprobs
-DTYPES: Final = {
-    "auto": "float32",
-    "float": "float32",
-    "float32": "float32",
-    "half": "float16",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-}
-
-
-class BadRequest(ValueError):
-    """The request is invalid; the message goes back to the client with a 400."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CompletionRequest:
-    prompts: tuple[str, ...]
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None
-    stop: tuple[str, ...] = ()
-    return_token_ids: bool = False
-
-    @classmethod
-    def from_json(cls, body: Any) -> CompletionRequest:
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        prompt = body.get("prompt")
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        if (
-            not isinstance(prompts, list)
-            or not prompts
-            or not all(isinstance(p, str) for p in prompts)
-        ):
-            raise BadRequest(
-                "prompt must be a string or a non-empty list of strings "
-                "(token-id prompts are not supported by this server)"
-            )
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported: send stream=false")
-
-        def number(name: str, default: Any, kind: type) -> Any:
-            v = body.get(name, default)
-            if v is None:
-                return default
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or (kind is int and not isinstance(v, int))
-            ):
-                raise BadRequest(
-                    f"{name}={v!r} is not a{'n integer' if kind is int else ' number'}"
-                )
-            return kind(v)
-
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise BadRequest("stop must be a non-empty string or a list of them")
-        req = cls(
-            prompts=tuple(prompts),
-            n=number("n", 1, int),
-            max_tokens=number("max_tokens", 16, int),
-            temperature=number("temperature", 1.0, float),
-            top_p=number("top_p", 1.0, float),
-            seed=None if body.get("seed") is None else number("seed", 0, int),
-            logprobs=None if body.get("logprobs") is None else number("logprobs", 0, int),
-            stop=tuple(stop),
-            return_token_ids=bool(body.get("return_token_ids") or False),
-        )
-        if req.n < 1 or req.max_tokens < 1:
-            raise BadRequest(f"n={req.n} and max_tokens={req.max_tokens} must both be >= 1")
-        if req.temperature < 0 or not 0 < req.top_p <= 1:
-            raise BadRequest(
-                f"temperature={req.temperature} must be >= 0 and top_p={req.top_p} in (0, 1]"
-            )
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"logprobs={req.logprobs} is outside 0..{MAX_TOP_LOGPROBS}")
-        return req
-
-
-class Generator:
-    """The model, its tokenizer and the sampling loop.  Loaded once at startup."""
-
-    def __init__(
-        self,
-        model_dir: Path,
-        *,
-        device: str,
-        dtype: str,
-        max_batch: int,
-        seed: int,
-        max_model_len: int | None,
-    ) -> None:
-        import torch
-        import transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        transformers.utils.logging.disable_progress_bar()
-        self.torch = torch
-        self.device = torch.device(device)
-        self.max_batch = max_batch
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        torch_dtype = getattr(torch, DTYPES[dtype])
-        # transformers renamed torch_dtype to dtype in 4.56.
-        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-        dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, local_files_only=True, use_safetensors=True, **{dtype_kw: torch_dtype}
-        )
-        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' stub
-        cfg = self.model.config
-        limit = getattr(cfg, "max_position_embeddings", None) or 1 << 30
-        self.max_model_len = min(max_model_len or limit, limit)
-        eos: set[int] = set()
-        for src in (getattr(self.model, "generation_config", None), cfg):
-            e = getattr(src, "eos_token_id", None) if src is not None else None
-            eos.update([e] if isinstance(e, int) else list(e or []))
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_ids = frozenset(eos)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (min(eos) if eos else 0)
-        self._rng = torch.Generator().manual_seed(seed)
-        self.lock = threading.Lock()
-
-    def _piece(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
-
-    def _decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
-
-    def complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
-        # One request at a time, tokenizer included: a fast tokenizer used
-        # from two threads can fail with "Already borrowed".
-        with self.lock:
-            return self._complete(req)
-
-    def _complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
-        prompt_ids = [self.tokenizer(p)["input_ids"] for p in req.prompts]
-        for p, ids in zip(req.prompts, prompt_ids, strict=True):
-            if len(ids) + req.max_tokens > self.max_model_len:
-                raise BadRequest(
-                    f"prompt of {len(ids)} tokens + max_tokens={req.max_tokens} exceeds this "
-                    f"model's maximum context length of {self.max_model_len}: shorten the "
-                    f"prompt {p[:40]!r} or lower max_tokens"
-                )
-        rows = [(i, j) for i in range(len(req.prompts)) for j in range(req.n)]
-        seed = (
-            req.seed
-            if req.seed is not None
-            else int(self.torch.randint(0, 2**62, (1,), generator=self._rng))
-        )
-        gen = self.torch.Generator().manual_seed(seed)
-        outputs: list[dict[str, Any]] = []
-        for start in range(0, len(rows), self.max_batch):
-            chunk = rows[start : start + self.max_batch]
-            outputs += self._sample([prompt_ids[i] for i, _ in chunk], req, gen)
-        choices = []
-        for index, ((i, _), out) in enumerate(zip(rows, outputs, strict=True)):
-            choice = {
-                "index": index,
-                "text": out["text"],
-                "finish_reason": out["finish_reason"],
-                "stop_reason": out["stop_reason"],
-                "logprobs": None,
-            }
-            if req.logprobs is not None:
-                choice["logprobs"] = self._logprobs_block(out, req.logprobs)
-            if req.return_token_ids:
-                choice["prompt_token_ids"] = list(prompt_ids[i])
-                choice["token_ids"] = out["token_ids"]
-            choices.append(choice)
-        return choices
-
-    def _logprobs_block(self, out: dict[str, Any], k: int) -> dict[str, Any]:
-        tokens = [self._piece(t) for t in out["token_ids"]]
-        offsets, pos = [], 0
-        for piece in tokens:
-            offsets.append(pos)
-            pos += len(piece)
-        top = []
-        for t, lp, (ids, lps) in zip(
-            out["token_ids"], out["token_logprobs"], out["top"], strict=True
-        ):
-            entry = {self._piece(a): b for a, b in zip(ids[:k], lps[:k], strict=True)}
-            entry[self._piece(t)] = lp  # vLLM always includes the sampled token
-            top.append(entry)
-        return {
-            "tokens": tokens,
-            "token_logprobs": out["token_logprobs"],
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
-
-    def _sample(
-        self, prompts: list[list[int]], req: CompletionRequest, gen: Any
-    ) -> list[dict[str, Any]]:
-        torch = self.torch
-        rows = len(prompts)
-        width = max(len(p) for p in prompts)
-        # Left padding: every row's next token is at the last column.
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[r, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        k = req.logprobs or 0
-        toks: list[list[int]] = [[] for _ in range(rows)]
-        lps: list[list[float]] = [[] for _ in range(rows)]
-        tops: list[list[tuple[list[int], list[float]]]] = [[] for _ in range(rows)]
-        finish: list[str | None] = [None] * rows
-        stop_reason: list[Any] = [None] * rows
-        texts: list[str | None] = [None] * rows
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                position_ids=positions.to(self.device),
-                use_cache=True,
-            )
-            for step in range(req.max_tokens):
-                logits = out.logits[:, -1, :].float().cpu()
-                logp = torch.log_softmax(logits, dim=-1)
-                nxt = self._pick(logits, req, gen)
-                chosen = logp.gather(1, nxt[:, None])[:, 0]
-                # k = 0 still returns (empty) tensors: one code path for both.
-                top_v, top_i = logp.topk(k, dim=-1)
-                for r in range(rows):
-                    if finish[r] is not None:
-                        continue
-                    t = int(nxt[r])
-                    toks[r].append(t)
-                    lps[r].append(float(chosen[r]))
-                    tops[r].append((top_i[r].tolist(), top_v[r].tolist()))
-                    if t in self.eos_ids:
-                        finish[r] = "stop"
-                    elif req.stop:
-                        text = self._decode(toks[r])
-                        hits = [(text.find(s), s) for s in req.stop if s in text]
-                        if hits:
-                            at, s = min(hits)
-                            finish[r], stop_reason[r], texts[r] = "stop", s, text[:at]
-                if all(f is not None for f in finish) or step + 1 == req.max_tokens:
-                    break
-                feed = torch.tensor(
-                    [[t[-1] if finish[r] is None else self.pad_id] for r, t in enumerate(toks)],
-                    dtype=torch.long,
-                )
-                mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long)], dim=1)
-                positions = positions[:, -1:] + 1
-                out = self.model(
-                    input_ids=feed.to(self.device),
-                    attention_mask=mask.to(self.device),
-                    position_ids=positions.to(self.device),
-                    past_key_values=out.past_key_values,
-                    use_cache=True,
-                )
-        results = []
-        for r in range(rows):
-            cut = texts[r]
-            results.append(
-                {
-                    "token_ids": toks[r],
-                    "token_logprobs": lps[r],
-                    "top": tops[r],
-                    "finish_reason": finish[r] or "length",
-                    "stop_reason": stop_reason[r],
-                    "text": cut if cut is not None else self._decode(toks[r]),
-                }
-            )
-        return results
-
-    def _pick(self, logits: Any, req: CompletionRequest, gen: Any) -> Any:
-        torch = self.torch
-        if req.temperature == 0:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits / req.temperature, dim=-1)
-        if req.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= req.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
-            probs = probs / probs.sum(-1, keepdim=True)
-        return torch.multinomial(probs, 1, generator=gen)[:, 0]
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollout.engine import EngineConfig, EngineKind, ServerEngine
+from rollout.engine_config import EngineConfig, EngineKind
+from rollout.server_engine import ServerEngine
 
 API_KEY_ENV = "VLLM_API_KEY"
 

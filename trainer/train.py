@@ -19,146 +19,55 @@ deterministic shard:
 Every rank runs the same number of forward/backward passes (a rank short of
 samples runs a zero-weight copy of a real one), because DDP and FSDP2 issue
 collectives inside them and unequal counts would hang.
+
+The parts live in their own modules: `trainer.distributed` (process group,
+model wrapping, grad sync), `trainer.policy` (model loading and forwards),
+`trainer.update` (one optimizer step), `trainer.optim_state` (Adam state
+across iterations); this module orchestrates them and publishes the results.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import hashlib
 import json
 import logging
-import math
 import os
 import random
-import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from coordinator.fsio import publish_bytes
 from rollout.train_batch import TrainBatch, TrainBatchError, load_train_batch
 from trainer import grpo
-from trainer.checkpoint import (
-    OptimizerState,
-    load_optimizer_state,
-    publish_checkpoint,
-    save_optimizer_state,
-    verify_checkpoint,
+from trainer.checkpoint import publish_checkpoint
+from trainer.config import TrainerError, TrainJob
+from trainer.distributed import (
+    DistContext,
+    all_reduce,
+    die_with_parent,
+    env_int,
+    gathered_state,
+    init_distributed,
+    unwrap,
+    wrap_model,
 )
-from trainer.config import (
-    Device,
-    DType,
-    LossAgg,
-    Strategy,
-    TrainConfig,
-    TrainerError,
-    TrainJob,
-)
+from trainer.errors import TrainError
 from trainer.grpo import plan_steps, shard
+from trainer.optim_state import restore_optimizer, save_optimizer
+from trainer.policy import load_model, param_digest, policy_logprobs
+from trainer.update import Inputs, Sums, optimizer_step
 
 log = logging.getLogger("trainer")
 
 METRICS_SCHEMA: Final = "coordinator/train-metrics"
 METRICS_VERSION: Final = 1
-_PR_SET_PDEATHSIG: Final = 1  # from <linux/prctl.h>
-
-
-class TrainError(TrainerError):
-    """Training could not complete; the message names the phase and the cause."""
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL us when our parent (torchrun) dies.
-
-    Without it a rank whose torchrun agent was killed keeps its process group
-    and memory until its next collective times out, minutes later.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    # The parent may have died before prctl took effect: then we were reparented.
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DistContext:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    strategy: Strategy
-    compute_dtype: torch.dtype = torch.float32  # weights and optimizer stay float32
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise TrainError(
-            f"environment {name}={raw!r} is not an integer: torchrun sets it"
-        ) from None
-
-
-def init_distributed(config: TrainConfig) -> DistContext:
-    """Join the process group (when WORLD_SIZE > 1) and pick device and strategy."""
-    world = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    if not 0 <= rank < world:
-        raise TrainError(f"RANK={rank} is outside 0..WORLD_SIZE-1={world - 1}")
-    if config.device == Device.CUDA and not torch.cuda.is_available():
-        raise TrainError("device='cuda' but no CUDA device is visible: use device='auto' or 'cpu'")
-    use_cuda = config.device == Device.CUDA or (
-        config.device == Device.AUTO and torch.cuda.is_available()
-    )
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    strategy = config.strategy
-    if strategy == Strategy.AUTO:
-        strategy = Strategy.FSDP2 if use_cuda else Strategy.DDP
-    if config.dtype == DType.AUTO:
-        compute = torch.bfloat16 if use_cuda else torch.float32
-    else:
-        compute = torch.bfloat16 if config.dtype == DType.BFLOAT16 else torch.float32
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
-    return DistContext(
-        rank=rank,
-        world_size=world,
-        local_rank=local_rank,
-        device=device,
-        strategy=strategy,
-        compute_dtype=compute,
-    )
-
-
-def all_reduce(values: Sequence[float], ctx: DistContext, op: Any = None) -> list[float]:
-    if not ctx.is_distributed:
-        return list(values)
-    t = torch.tensor(list(values), dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t.tolist()
 
 
 def seed_everything(seed: int) -> None:
@@ -194,310 +103,7 @@ def check_vocab(batch: TrainBatch, vocab: int, source: Path) -> None:
             )
 
 
-# ---------------------------------------------------------------- optimizer state
-
-
-def _local(value: Any) -> Any:
-    return value.to_local() if hasattr(value, "to_local") else value
-
-
-def _fits(saved: OptimizerState, params: list[Any], groups: int, ctx: DistContext) -> bool:
-    """Whether a saved state can be loaded into this optimizer on this rank."""
-    if saved.strategy != ctx.strategy.value:
-        return False
-    if ctx.strategy == Strategy.FSDP2 and saved.world_size != ctx.world_size:
-        return False  # shards only fit the split they were cut for
-    state = saved.optimizer["state"]
-    if len(saved.optimizer["param_groups"]) != groups or len(state) > len(params):
-        return False
-    return all(
-        isinstance(i, int)
-        and 0 <= i < len(params)
-        and isinstance(entry.get("exp_avg"), Tensor)
-        and entry["exp_avg"].shape == _local(params[i]).shape
-        for i, entry in state.items()
-    )
-
-
-def restore_optimizer(optimizer: Any, job: TrainJob, ctx: DistContext) -> int:
-    """Load this rank's saved optimizer state if every rank has a matching one.
-
-    The decision is collective: replicas (DDP) or shards (FSDP2) whose Adam
-    states came from different iterations would silently drift apart.
-    Returns the optimizer step count the iteration starts from.
-    """
-    saved = load_optimizer_state(job.optim_dir, rank=ctx.rank, before_iteration=job.iteration)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    usable = saved is not None and _fits(saved, params, len(optimizer.param_groups), ctx)
-    key = [saved.iteration, saved.step] if saved is not None and usable else [-1, -1]
-    low = all_reduce(key, ctx, dist.ReduceOp.MIN if ctx.is_distributed else None)
-    high = all_reduce(key, ctx, dist.ReduceOp.MAX if ctx.is_distributed else None)
-    if low[0] < 0 or low != high:
-        if high[0] >= 0:
-            log.warning(
-                "optimizer state in %s is missing, unfit or from different iterations on some "
-                "rank: every rank starts with fresh Adam moments",
-                job.optim_dir,
-            )
-        return 0
-    assert saved is not None
-    optimizer.load_state_dict(saved.optimizer)
-    for group in optimizer.param_groups:  # this iteration's config wins over the saved one
-        group.update(
-            lr=job.config.lr,
-            betas=job.config.betas,
-            eps=job.config.adam_eps,
-            weight_decay=job.config.weight_decay,
-        )
-    if ctx.strategy == Strategy.FSDP2:
-        from torch.distributed.tensor import DTensor
-
-        for p in params:
-            for k, v in optimizer.state.get(p, {}).items():
-                if k != "step" and isinstance(p, DTensor) and not isinstance(v, DTensor):
-                    optimizer.state[p][k] = DTensor.from_local(
-                        v.to(p.device), p.device_mesh, p.placements
-                    )
-    log.info("restored optimizer state of iteration %d (step %d)", saved.iteration, saved.step)
-    return saved.step
-
-
-def save_optimizer(optimizer: Any, job: TrainJob, ctx: DistContext, step: int) -> None:
-    sd = optimizer.state_dict()
-    sd["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in sd["state"].items()}
-    save_optimizer_state(
-        OptimizerState(
-            iteration=job.iteration,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            strategy=ctx.strategy.value,
-            step=step,
-            optimizer=sd,
-        ),
-        job.optim_dir,
-    )
-
-
-# ---------------------------------------------------------------- model
-
-
-def load_model(model_dir: Path, ctx: DistContext) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if (model_dir / "manifest.json").exists():
-        verify_checkpoint(model_dir)
-    elif not model_dir.is_dir():
-        raise TrainError(f"model_dir {model_dir} does not exist")
-    # fp32 master weights everywhere; FSDP2 casts to bf16 for compute on GPUs.
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, local_files_only=True, use_safetensors=True
-    )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model.to(ctx.device)  # type: ignore[arg-type]  # transformers' stub is wrong
-    model.config.use_cache = False  # no KV cache while training
-    return model, tokenizer
-
-
-def wrap_model(model: Any, ctx: DistContext, *, trainable: bool) -> Any:
-    """DDP (gloo/nccl) or FSDP2 fully_shard with bf16 compute, fp32 reduce."""
-    if not ctx.is_distributed:
-        return model
-    if ctx.strategy == Strategy.FSDP2:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=ctx.compute_dtype, reduce_dtype=torch.float32)
-        # One shard group per decoder layer (all-gathered just in time), then the rest.
-        for layer in getattr(getattr(model, "model", None), "layers", []):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        return model
-    if not trainable:
-        return model  # a frozen reference model needs no gradient sync
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(
-        model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None
-    )
-
-
-def unwrap(model: Any) -> Any:
-    return model.module if hasattr(model, "module") else model
-
-
-@contextlib.contextmanager
-def grad_sync(model: Any, ctx: DistContext, enabled: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
-    if not ctx.is_distributed or enabled:
-        if ctx.strategy == Strategy.FSDP2 and ctx.is_distributed:
-            model.set_requires_gradient_sync(True)
-        yield
-    elif ctx.strategy == Strategy.FSDP2:
-        model.set_requires_gradient_sync(False)
-        yield
-    else:
-        with model.no_sync():
-            yield
-
-
-def autocast(ctx: DistContext) -> contextlib.AbstractContextManager[Any]:
-    """bf16 compute for DDP/single process; FSDP2 casts through its own policy."""
-    if ctx.compute_dtype == torch.float32 or (
-        ctx.is_distributed and ctx.strategy == Strategy.FSDP2
-    ):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=ctx.device.type, dtype=ctx.compute_dtype)
-
-
-def forward_logits(model: Any, packed: grpo.PackedBatch, ctx: DistContext) -> Tensor:
-    with autocast(ctx):
-        out = model(
-            input_ids=packed.input_ids.to(ctx.device),
-            attention_mask=packed.attention_mask.to(ctx.device),
-            use_cache=False,
-        )
-    return out.logits
-
-
-def _packed(batch: TrainBatch, idx: Sequence[int], pad_id: int) -> grpo.PackedBatch:
-    return grpo.collate(
-        [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id=pad_id
-    )
-
-
-def policy_logprobs(
-    model: Any, batch: TrainBatch, own: Sequence[int], ctx: DistContext, micro: int, pad_id: int
-) -> dict[int, Tensor]:
-    """Per-response-token log-probs of `own` samples under `model`, without grad.
-
-    All ranks run the same number of forwards (FSDP2 all-gathers inside).
-    """
-    longest = len(shard(batch.num_samples, ctx.world_size, 0))  # rank 0's shard is the largest
-    out: dict[int, Tensor] = {}
-    with torch.no_grad():
-        for m in range(max(1, math.ceil(longest / micro))):
-            chunk = list(own[m * micro : (m + 1) * micro])
-            idx = chunk or [0]  # a throwaway forward keeps the collectives in step
-            packed = _packed(batch, idx, pad_id)
-            logits = forward_logits(model, packed, ctx)
-            logp = grpo.token_logprobs(logits, packed.input_ids.to(ctx.device)).cpu()
-            for i, values in zip(chunk, grpo.extract_response_values(logp, packed), strict=False):
-                out[i] = values
-    return out
-
-
-def param_digest(model: Any) -> str:
-    """sha256 over all (full) parameters: equal on every rank when replicas agree."""
-    digest = hashlib.sha256()
-    for name, p in sorted(unwrap(model).named_parameters()):
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        digest.update(name.encode())
-        digest.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
 # ---------------------------------------------------------------- the iteration
-
-
-@dataclass
-class Sums:
-    """Token sums over the iteration, added over ranks before they become means."""
-
-    loss: float = 0.0  # the objective as optimised (already normalised)
-    policy: float = 0.0
-    kl: float = 0.0
-    clipped: float = 0.0
-    ratio: float = 0.0
-    tokens: float = 0.0
-
-    def add(self, terms: grpo.LossTerms) -> None:
-        self.loss += float(terms.loss.detach())
-        self.policy += float(terms.policy_sum)
-        self.kl += float(terms.kl_sum)
-        self.clipped += float(terms.clipped_tokens)
-        self.ratio += float(terms.ratio_sum)
-        self.tokens += float(terms.tokens)
-
-    def reduced(self, ctx: DistContext) -> Sums:
-        return Sums(
-            *all_reduce(
-                [self.loss, self.policy, self.kl, self.clipped, self.ratio, self.tokens], ctx
-            )
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Inputs:
-    """What the optimizer steps read: advantages and the per-sample reference values."""
-
-    batch: TrainBatch
-    advantages: Tensor  # [S]
-    old: dict[int, Tensor]  # recomputed "old" log-probs of this rank's samples
-    ref: dict[int, Tensor] | None  # reference log-probs (KL on) of this rank's samples
-    own: list[int]
-    pad_id: int
-
-
-def optimizer_step(
-    wrapped: Any,
-    optimizer: Any,
-    step: grpo.Step,
-    inputs: Inputs,
-    ctx: DistContext,
-    config: TrainConfig,
-    total_steps: int,
-) -> tuple[Sums, float]:
-    """Accumulate the step's micro-batches, clip, and apply AdamW; returns (local sums, grad norm)."""
-    sums = Sums()
-    optimizer.zero_grad(set_to_none=True)
-    mine = step.micro[ctx.rank]
-    for m, chunk in enumerate(mine):
-        real = bool(chunk)
-        # A rank short of samples runs a zero-weight copy of a real one: DDP
-        # and FSDP2 need every rank in every backward's collectives.
-        idx = list(chunk) if real else [inputs.own[0] if inputs.own else 0]
-        packed = _packed(inputs.batch, idx, inputs.pad_id)
-        with grad_sync(wrapped, ctx, enabled=m == len(mine) - 1):
-            logits = forward_logits(wrapped, packed, ctx)
-            logp = grpo.token_logprobs(logits, packed.input_ids.to(ctx.device))
-            if real:
-                old = grpo.place_response_values([inputs.old[i] for i in idx], packed)
-            else:
-                old = logp.detach().cpu()
-            ref = None
-            if inputs.ref is not None and real:
-                ref = grpo.place_response_values([inputs.ref[i] for i in idx], packed).to(
-                    ctx.device
-                )
-            if config.loss_agg == LossAgg.TOKEN_MEAN:
-                weights, normalizer = None, max(step.tokens, 1)
-            else:
-                weights = torch.tensor([1.0 / max(r, 1) for r in packed.response_lens])
-                normalizer = max(step.samples, 1)
-            terms = grpo.grpo_loss(
-                logp,
-                old.to(ctx.device),
-                inputs.advantages[idx].to(ctx.device),
-                packed.response_mask.to(ctx.device),
-                clip_eps=config.clip_eps,
-                normalizer=normalizer,
-                ref_logp=ref,
-                kl_coef=config.kl_coef,
-                sample_weights=None if weights is None else weights.to(ctx.device),
-            )
-            # DDP and FSDP2 average gradients over ranks, while the normaliser
-            # already counts every rank's tokens/samples: scale the average back to a sum.
-            (terms.loss * (float(ctx.world_size) if real else 0.0)).backward()
-        if real:
-            sums.add(terms)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), config.max_grad_norm))
-    if not math.isfinite(grad_norm):
-        raise TrainError(
-            f"gradient norm is {grad_norm}: lower lr (now {config.lr}) or check the batch's rewards"
-        )
-    for group in optimizer.param_groups:
-        group["lr"] = config.lr_at(total_steps)
-    optimizer.step()
-    return sums, grad_norm
 
 
 def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
@@ -620,18 +226,6 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
     return metrics
 
 
-def gathered_state(model: Any, ctx: DistContext) -> dict[str, Tensor] | None:
-    """Full CPU state dict for saving (FSDP2 needs every rank to take part)."""
-    if ctx.is_distributed and ctx.strategy == Strategy.FSDP2:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        return dict(state)  # type: ignore[arg-type]
-    return None
-
-
 def finish(
     job: TrainJob,
     ctx: DistContext,
@@ -672,6 +266,9 @@ def finish(
         dist.barrier()
 
 
+# ---------------------------------------------------------------- the process
+
+
 def _setup_logging(rank: int, world: int, iteration: int | str) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(
@@ -684,6 +281,28 @@ def _setup_logging(rank: int, world: int, iteration: int | str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _prepare_process() -> None:
+    """Process-wide setup done once per rank before any work: die with torchrun, stay offline."""
+    die_with_parent()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers.utils.logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # tqdm bars would flood the per-rank logs
+
+
+def _train(job_path: Path, rank: int, world: int) -> None:
+    job = TrainJob.load(job_path)
+    _setup_logging(rank, world, job.iteration)
+    # Process-wide, so set here rather than in run(), which tests call in-process.
+    # warn_only: a few CUDA kernels have no deterministic version; CPU has all we use.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    ctx = init_distributed(job.config)
+    log.info("start: %s on %s, strategy %s", job_path, ctx.device, ctx.strategy.value)
+    run(job, ctx)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.train", description=__doc__.split("\n")[0]
@@ -692,25 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--job", type=Path, required=True, help="train job JSON (trainer.config.TrainJob)"
     )
     args = parser.parse_args(argv)
-    die_with_parent()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    import transformers.utils.logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # tqdm bars would flood the per-rank logs
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    _prepare_process()
+    rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     _setup_logging(rank, world, "?")
-    ctx: DistContext | None = None
     try:
-        job = TrainJob.load(args.job)
-        _setup_logging(rank, world, job.iteration)
-        # Process-wide, so set here rather than in run(), which tests call in-process.
-        # warn_only: a few CUDA kernels have no deterministic version; CPU has all we use.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        ctx = init_distributed(job.config)
-        log.info("start: %s on %s, strategy %s", args.job, ctx.device, ctx.strategy.value)
-        run(job, ctx)
+        _train(args.job, rank, world)
     except TrainerError as exc:
         log.error("failed: %s", exc)
         print(f"trainer: error: {exc}", file=sys.stderr, flush=True)

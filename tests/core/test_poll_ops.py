@@ -126,3 +126,51 @@ def test_the_master_reads_one_heartbeat_per_missing_rank(tmp_path, num_nodes, ar
     counts = per_poll_counts(run)
     missing = num_nodes - 1 - arrived
     assert set(counts) == {(missing, 2 * missing)}
+
+
+class FakeWaker:
+    """The Waker interface with a scripted set of renamed files."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.changed: set[str] = set()
+
+    def watch(self, paths) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def drain(self) -> set[str]:
+        changed, self.changed = self.changed, set()
+        return changed
+
+
+def test_a_master_woken_by_a_rename_reads_only_the_renamed_heartbeat(tmp_path) -> None:
+    waker = FakeWaker()
+    polls = {"n": 0}
+
+    class WakingClock(CountingClock):
+        def sleep(self, seconds: float, wake: threading.Event | None = None) -> bool:
+            self.t += 0.001  # an event arrives at once: well within the poll ceiling
+            self.on_sleep()
+            return True
+
+    def run(snap) -> None:
+        def on_sleep() -> None:
+            snap()
+            polls["n"] += 1
+            waker.changed = {str(tmp_path / layout.heartbeat(5))}
+            if polls["n"] == 4:
+                raise StopIteration
+
+        clock = WakingClock(on_sleep)
+        barrier = make_barrier(tmp_path, 0, 64, clock)
+        barrier.waker = waker  # type: ignore[assignment]
+        barrier.heartbeat_path = lambda r: tmp_path / layout.heartbeat(r)
+        own = Arrival(run_id="r", generation=0, session="s", rank=0, token="t0", iteration=0,
+                      phase=3, status=ArrivalStatus.OK, error=None, done=(), payload={})
+        with pytest.raises(StopIteration):
+            barrier.collect(0, 3, own=own, deadline_s=1e6)
+
+    fsio.STATS.reset()
+    counts = per_poll_counts(run)
+    # The first poll swept all 63 missing ranks; each woken poll read one heartbeat.
+    assert counts == [(1, 2)] * 3

@@ -1,0 +1,198 @@
+"""What an inference engine is: its kind, its states, its configuration, its errors.
+
+Shared by every engine (server_engine.py and its hf/vllm subclasses) and by
+the clients that talk to them (client.py raises EngineErrors).  Nothing here
+starts a process; import the public names from rollout.engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from rollout import process as proc_mod
+from rollout.errors import RolloutError
+
+DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+# --- errors ----------------------------------------------------------------
+
+
+class EngineError(RolloutError, RuntimeError):
+    """Root of the inference-engine errors (under the package's RolloutError)."""
+
+
+class EngineStateError(EngineError):
+    """An operation was asked in a state that does not allow it."""
+
+
+class EngineStartError(EngineError):
+    """The server did not become ready; carries its log tail."""
+
+    def __init__(self, message: str, *, log_path: Path | None = None, log_tail: str = "") -> None:
+        self.log_path = log_path
+        self.log_tail = log_tail
+        super().__init__(
+            f"{message}\n--- last lines of {log_path} ---\n{log_tail}" if log_path else message
+        )
+
+
+class EngineDied(EngineError):
+    """The server process exited while it should have been running."""
+
+    def __init__(
+        self, *, kind: str, pid: int, returncode: int, log_path: Path, log_tail: str
+    ) -> None:
+        self.kind = kind
+        self.pid = pid
+        self.returncode = returncode
+        self.log_path = log_path
+        self.log_tail = log_tail
+        super().__init__(
+            f"{kind} inference server pid {pid} died: {proc_mod.describe_exit(returncode)}; "
+            f"its log {log_path} ends with the cause (out of memory, bad model directory, "
+            f"port in use); fix it and start the engine again\n--- last lines ---\n{log_tail}"
+        )
+
+
+class GpuNotReleased(EngineError, TimeoutError):
+    """Processes still hold accelerator memory after the release deadline."""
+
+    def __init__(self, holders: Mapping[int, int], timeout_s: float) -> None:
+        self.holders = dict(holders)
+        self.timeout_s = timeout_s
+        listing = ", ".join(f"pid {p} ({mib} MiB)" for p, mib in sorted(holders.items()))
+        super().__init__(
+            f"GPU memory still held after {timeout_s:g}s by {listing}: processes of the "
+            "stopped inference server did not release it; kill them (kill -9 PID) before "
+            "training, or raise gpu_release_timeout_s if the driver is slow to free memory"
+        )
+
+
+# --- configuration ---------------------------------------------------------
+
+
+class EngineKind(str, enum.Enum):
+    HF = "hf"
+    VLLM = "vllm"
+
+
+class EngineState(str, enum.Enum):
+    """STOPPED → STARTING → READY → STOPPING → STOPPED; FAILED from any live state."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """One inference engine.  Fields marked (hf)/(vllm) apply to that kind only."""
+
+    kind: EngineKind = EngineKind.HF
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port is picked at each start
+    api_key: str | None = None  # None: a fresh random key at each start
+    served_model_name: str = "policy"  # stable name, so clients never see model paths
+    seed: int = 0
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    extra_args: tuple[str, ...] = ()  # appended verbatim to the server command
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for the server
+    cuda_visible_devices: str | None = None  # None: inherit the daemon's
+    tensor_parallel_size: int = 1  # (vllm)
+    gpu_memory_utilization: float = 0.9  # (vllm)
+    use_model_generation_config: bool = False  # (vllm) see vllm_engine.py
+    vllm_executable: str = "vllm"  # (vllm)
+    device: str = "cpu"  # (hf)
+    max_batch: int = 64  # (hf) rows (prompts x n) per forward pass
+    threads: int = 0  # (hf) torch threads; 0 = torch's default
+    python_executable: str | None = None  # (hf) None: the daemon's interpreter
+    prewarm: bool = False  # (hf) keep a spare server with imports done: see hf_engine.py
+    ready_timeout_s: float = 300.0
+    ready_poll_s: float = 0.5
+    stop_grace_s: float = 10.0
+    kill_timeout_s: float = 10.0
+    gpu_release_timeout_s: float = 60.0
+    request_timeout_s: float = 60.0
+    log_tail_lines: int = 40
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", EngineKind(self.kind))
+        except ValueError:
+            raise ValueError(
+                f"kind={self.kind!r} is not an engine: use one of {[k.value for k in EngineKind]}"
+            ) from None
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} is outside 0..65535: use 0 to pick a free port")
+        if self.api_key is not None and (
+            not self.api_key or any(c.isspace() for c in self.api_key)
+        ):
+            raise ValueError("api_key is empty or contains whitespace: use None for a random key")
+        if not self.served_model_name or any(c.isspace() for c in self.served_model_name):
+            raise ValueError(f"served_model_name={self.served_model_name!r} is not a usable name")
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"dtype={self.dtype!r} is not one of {DTYPES} (vLLM's --dtype choices)"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is below 1: use None for the model's own"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is below 1: use 1 per GPU"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]: "
+                "it is a fraction of the GPU, e.g. 0.9"
+            )
+        if self.cuda_visible_devices is not None:
+            ids = self.cuda_visible_devices.split(",")
+            if not all(ids) or any(c.isspace() for c in self.cuda_visible_devices):
+                raise ValueError(
+                    f"cuda_visible_devices={self.cuda_visible_devices!r} is not a comma-separated "
+                    "list of GPU indices or UUIDs, e.g. '0,1'"
+                )
+            if self.kind is EngineKind.VLLM and len(ids) < self.tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} needs that many GPUs but "
+                    f"cuda_visible_devices={self.cuda_visible_devices!r} shows {len(ids)}"
+                )
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device={self.device!r} is not cpu, cuda or cuda:N")
+        if self.log_tail_lines < 1:
+            raise ValueError(f"log_tail_lines={self.log_tail_lines} is below 1: show at least one")
+        if self.max_batch < 1 or self.threads < 0:
+            raise ValueError(
+                f"max_batch={self.max_batch} must be >= 1 and threads={self.threads} >= 0"
+            )
+        for name in (
+            "ready_timeout_s",
+            "ready_poll_s",
+            "stop_grace_s",
+            "kill_timeout_s",
+            "gpu_release_timeout_s",
+            "request_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
+        if self.ready_poll_s >= self.ready_timeout_s:
+            raise ValueError(
+                f"ready_poll_s={self.ready_poll_s} must be below ready_timeout_s={self.ready_timeout_s}"
+            )
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in self.env))
+
+    @property
+    def connect_host(self) -> str:
+        # A wildcard bind address is not an address to connect to.
+        return "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host

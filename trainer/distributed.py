@@ -1,0 +1,171 @@
+"""Process-group plumbing for one training iteration under torchrun.
+
+Everything here is collective-aware: joining the group and choosing device,
+strategy and compute dtype (`init_distributed`), summing scalars over ranks
+(`all_reduce`), wrapping the model for DDP or FSDP2 (`wrap_model`), skipping
+gradient sync between micro-batches (`grad_sync`) and gathering the full
+state for saving (`gathered_state`).  A single process (WORLD_SIZE unset or 1)
+runs the same code with every collective a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from trainer.config import Device, DType, Strategy, TrainConfig
+from trainer.errors import TrainError
+
+log = logging.getLogger("trainer")
+
+_PR_SET_PDEATHSIG: Final = 1  # from <linux/prctl.h>
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us when our parent (torchrun) dies.
+
+    Without it a rank whose torchrun agent was killed keeps its process group
+    and memory until its next collective times out, minutes later.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    # The parent may have died before prctl took effect: then we were reparented.
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    strategy: Strategy
+    compute_dtype: torch.dtype = torch.float32  # weights and optimizer stay float32
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer torchrun put in the environment, or `default` when it is unset."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise TrainError(
+            f"environment {name}={raw!r} is not an integer: torchrun sets it"
+        ) from None
+
+
+def init_distributed(config: TrainConfig) -> DistContext:
+    """Join the process group (when WORLD_SIZE > 1) and pick device and strategy."""
+    world = env_int("WORLD_SIZE", 1)
+    rank = env_int("RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
+    if not 0 <= rank < world:
+        raise TrainError(f"RANK={rank} is outside 0..WORLD_SIZE-1={world - 1}")
+    if config.device == Device.CUDA and not torch.cuda.is_available():
+        raise TrainError("device='cuda' but no CUDA device is visible: use device='auto' or 'cpu'")
+    use_cuda = config.device == Device.CUDA or (
+        config.device == Device.AUTO and torch.cuda.is_available()
+    )
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    strategy = config.strategy
+    if strategy == Strategy.AUTO:
+        strategy = Strategy.FSDP2 if use_cuda else Strategy.DDP
+    if config.dtype == DType.AUTO:
+        compute = torch.bfloat16 if use_cuda else torch.float32
+    else:
+        compute = torch.bfloat16 if config.dtype == DType.BFLOAT16 else torch.float32
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    return DistContext(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        device=device,
+        strategy=strategy,
+        compute_dtype=compute,
+    )
+
+
+def all_reduce(values: Sequence[float], ctx: DistContext, op: Any = None) -> list[float]:
+    if not ctx.is_distributed:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def wrap_model(model: Any, ctx: DistContext, *, trainable: bool) -> Any:
+    """DDP (gloo/nccl) or FSDP2 fully_shard with bf16 compute, fp32 reduce."""
+    if not ctx.is_distributed:
+        return model
+    if ctx.strategy == Strategy.FSDP2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=ctx.compute_dtype, reduce_dtype=torch.float32)
+        # One shard group per decoder layer (all-gathered just in time), then the rest.
+        for layer in getattr(getattr(model, "model", None), "layers", []):
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model
+    if not trainable:
+        return model  # a frozen reference model needs no gradient sync
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None
+    )
+
+
+def unwrap(model: Any) -> Any:
+    return model.module if hasattr(model, "module") else model
+
+
+@contextlib.contextmanager
+def grad_sync(model: Any, ctx: DistContext, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+    if not ctx.is_distributed or enabled:
+        if ctx.strategy == Strategy.FSDP2 and ctx.is_distributed:
+            model.set_requires_gradient_sync(True)
+        yield
+    elif ctx.strategy == Strategy.FSDP2:
+        model.set_requires_gradient_sync(False)
+        yield
+    else:
+        with model.no_sync():
+            yield
+
+
+def gathered_state(model: Any, ctx: DistContext) -> dict[str, Tensor] | None:
+    """Full CPU state dict for saving (FSDP2 needs every rank to take part)."""
+    if ctx.is_distributed and ctx.strategy == Strategy.FSDP2:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return dict(state)  # type: ignore[arg-type]
+    return None

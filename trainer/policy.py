@@ -1,0 +1,102 @@
+"""The policy model during training: loading, forward passes and log-probs.
+
+`load_model` reads a verified checkpoint as fp32 master weights;
+`forward_logits` runs it under the compute dtype the DistContext chose;
+`policy_logprobs` gives per-response-token log-probs without grad (the PPO
+"old" policy and the KL reference); `param_digest` fingerprints the weights so
+ranks can be compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollout.train_batch import TrainBatch
+from trainer import grpo
+from trainer.checkpoint import verify_checkpoint
+from trainer.config import Strategy
+from trainer.distributed import DistContext, unwrap
+from trainer.errors import TrainError
+from trainer.grpo import shard
+
+
+def load_model(model_dir: Path, ctx: DistContext) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (model_dir / "manifest.json").exists():
+        verify_checkpoint(model_dir)
+    elif not model_dir.is_dir():
+        raise TrainError(f"model_dir {model_dir} does not exist")
+    # fp32 master weights everywhere; FSDP2 casts to bf16 for compute on GPUs.
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True, use_safetensors=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model.to(ctx.device)  # type: ignore[arg-type]  # transformers' stub is wrong
+    model.config.use_cache = False  # no KV cache while training
+    return model, tokenizer
+
+
+def autocast(ctx: DistContext) -> contextlib.AbstractContextManager[Any]:
+    """bf16 compute for DDP/single process; FSDP2 casts through its own policy."""
+    if ctx.compute_dtype == torch.float32 or (
+        ctx.is_distributed and ctx.strategy == Strategy.FSDP2
+    ):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=ctx.device.type, dtype=ctx.compute_dtype)
+
+
+def forward_logits(model: Any, packed: grpo.PackedBatch, ctx: DistContext) -> Tensor:
+    with autocast(ctx):
+        out = model(
+            input_ids=packed.input_ids.to(ctx.device),
+            attention_mask=packed.attention_mask.to(ctx.device),
+            use_cache=False,
+        )
+    return out.logits
+
+
+def pack(batch: TrainBatch, idx: Sequence[int], pad_id: int) -> grpo.PackedBatch:
+    """Right-padded prompt+response rows of the samples `idx`, ready for a forward."""
+    return grpo.collate(
+        [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id=pad_id
+    )
+
+
+def policy_logprobs(
+    model: Any, batch: TrainBatch, own: Sequence[int], ctx: DistContext, micro: int, pad_id: int
+) -> dict[int, Tensor]:
+    """Per-response-token log-probs of `own` samples under `model`, without grad.
+
+    All ranks run the same number of forwards (FSDP2 all-gathers inside).
+    """
+    longest = len(shard(batch.num_samples, ctx.world_size, 0))  # rank 0's shard is the largest
+    out: dict[int, Tensor] = {}
+    with torch.no_grad():
+        for m in range(max(1, math.ceil(longest / micro))):
+            chunk = list(own[m * micro : (m + 1) * micro])
+            idx = chunk or [0]  # a throwaway forward keeps the collectives in step
+            packed = pack(batch, idx, pad_id)
+            logits = forward_logits(model, packed, ctx)
+            logp = grpo.token_logprobs(logits, packed.input_ids.to(ctx.device)).cpu()
+            for i, values in zip(chunk, grpo.extract_response_values(logp, packed), strict=False):
+                out[i] = values
+    return out
+
+
+def param_digest(model: Any) -> str:
+    """sha256 over all (full) parameters: equal on every rank when replicas agree."""
+    digest = hashlib.sha256()
+    for name, p in sorted(unwrap(model).named_parameters()):
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        digest.update(name.encode())
+        digest.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()

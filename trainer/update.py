@@ -1,0 +1,127 @@
+"""One GRPO optimizer step: micro-batches, loss, backward, clip, AdamW.
+
+`optimizer_step` is the body of the update loop in `trainer.train.run`; it
+reads the iteration's fixed `Inputs` (advantages, old and reference
+log-probs) and returns this rank's `Sums`, which the caller adds over ranks.
+Every rank runs the same number of forward/backward passes: a rank short of
+samples runs a zero-weight copy of a real one, because DDP and FSDP2 issue
+collectives inside them and unequal counts would hang.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollout.train_batch import TrainBatch
+from trainer import grpo
+from trainer.config import LossAgg, TrainConfig
+from trainer.distributed import DistContext, all_reduce, grad_sync
+from trainer.errors import TrainError
+from trainer.policy import forward_logits, pack
+
+
+@dataclass
+class Sums:
+    """Token sums over the iteration, added over ranks before they become means."""
+
+    loss: float = 0.0  # the objective as optimised (already normalised)
+    policy: float = 0.0
+    kl: float = 0.0
+    clipped: float = 0.0
+    ratio: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, terms: grpo.LossTerms) -> None:
+        self.loss += float(terms.loss.detach())
+        self.policy += float(terms.policy_sum)
+        self.kl += float(terms.kl_sum)
+        self.clipped += float(terms.clipped_tokens)
+        self.ratio += float(terms.ratio_sum)
+        self.tokens += float(terms.tokens)
+
+    def reduced(self, ctx: DistContext) -> Sums:
+        return Sums(
+            *all_reduce(
+                [self.loss, self.policy, self.kl, self.clipped, self.ratio, self.tokens], ctx
+            )
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inputs:
+    """What the optimizer steps read: advantages and the per-sample reference values."""
+
+    batch: TrainBatch
+    advantages: Tensor  # [S]
+    old: dict[int, Tensor]  # recomputed "old" log-probs of this rank's samples
+    ref: dict[int, Tensor] | None  # reference log-probs (KL on) of this rank's samples
+    own: list[int]
+    pad_id: int
+
+
+def optimizer_step(
+    wrapped: Any,
+    optimizer: Any,
+    step: grpo.Step,
+    inputs: Inputs,
+    ctx: DistContext,
+    config: TrainConfig,
+    total_steps: int,
+) -> tuple[Sums, float]:
+    """Accumulate the step's micro-batches, clip, and apply AdamW; returns (local sums, grad norm)."""
+    sums = Sums()
+    optimizer.zero_grad(set_to_none=True)
+    mine = step.micro[ctx.rank]
+    for m, chunk in enumerate(mine):
+        real = bool(chunk)
+        # A rank short of samples runs a zero-weight copy of a real one: DDP
+        # and FSDP2 need every rank in every backward's collectives.
+        idx = list(chunk) if real else [inputs.own[0] if inputs.own else 0]
+        packed = pack(inputs.batch, idx, inputs.pad_id)
+        with grad_sync(wrapped, ctx, enabled=m == len(mine) - 1):
+            logits = forward_logits(wrapped, packed, ctx)
+            logp = grpo.token_logprobs(logits, packed.input_ids.to(ctx.device))
+            if real:
+                old = grpo.place_response_values([inputs.old[i] for i in idx], packed)
+            else:
+                old = logp.detach().cpu()
+            ref = None
+            if inputs.ref is not None and real:
+                ref = grpo.place_response_values([inputs.ref[i] for i in idx], packed).to(
+                    ctx.device
+                )
+            if config.loss_agg == LossAgg.TOKEN_MEAN:
+                weights, normalizer = None, max(step.tokens, 1)
+            else:
+                weights = torch.tensor([1.0 / max(r, 1) for r in packed.response_lens])
+                normalizer = max(step.samples, 1)
+            terms = grpo.grpo_loss(
+                logp,
+                old.to(ctx.device),
+                inputs.advantages[idx].to(ctx.device),
+                packed.response_mask.to(ctx.device),
+                clip_eps=config.clip_eps,
+                normalizer=normalizer,
+                ref_logp=ref,
+                kl_coef=config.kl_coef,
+                sample_weights=None if weights is None else weights.to(ctx.device),
+            )
+            # DDP and FSDP2 average gradients over ranks, while the normaliser
+            # already counts every rank's tokens/samples: scale the average back to a sum.
+            (terms.loss * (float(ctx.world_size) if real else 0.0)).backward()
+        if real:
+            sums.add(terms)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), config.max_grad_norm))
+    if not math.isfinite(grad_norm):
+        raise TrainError(
+            f"gradient norm is {grad_norm}: lower lr (now {config.lr}) or check the batch's rewards"
+        )
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr_at(total_steps)
+    optimizer.step()
+    return sums, grad_norm
