@@ -21,6 +21,7 @@ counting how often it ran, and appends (iteration, phase) to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Mapping
@@ -139,10 +140,9 @@ class ScriptedActions:
     def _record(self, iteration: int, phase: int) -> None:
         out = self._output(iteration, phase, self.rank)
         runs = 0
-        try:
+        # The first run of this action has no marker yet (or a foreign one).
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
             runs = int(json.loads(fsio.read_bytes(out))["runs"])
-        except (FileNotFoundError, ValueError, KeyError):
-            pass
         body = {"iteration": iteration, "phase": phase, "rank": self.rank, "runs": runs + 1}
         fsio.publish_bytes(out, json.dumps(body).encode())
         log_path = self.run_dir / layout.rank_dir(self.rank) / "scripted-log.json"

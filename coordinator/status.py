@@ -113,9 +113,9 @@ def collect(log_path: Path, *, window_s: float = 0.0, lease_s: float | None = No
                 hb.counter != before.counter
         age = max(0.0, now - hb.wall_time)
         state = RankState(hb.state.value)
-        if state in (RankState.RUNNING, RankState.WAITING, RankState.STARTING):
-            if advancing is False or (advancing is None and age > lease):
-                state = RankState.LOST
+        live = state in (RankState.RUNNING, RankState.WAITING, RankState.STARTING)
+        if live and (advancing is False or (advancing is None and age > lease)):
+            state = RankState.LOST
         views.append(RankView(
             rank=r, state=state, host=hb.host,
             address=claim.address if claim and claim.token == hb.token else "-",
