@@ -55,7 +55,7 @@ join_timeout_s = 600.0
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def latencies(times: dict[int, list[list[float]]]) -> list[float]:

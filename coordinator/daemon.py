@@ -233,7 +233,8 @@ class Daemon:
             generation=self.manifest.generation, master_token=master_claim.token,
             join_timeout_s=self.coord.join_timeout_s, backoff=self.backoff,
             progress_interval_s=self.coord.progress_interval_s,
-            retry_s=self.coord.read_retry_s, clock=self.clock, check=self.runtime.check,
+            retry_s=self.coord.read_retry_s, lease_s=self.coord.lease_s, clock=self.clock,
+            check=self.runtime.check,
         )
         self.heartbeat.update(state=NodeState.RUNNING)
         self._enter_session(session, {0: master_claim.host})

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import psutil
 
 from coordinator import layout, netaddr
-from coordinator.errors import RankHeldError, UsageError
+from coordinator.errors import FencedError, PeerLostError, RankHeldError
 from coordinator.polling import Backoff, Clock, Wait
 from coordinator.records import Claim, Heartbeat, Manifest, NodeState, Session
 from coordinator.store import Store, publish_record, read_record
@@ -256,22 +256,40 @@ def publish_session(store: Store, session: Session) -> None:
 def wait_for_session(
     store: Store, *, rank: int, token: str, run_id: str, generation: int, master_token: str,
     join_timeout_s: float, backoff: Backoff, progress_interval_s: float, retry_s: float,
-    clock: Clock | None = None, check: Callable[[], None] | None = None,
+    lease_s: float, clock: Clock | None = None, check: Callable[[], None] | None = None,
 ) -> Session:
-    """Worker: wait for the master's session naming this daemon's token."""
+    """Worker: wait for the master's session naming this daemon's token.
+
+    The master's lease is watched meanwhile: a master that dies while the
+    group forms is reported after one lease, not after the join timeout.
+    """
+    clock = clock or Clock()
+    seen = _Progress(changed_at=clock.now(), token=master_token)
 
     def probe() -> Session | None:
         hb = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
+        now = clock.now()
+        if hb is not None and hb.token == master_token:
+            if hb.state not in LIVE_STATES:
+                raise PeerLostError(
+                    f"the master (pid {hb.pid} on {hb.host}) stopped before the group formed: "
+                    f"{hb.error or hb.state.value}", rank=0, host=hb.host)
+            if hb.counter != seen.counter:
+                seen.counter, seen.changed_at = hb.counter, now
+        if now - seen.changed_at > lease_s:
+            raise PeerLostError(
+                f"the master's heartbeat has not advanced for {now - seen.changed_at:.1f} s "
+                f"(lease {lease_s:g} s) while the group formed: is it still running?", rank=0)
         if hb is None or hb.token != master_token or hb.session is None:
-            if hb is not None and hb.token == master_token and hb.state not in LIVE_STATES:
-                raise UsageError(f"the master stopped before the group formed: {hb.error}")
             return None
         session = read_record(store, layout.SESSION, Session, retry_s=retry_s)
         if session is None or session.session != hb.session or session.run_id != run_id \
                 or session.generation != generation:
             return None
         if session.token_of(rank) != token:
-            return None
+            raise FencedError(
+                f"the master formed the group with another daemon for rank {rank} "
+                f"(token {session.token_of(rank)}, ours {token}): this one stops")
         return session
 
     return Wait(

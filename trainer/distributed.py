@@ -11,14 +11,11 @@ runs the same code with every collective a no-op.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
-import signal
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,26 +25,6 @@ from trainer.config import Device, DType, Strategy, TrainConfig
 from trainer.errors import TrainError
 
 log = logging.getLogger("trainer")
-
-_PR_SET_PDEATHSIG: Final = 1  # from <linux/prctl.h>
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL us when our parent (torchrun) dies.
-
-    Without it a rank whose torchrun agent was killed keeps its process group
-    and memory until its next collective times out, minutes later.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    # The parent may have died before prctl took effect: then we were reparented.
-    if os.getppid() != parent:
-        os._exit(1)
-
 
 @dataclass(frozen=True, kw_only=True)
 class DistContext:

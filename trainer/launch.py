@@ -33,6 +33,7 @@ from coordinator.phases import Phase
 from rollout.engine_host import EngineHost
 from rollout.process import ManagedProcess, describe_exit
 from rollout.rl_config import RlSections
+from trainer.lifeline import LAUNCHER_PID_ENV
 
 log = logging.getLogger(__name__)
 INITIAL_MODEL = "model-init"
@@ -176,6 +177,7 @@ class TrainingSteps:
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("OMP_NUM_THREADS", "1")  # one CPU thread per trainer process
+        env[LAUNCHER_PID_ENV] = str(os.getpid())  # lets a trainer see that torchrun died early
         log_path = self.run_dir / layout.logs(self.rank) / f"train-iter-{ctx.iteration:06d}.log"
         command = self.command(master_addr=addr, master_port=port,
                                job=self.job_path(ctx.iteration))

@@ -51,7 +51,6 @@ from trainer.config import TrainerError, TrainJob
 from trainer.distributed import (
     DistContext,
     all_reduce,
-    die_with_parent,
     env_int,
     gathered_state,
     init_distributed,
@@ -60,6 +59,7 @@ from trainer.distributed import (
 )
 from trainer.errors import TrainError
 from trainer.grpo import plan_steps, shard
+from trainer.lifeline import die_with_parent
 from trainer.optim_state import restore_optimizer, save_optimizer
 from trainer.policy import load_model, param_digest, policy_logprobs
 from trainer.update import Inputs, Sums, optimizer_step

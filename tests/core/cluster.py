@@ -7,6 +7,7 @@ and always reap every process in `close()`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -128,10 +129,8 @@ class LocalCluster:
             if proc.poll() is None:
                 proc.kill()
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
 
 
 def arrivals_on_disk(log_path: Path) -> dict[tuple[int, int, int], dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -17,10 +18,8 @@ runner = CliRunner()
 def invoke(*args: str) -> tuple[int, str]:
     result = runner.invoke(app, list(args))
     text = result.output
-    try:
+    with contextlib.suppress(ValueError):
         text += result.stderr
-    except ValueError:
-        pass
     return result.exit_code, text
 
 

@@ -191,3 +191,18 @@ def test_status_shows_every_rank_what_it_waits_for_and_the_last_error(cluster) -
     report = status()
     assert report["ranks"][0]["state"] == "failed"
     assert "rank 2 (host" in report["last_error"] and "lost" in report["last_error"]
+
+
+def test_a_master_killed_while_the_group_forms_stops_the_waiting_worker_after_one_lease(
+    cluster,
+) -> None:
+    c = cluster()
+    c.start(0)
+    c.start(1)  # rank 2 never comes: the master keeps waiting for it
+    c.wait_until(lambda: (c.heartbeat(1) or {}).get("state") == "starting", 30,
+                 "worker 1 to join and wait for the group")
+    c.kill(0)
+    killed = time.monotonic()
+    assert c.wait(1, timeout=30) == 3
+    assert time.monotonic() - killed < 3.0 + 5  # lease 3 s
+    assert "the master's heartbeat has not advanced" in c.output(1)
