@@ -18,12 +18,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from coordinator import fsio, layout
 from coordinator.errors import MalformedRecordError, PhaseFailedError
 from coordinator.liveness import HeartbeatPublisher, Monitor, abort_error, describe_phase
-from coordinator.polling import Backoff, Clock, Wait, Waker
+from coordinator.polling import Backoff, Clock, Wait
 from coordinator.records import (
     Abort,
     Arrival,
@@ -35,6 +36,7 @@ from coordinator.records import (
 )
 from coordinator.runtime import Runtime
 from coordinator.store import Store, publish_record, read_record
+from coordinator.waker import Waker
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class Barrier:
         self.waker = waker
         self.heartbeat_path = heartbeat_path
         self.last_wait: Wait | None = None
+        self._heartbeat_paths: dict[int, Path] = {}
 
     # -- every rank -------------------------------------------------------
     def arrive(
@@ -135,6 +138,8 @@ class Barrier:
                 if self.heartbeat_path is not None else list(missing)
 
         def probe() -> dict[int, Arrival] | None:
+            # Watch before reading: a rename after our read then still wakes us.
+            self._watch(missing)
             for rank in targets():
                 hb = read_record(self.store, layout.heartbeat(rank), Heartbeat,
                                  retry_s=self.retry_s)
@@ -156,7 +161,6 @@ class Barrier:
             if not missing:
                 return arrivals
             self.monitor.judge()
-            self._watch(missing)
             return None
 
         def describe() -> str:
@@ -195,6 +199,7 @@ class Barrier:
         last_seen: dict[int, Heartbeat | None] = {}
 
         def probe() -> Release | None:
+            self._watch([master])  # before reading, as in collect()
             hb = read_record(self.store, layout.heartbeat(master), Heartbeat,
                              retry_s=self.retry_s)
             self.monitor.observe(master, hb)
@@ -209,7 +214,6 @@ class Barrier:
                         raise abort_error(record.abort)
                     return record
             self.monitor.judge()
-            self._watch([master])
             return None
 
         def describe() -> str:
@@ -268,7 +272,11 @@ class Barrier:
 
     def _watch(self, ranks: list[int]) -> None:
         if self.waker is not None and self.heartbeat_path is not None:
-            self.waker.watch(self.heartbeat_path(r) for r in ranks)
+            paths = self._heartbeat_paths
+            for r in ranks:
+                if r not in paths:
+                    paths[r] = self.heartbeat_path(r)
+            self.waker.watch(paths[r] for r in ranks)
 
     def _describe_missing(
         self, missing: list[int], seen: Mapping[int, Heartbeat | None], iteration: int,

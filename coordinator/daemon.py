@@ -51,7 +51,7 @@ from coordinator.errors import (
 )
 from coordinator.liveness import HeartbeatPublisher, Monitor, PeerTracker, fence_check
 from coordinator.phases import Phase, RlPhase, should_eval, spec
-from coordinator.polling import Backoff, Clock, Waker
+from coordinator.polling import Backoff, Clock
 from coordinator.records import (
     Abort,
     AbortKind,
@@ -65,6 +65,7 @@ from coordinator.records import (
 )
 from coordinator.runtime import Runtime
 from coordinator.store import FsStore, publish_record, read_record
+from coordinator.waker import Waker
 
 log = logging.getLogger("coordinator")
 
@@ -192,12 +193,11 @@ class Daemon:
         else:
             assert master_info is not None
             self._await_session(master_info.claim)
-        # A worker waits on the master's heartbeat only: watching ranks/0 alone
-        # keeps the inotify traffic per worker independent of the node count.
-        ranks = self.plan.log_path / layout.RANKS
+        # Each wait watches exactly the heartbeats it polls (a worker: the
+        # master's; the master: the missing ranks'), so the inotify traffic a
+        # worker sees does not grow with the node count.
         if self.coord.wakeups:
-            self.waker = Waker(ranks, recursive=True) if self.is_master else \
-                Waker(self.plan.log_path / layout.rank_dir(0), recursive=False)
+            self.waker = Waker()
         self.actions = kind(self.config.run.actions).build(
             self.config, rank=self.rank, num_nodes=self.manifest.num_nodes,
             run_dir=self.plan.log_path)

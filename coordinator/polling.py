@@ -2,10 +2,10 @@
 
 A `Wait` polls a probe fast at first and backs off to a ceiling, so a barrier
 that releases at once costs milliseconds while a barrier that waits an hour
-costs one read per ceiling interval.  On a local filesystem a `Waker`
-(watchdog/inotify) cuts a sleep short when a watched file changes; on NFS no
-event ever arrives from another client and the poll alone decides, so
-correctness never depends on the events.
+costs one read per ceiling interval.  On a local filesystem a
+`coordinator.waker.Waker` (inotify) cuts a sleep short when a watched file is
+renamed into place; on NFS no event ever arrives from another client and the
+poll alone decides, so correctness never depends on the events.
 
 Every wait says what it waits for when it starts and then at most once per
 progress interval, and its timeout error carries the same words.
@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 from coordinator.errors import WaitTimeout
@@ -55,62 +54,6 @@ class Clock:
             wake.clear()
             return True
         return False
-
-
-class Waker:
-    """Sets an event when one of the files of interest changes locally.
-
-    Only a hint: inotify sees changes made through this kernel only, so on
-    NFS it stays silent and waiters fall back to their poll interval.
-    """
-
-    def __init__(self, root: Path, *, recursive: bool = True) -> None:
-        self.event = threading.Event()
-        self._interest: frozenset[str] = frozenset()
-        self._changed: set[str] = set()
-        self._lock = threading.Lock()
-        self._observer = None
-        try:
-            from watchdog.events import FileMovedEvent, FileSystemEventHandler
-            from watchdog.observers import Observer
-
-            waker = self
-
-            class _Handler(FileSystemEventHandler):
-                def on_moved(self, event) -> None:  # type: ignore[no-untyped-def]
-                    path = str(event.dest_path)
-                    if path in waker._interest:
-                        with waker._lock:
-                            waker._changed.add(path)
-                        waker.event.set()
-
-            root.mkdir(parents=True, exist_ok=True)
-            observer = Observer()
-            observer.daemon = True
-            # Records are published by rename, so a rename onto a watched name
-            # is the only event that matters.  Opens and reads must not wake
-            # anyone: every waiter reads the watched files, and waking on
-            # reads turns polling into a storm.
-            observer.schedule(_Handler(), str(root), recursive=recursive,
-                              event_filter=[FileMovedEvent])
-            observer.start()
-            self._observer = observer
-        except Exception as exc:  # no inotify (limits, exotic fs): polling still works
-            log.debug("file-change wake-ups unavailable under %s: %s", root, exc)
-
-    def watch(self, paths: Iterable[Path]) -> None:
-        self._interest = frozenset(str(p) for p in paths)
-
-    def drain(self) -> set[str]:
-        """The watched files renamed into place since the last drain."""
-        with self._lock:
-            changed, self._changed = self._changed, set()
-        return changed
-
-    def close(self) -> None:
-        if self._observer is not None:
-            self._observer.stop()
-            self._observer = None
 
 
 class Wait:
