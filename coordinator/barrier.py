@@ -227,8 +227,13 @@ class Barrier:
         # The arrival just published the heartbeat; what we wait for rides
         # along with the next beat or progress report, not a publish of its own.
         self.heartbeat.set(waiting_for=describe())
+        # Where every rename wakes us (a local filesystem), fast polls would
+        # only burn CPU that the ranks share: poll at the ceiling, as a net.
+        complete = self.waker is not None and getattr(self.waker, "complete", False)
+        backoff = self.backoff if not complete else Backoff(
+            initial_s=self.backoff.ceiling_s, factor=1.0, ceiling_s=self.backoff.ceiling_s)
         wait = Wait(
-            deadline_s=deadline_s, backoff=self.backoff,
+            deadline_s=deadline_s, backoff=backoff,
             progress_interval_s=self.progress_interval_s, describe=describe, clock=self.clock,
             wake=self.waker.event if self.waker else None, check=self.runtime.check,
             on_progress=lambda t: self.heartbeat.update(waiting_for=t), logger=log,

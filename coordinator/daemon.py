@@ -65,7 +65,7 @@ from coordinator.records import (
 )
 from coordinator.runtime import Runtime
 from coordinator.store import FsStore, publish_record, read_record
-from coordinator.waker import Waker
+from coordinator.waker import LOCAL_FILESYSTEMS, Waker, filesystem_type
 
 log = logging.getLogger("coordinator")
 
@@ -197,7 +197,15 @@ class Daemon:
         # master's; the master: the missing ranks'), so the inotify traffic a
         # worker sees does not grow with the node count.
         if self.coord.wakeups:
-            self.waker = Waker()
+            fs_type = filesystem_type(self.plan.log_path)
+            self.waker = Waker(local=fs_type in LOCAL_FILESYSTEMS)
+            # A wait that polls only at the ceiling must still stop at once
+            # when a peer is lost or a signal arrives.
+            self.runtime.on_fail(lambda _error, event=self.waker.event: event.set())
+            log.info("file-change wake-ups: %s on %s (%s): %s", self.waker.backend,
+                     self.plan.log_path, fs_type or "unknown filesystem",
+                     "polls are a safety net at the ceiling" if self.waker.local
+                     else "writers on other hosts are seen by polling")
         self.actions = kind(self.config.run.actions).build(
             self.config, rank=self.rank, num_nodes=self.manifest.num_nodes,
             run_dir=self.plan.log_path)

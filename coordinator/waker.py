@@ -18,6 +18,12 @@ Two backends behind one interface (`event`, `watch`, `drain`, `close`):
 - Elsewhere (macOS, BSD): watchdog's native observer on the same directories.
 
 When neither can start (inotify limits, exotic filesystem), waiters poll.
+
+`complete` says whether the events can replace fast polling: on a local
+filesystem (one kernel sees every write) with every watched directory in
+place, a rename always produces an event here, so the poll is only a safety
+net and can run at its ceiling.  On NFS, Lustre, GPFS or FUSE the writers sit
+on other hosts, no event ever comes, and waiters poll fast.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import re
 import select
 import struct
 import sys
@@ -44,6 +51,34 @@ IN_ONLYDIR: Final = 0x01000000
 IN_NONBLOCK: Final = os.O_NONBLOCK
 IN_CLOEXEC: Final = os.O_CLOEXEC
 _EVENT: Final = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
+_OCTAL: Final = re.compile(r"\\([0-7]{3})")  # mountinfo escapes space, tab, newline, backslash
+# Filesystems whose every writer is this kernel, so inotify sees every rename.
+LOCAL_FILESYSTEMS: Final = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay", "zfs", "f2fs"})
+
+
+def filesystem_type(path: Path, mountinfo: str | None = None) -> str:
+    """The type of the filesystem holding `path`, per /proc/self/mountinfo ("" if unknown)."""
+    try:
+        text = mountinfo if mountinfo is not None else \
+            Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return ""
+    target = os.path.realpath(path)
+    best, best_type = "", ""
+    for line in text.splitlines():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        if len(fields) <= sep + 1 or len(fields) < 5:
+            continue
+        # Field 5 is the mount point, with spaces and the like octal-escaped.
+        mount = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, best_type = mount, fields[sep + 1]
+    return best_type
 
 
 class _Backend(Protocol):
@@ -54,8 +89,10 @@ class _Backend(Protocol):
 class Waker:
     """Sets `event` when one of the files of interest is renamed into place."""
 
-    def __init__(self, *, backend: str = "auto") -> None:
+    def __init__(self, *, backend: str = "auto", local: bool = False) -> None:
+        """`local`: the watched files live on a filesystem in LOCAL_FILESYSTEMS."""
         self.event = threading.Event()
+        self.local = local
         self._interest: frozenset[str] = frozenset()
         self._changed: set[str] = set()
         self._lock = threading.Lock()
@@ -87,6 +124,11 @@ class Waker:
             except OSError as exc:  # missing directory, watch limit: polling covers it
                 self._complete = False
                 log.debug("cannot watch %s: %s", directory, exc)
+
+    @property
+    def complete(self) -> bool:
+        """Every rename onto a watched file will wake us: timed polls are only a safety net."""
+        return self.local and self.backend == "inotify" and self._complete
 
     def drain(self) -> set[str]:
         """The watched files renamed into place since the last drain."""

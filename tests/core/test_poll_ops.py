@@ -174,3 +174,30 @@ def test_a_master_woken_by_a_rename_reads_only_the_renamed_heartbeat(tmp_path) -
     counts = per_poll_counts(run)
     # The first poll swept all 63 missing ranks; each woken poll read one heartbeat.
     assert counts == [(1, 2)] * 3
+
+
+@pytest.mark.parametrize("complete", [False, True])
+def test_a_waiter_whose_every_rename_wakes_it_polls_only_at_the_ceiling(tmp_path,
+                                                                        complete) -> None:
+    """On a local filesystem the timed poll is a safety net: one per ceiling, not a ramp."""
+    waker = FakeWaker()
+    waker.complete = complete  # type: ignore[attr-defined]
+    slept: list[float] = []
+
+    def on_sleep() -> None:
+        if len(slept) == 8:
+            raise StopIteration
+
+    class RecordingClock(CountingClock):
+        def sleep(self, seconds: float, wake: threading.Event | None = None) -> None:
+            slept.append(seconds)
+            super().sleep(seconds, wake)
+
+    barrier = make_barrier(tmp_path, 1, 3, RecordingClock(on_sleep))
+    barrier.waker = waker  # type: ignore[assignment]
+    with pytest.raises(StopIteration):
+        barrier.wait_release(0, 3, deadline_s=1e6)
+    if complete:
+        assert slept == [1.0] * 8
+    else:
+        assert slept[0] == 0.01 and slept == sorted(slept)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.fsio import publish_bytes
-from coordinator.waker import Waker
+from coordinator.waker import Waker, filesystem_type
 
 # Events arrive within milliseconds; the generous timeout only absorbs a busy CI box.
 EVENT_TIMEOUT_S = 5.0
@@ -79,3 +79,37 @@ def test_a_directory_that_appears_later_is_watched_on_the_next_watch(tmp_path: P
     publish_bytes(target, b"{}")
     assert waker.event.wait(EVENT_TIMEOUT_S)
     assert str(target) in waker.drain()
+
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+40 22 0:45 / /mnt/shared rw,relatime shared:20 - nfs4 fs:/export rw,vers=4.2
+41 22 0:46 / /mnt/my\\040cluster rw,nosuid - fuse.sshfs host:/x rw
+42 40 0:47 / /mnt/shared/scratch rw - tmpfs tmpfs rw
+43 22 0:48 / /data/états rw - lustre 10.0.0.1@tcp:/fs rw
+"""
+
+
+@pytest.mark.parametrize(("path", "expected"), [
+    ("/mnt/shared/run", "nfs4"),
+    ("/mnt/shared", "nfs4"),
+    ("/mnt/sharedother/run", "ext4"),  # a prefix of the name is not a parent
+    ("/mnt/my cluster/run", "fuse.sshfs"),  # octal-escaped space in the mount point
+    ("/mnt/shared/scratch/run", "tmpfs"),  # the innermost mount wins
+    ("/home/user/run", "ext4"),
+    ("/data/états/run", "lustre"),  # non-ASCII names are not escaped
+])
+def test_the_filesystem_of_a_path_is_its_innermost_mount(path: str, expected: str) -> None:
+    assert filesystem_type(Path(path), MOUNTINFO) == expected
+
+
+def test_only_a_local_filesystem_with_every_watch_in_place_makes_events_complete(
+        tmp_path: Path) -> None:
+    local, remote = Waker(backend="inotify", local=True), Waker(backend="inotify", local=False)
+    try:
+        assert local.complete and not remote.complete
+        local.watch([tmp_path / "missing" / "hb.json"])
+        assert not local.complete, "an unwatched directory must bring fast polling back"
+    finally:
+        local.close()
+        remote.close()
