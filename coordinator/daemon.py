@@ -202,7 +202,7 @@ class Daemon:
             # A wait that polls only at the ceiling must still stop at once
             # when a peer is lost or a signal arrives.
             self.runtime.on_fail(lambda _error, event=self.waker.event: event.set())
-            log.info("file-change wake-ups: %s on %s (%s): %s", self.waker.backend,
+            log.info("file-change wake-ups: %s on %s (%s): %s", self.waker.backend.value,
                      self.plan.log_path, fs_type or "unknown filesystem",
                      "polls are a safety net at the ceiling" if self.waker.local
                      else "writers on other hosts are seen by polling")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import enum
 import errno
 import logging
 import os
@@ -86,11 +87,18 @@ class _Backend(Protocol):
     def close(self) -> None: ...
 
 
+class Backend(str, enum.Enum):
+    INOTIFY = "inotify"
+    WATCHDOG = "watchdog"
+    NONE = "none"  # neither could start: waiters poll
+
+
 class Waker:
     """Sets `event` when one of the files of interest is renamed into place."""
 
-    def __init__(self, *, backend: str = "auto", local: bool = False) -> None:
-        """`local`: the watched files live on a filesystem in LOCAL_FILESYSTEMS."""
+    def __init__(self, *, backend: Backend | None = None, local: bool = False) -> None:
+        """`backend`: None picks inotify on Linux, watchdog elsewhere."""
+        # `local`: the watched files live on a filesystem in LOCAL_FILESYSTEMS.
         self.event = threading.Event()
         self.local = local
         self._interest: frozenset[str] = frozenset()
@@ -99,14 +107,14 @@ class Waker:
         self._dirs: set[str] = set()
         self._complete = True  # every directory of the interest set is watched
         self._backend: _Backend | None = None
-        if backend == "auto":
-            backend = "inotify" if sys.platform.startswith("linux") else "watchdog"
+        if backend is None:
+            backend = Backend.INOTIFY if sys.platform.startswith("linux") else Backend.WATCHDOG
         try:
-            self._backend = _Inotify(self._renamed) if backend == "inotify" else \
+            self._backend = _Inotify(self._renamed) if backend is Backend.INOTIFY else \
                 _Watchdog(self._renamed)
         except Exception as exc:
-            log.debug("file-change wake-ups unavailable (%s): %s", backend, exc)
-        self.backend = backend if self._backend is not None else "none"
+            log.debug("file-change wake-ups unavailable (%s): %s", backend.value, exc)
+        self.backend = backend if self._backend is not None else Backend.NONE
 
     def watch(self, paths: Iterable[Path]) -> None:
         """Wake on renames onto exactly these files (replaces the previous set)."""
@@ -128,7 +136,7 @@ class Waker:
     @property
     def complete(self) -> bool:
         """Every rename onto a watched file will wake us: timed polls are only a safety net."""
-        return self.local and self.backend == "inotify" and self._complete
+        return self.local and self.backend is Backend.INOTIFY and self._complete
 
     def drain(self) -> set[str]:
         """The watched files renamed into place since the last drain."""

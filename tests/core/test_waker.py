@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.fsio import publish_bytes
-from coordinator.waker import Waker, filesystem_type
+from coordinator.waker import Backend, Waker, filesystem_type
 
 # Events arrive within milliseconds; the generous timeout only absorbs a busy CI box.
 EVENT_TIMEOUT_S = 5.0
@@ -22,7 +22,7 @@ EVENT_TIMEOUT_S = 5.0
 QUIET_S = 0.3
 
 
-@pytest.fixture(params=["inotify", "watchdog"])
+@pytest.fixture(params=[Backend.INOTIFY, Backend.WATCHDOG])
 def waker(request: pytest.FixtureRequest) -> Iterator[Waker]:
     w = Waker(backend=request.param)
     assert w.backend == request.param, "the backend could not start on this machine"
@@ -105,7 +105,8 @@ def test_the_filesystem_of_a_path_is_its_innermost_mount(path: str, expected: st
 
 def test_only_a_local_filesystem_with_every_watch_in_place_makes_events_complete(
         tmp_path: Path) -> None:
-    local, remote = Waker(backend="inotify", local=True), Waker(backend="inotify", local=False)
+    local = Waker(backend=Backend.INOTIFY, local=True)
+    remote = Waker(backend=Backend.INOTIFY, local=False)
     try:
         assert local.complete and not remote.complete
         local.watch([tmp_path / "missing" / "hb.json"])
