@@ -17,6 +17,7 @@ import math
 import types
 import typing
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, ClassVar, Final, TypeVar, Union
 
 from coordinator.errors import ExitCode, MalformedRecordError
@@ -102,10 +103,10 @@ class Record:
                 path, f"version {obj.get('version')!r} is not supported (this build reads {VERSION})"
             )
         values = {}
-        for name, hint in _fields(cls):
+        for name, decode in _fields(cls):
             if name not in obj:
                 raise MalformedRecordError(path, f"field {name!r} is missing")
-            values[name] = _decode(obj[name], hint, name, path)
+            values[name] = decode(obj[name], name, path)
         try:
             return cls(**values)
         except (TypeError, ValueError) as exc:
@@ -121,10 +122,10 @@ class Record:
 
 
 @functools.cache
-def _fields(cls: type[Record]) -> tuple[tuple[str, Any], ...]:
-    """(name, type) of a record's fields; resolving type hints is slow, so once per class."""
+def _fields(cls: type[Record]) -> tuple[tuple[str, Decoder], ...]:
+    """(name, decoder) of a record's fields; resolving type hints is slow, so once per class."""
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+    return tuple((f.name, _decoder(hints[f.name])) for f in dataclasses.fields(cls))
 
 
 def _encode(value: Any) -> Any:
@@ -139,69 +140,120 @@ def _encode(value: Any) -> Any:
     return value
 
 
-def _decode(value: Any, hint: Any, name: str, path: Path) -> Any:
+Decoder = Callable[[Any, str, Path], Any]
+
+
+@functools.cache
+def _decoder(hint: Any) -> Decoder:
+    """A strict decoder for one type hint, built once per hint.
+
+    Reading records is the hot path of every poll; resolving the hint's shape
+    (typing.get_origin and friends) on every value cost more than the JSON
+    parse, so it happens here, once.
+    """
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _decode(value, arg, name, path)
-            except MalformedRecordError as exc:
-                errors.append(exc.problem)
-        raise MalformedRecordError(path, "; ".join(errors))
+        nullable = type(None) in args
+        options = [_decoder(arg) for arg in args if arg is not type(None)]
+
+        def union(value: Any, name: str, path: Path) -> Any:
+            if value is None and nullable:
+                return None
+            errors = []
+            for option in options:
+                try:
+                    return option(value, name, path)
+                except MalformedRecordError as exc:
+                    errors.append(exc.problem)
+            raise MalformedRecordError(path, "; ".join(errors))
+
+        return union
     if hint is Any:
-        return value
+        return lambda value, name, path: value
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            allowed = ", ".join(repr(m.value) for m in hint)
-            raise MalformedRecordError(
-                path, f"field {name!r} is {value!r}, expected one of {allowed}"
-            ) from None
+        members = {m.value: m for m in hint}
+        allowed = ", ".join(repr(v) for v in members)
+
+        def member(value: Any, name: str, path: Path) -> Any:
+            try:
+                return members[value]
+            except (KeyError, TypeError):
+                raise MalformedRecordError(
+                    path, f"field {name!r} is {value!r}, expected one of {allowed}"
+                ) from None
+
+        return member
     if isinstance(hint, type) and issubclass(hint, Record):
-        if not isinstance(value, dict):
-            raise MalformedRecordError(path, f"field {name!r} must be an object")
-        return hint.from_json({"schema": hint.SCHEMA, "version": VERSION, **value}, path)
+        def nested(value: Any, name: str, path: Path) -> Any:
+            if not isinstance(value, dict):
+                raise MalformedRecordError(path, f"field {name!r} must be an object")
+            return hint.from_json({"schema": hint.SCHEMA, "version": VERSION, **value}, path)
+
+        return nested
     if origin is tuple:
-        if not isinstance(value, list):
-            raise MalformedRecordError(path, f"field {name!r} must be a list, got {value!r}")
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(v, args[0], name, path) for v in value)
-        if len(value) != len(args):
-            raise MalformedRecordError(path, f"field {name!r} must have {len(args)} items")
-        return tuple(_decode(v, a, name, path) for v, a in zip(value, args, strict=True))
+            item = _decoder(args[0])
+
+            def sequence(value: Any, name: str, path: Path) -> Any:
+                if not isinstance(value, list):
+                    raise MalformedRecordError(path, f"field {name!r} must be a list, got {value!r}")
+                return tuple(item(v, name, path) for v in value)
+
+            return sequence
+        items = [_decoder(a) for a in args]
+
+        def fixed(value: Any, name: str, path: Path) -> Any:
+            if not isinstance(value, list):
+                raise MalformedRecordError(path, f"field {name!r} must be a list, got {value!r}")
+            if len(value) != len(items):
+                raise MalformedRecordError(path, f"field {name!r} must have {len(items)} items")
+            return tuple(d(v, name, path) for v, d in zip(value, items, strict=True))
+
+        return fixed
     if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise MalformedRecordError(path, f"field {name!r} must be an object")
         args = typing.get_args(hint)
-        if args:
-            return {str(k): _decode(v, args[1], name, path) for k, v in value.items()}
-        return dict(value)
+        entry = _decoder(args[1]) if args else None
+
+        def mapping(value: Any, name: str, path: Path) -> Any:
+            if not isinstance(value, dict):
+                raise MalformedRecordError(path, f"field {name!r} must be an object")
+            if entry is None:
+                return dict(value)
+            return {str(k): entry(v, name, path) for k, v in value.items()}
+
+        return mapping
     if hint is bool:
-        if not isinstance(value, bool):
-            raise MalformedRecordError(path, f"field {name!r} must be true or false")
-        return value
+        def boolean(value: Any, name: str, path: Path) -> Any:
+            if not isinstance(value, bool):
+                raise MalformedRecordError(path, f"field {name!r} must be true or false")
+            return value
+
+        return boolean
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise MalformedRecordError(path, f"field {name!r} must be an integer, got {value!r}")
-        return value
+        def integer(value: Any, name: str, path: Path) -> Any:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise MalformedRecordError(path, f"field {name!r} must be an integer, got {value!r}")
+            return value
+
+        return integer
     if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok or not math.isfinite(value):
-            raise MalformedRecordError(path, f"field {name!r} must be a finite number")
-        return float(value)
+        def number(value: Any, name: str, path: Path) -> Any:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value):
+                raise MalformedRecordError(path, f"field {name!r} must be a finite number")
+            return float(value)
+
+        return number
     if hint is str:
-        if not isinstance(value, str):
-            raise MalformedRecordError(path, f"field {name!r} must be a string, got {value!r}")
-        return value
-    raise TypeError(f"records.py cannot decode type {hint!r} of field {name!r}")
+        def string(value: Any, name: str, path: Path) -> Any:
+            if not isinstance(value, str):
+                raise MalformedRecordError(path, f"field {name!r} must be a string, got {value!r}")
+            return value
+
+        return string
+    raise TypeError(f"records.py cannot decode type {hint!r}")
 
 
 def check_rank(rank: int, num_nodes: int = MAX_RANKS) -> int:
