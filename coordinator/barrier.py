@@ -22,8 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import fsio, layout
-from coordinator.errors import MalformedRecordError, PhaseFailedError
-from coordinator.liveness import HeartbeatPublisher, Monitor, abort_error, describe_phase
+from coordinator.errors import MalformedRecordError
+from coordinator.liveness import (
+    HeartbeatPublisher,
+    Monitor,
+    abort_error,
+    describe_phase,
+    rank_failed,
+)
 from coordinator.polling import Backoff, Clock, Wait
 from coordinator.records import (
     Abort,
@@ -151,11 +157,8 @@ class Barrier:
                 if record is None:
                     continue
                 if record.status is ArrivalStatus.FAILED:
-                    raise PhaseFailedError(
-                        f"rank {rank} (host {self.m.hosts.get(rank, '?')}) failed iteration "
-                        f"{iteration} {describe_phase(phase)}: {record.error}",
-                        rank=rank, iteration=iteration, phase=phase, cause=record.error or "",
-                    )
+                    raise rank_failed(rank, self.m.hosts.get(rank, "?"), iteration, phase,
+                                      record.error)
                 arrivals[rank] = record
                 missing.remove(rank)
             if not missing:

@@ -141,6 +141,17 @@ def describe_phase(phase: int) -> str:
         return f"phase {phase}"
 
 
+def rank_failed(rank: int, host: str, iteration: int, phase: int,
+                error: str | None) -> PhaseFailedError:
+    """A rank's own failure, worded the same whether the master learns it from
+    the rank's arrival record or the monitor from its heartbeat, whichever is first."""
+    return PhaseFailedError(
+        f"rank {rank} (host {host}) failed iteration {iteration} {describe_phase(phase)}: "
+        f"{error or 'no reason given'}",
+        rank=rank, iteration=iteration, phase=phase, cause=error or "",
+    )
+
+
 class PeerTracker:
     """Lease bookkeeping for the peers a daemon needs; pure given `now`."""
 
@@ -189,10 +200,7 @@ class PeerTracker:
                 rank=rank, host=view.host, iteration=hb.iteration, phase=hb.phase,
             )
         if hb is not None and hb.state is NodeState.FAILED:
-            return PhaseFailedError(
-                f"{who} failed {self.where(rank)}: {hb.error or 'no reason given'}",
-                rank=rank, iteration=hb.iteration, phase=hb.phase, cause=hb.error or "",
-            )
+            return rank_failed(rank, view.host, hb.iteration, hb.phase, hb.error)
         if hb is not None and hb.state is NodeState.FINISHED:
             return None
         age = self.age(rank, now)

@@ -16,8 +16,8 @@ import json
 import math
 import types
 import typing
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar, Final, TypeVar, Union
 
 from coordinator.errors import ExitCode, MalformedRecordError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coordinator.errors import PeerLostError, PhaseFailedError
-from coordinator.liveness import PeerTracker
+from coordinator.liveness import PeerTracker, rank_failed
 from coordinator.records import NodeState
 from tests.core.test_records import heartbeat
 
@@ -37,9 +37,14 @@ def test_a_peer_that_left_or_failed_is_reported_at_once() -> None:
     t.observe(1, heartbeat(counter=1, state=NodeState.LEFT), now=1.0)
     assert isinstance(t.verdict(1, now=1.0), PeerLostError)
     t = tracker()
-    t.observe(1, heartbeat(counter=1, state=NodeState.FAILED, error="boom"), now=1.0)
+    t.observe(1, heartbeat(counter=1, state=NodeState.FAILED, error="boom", iteration=1,
+                           phase=10), now=1.0)
     verdict = t.verdict(1, now=1.0)
-    assert isinstance(verdict, PhaseFailedError) and "boom" in str(verdict)
+    assert isinstance(verdict, PhaseFailedError)
+    # Word for word what the master says when it reads the failed arrival first:
+    # which of the two sees the failure first is a race, the message is not.
+    assert str(verdict) == str(rank_failed(1, "gpu-07", 1, 10, "boom")) == \
+        "rank 1 (host gpu-07) failed iteration 1 phase 10 (train): boom"
 
 
 def test_a_restarted_peer_with_a_new_token_is_reported_as_restarted() -> None:
