@@ -13,13 +13,11 @@ import dataclasses
 import enum
 import functools
 import json
-import math
-import types
 import typing
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Final, TypeVar, Union
+from typing import Any, ClassVar, Final, TypeVar
 
+from coordinator import codec
 from coordinator.errors import ExitCode, MalformedRecordError
 
 VERSION: Final = 1
@@ -84,7 +82,7 @@ class Record:
     def to_json(self) -> JsonObject:
         body: JsonObject = {"schema": self.SCHEMA, "version": VERSION}
         for f in dataclasses.fields(self):
-            body[f.name] = _encode(getattr(self, f.name))
+            body[f.name] = codec.encode(getattr(self, f.name))
         return body
 
     def to_bytes(self) -> bytes:
@@ -113,6 +111,11 @@ class Record:
             raise MalformedRecordError(path, str(exc)) from exc
 
     @classmethod
+    def from_fields(cls: type[T], fields: dict[str, Any], path: Path) -> T:
+        """A record nested in another: its fields without schema and version."""
+        return cls.from_json({"schema": cls.SCHEMA, "version": VERSION, **fields}, path)
+
+    @classmethod
     def from_bytes(cls: type[T], data: bytes, path: Path) -> T:
         try:
             obj = json.loads(data)
@@ -122,138 +125,10 @@ class Record:
 
 
 @functools.cache
-def _fields(cls: type[Record]) -> tuple[tuple[str, Decoder], ...]:
+def _fields(cls: type[Record]) -> tuple[tuple[str, codec.Decoder], ...]:
     """(name, decoder) of a record's fields; resolving type hints is slow, so once per class."""
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, _decoder(hints[f.name])) for f in dataclasses.fields(cls))
-
-
-def _encode(value: Any) -> Any:
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, tuple):
-        return [_encode(v) for v in value]
-    if isinstance(value, Record):
-        return {k: v for k, v in value.to_json().items() if k not in ("schema", "version")}
-    if isinstance(value, dict):
-        return {str(k): _encode(v) for k, v in value.items()}
-    return value
-
-
-Decoder = Callable[[Any, str, Path], Any]
-
-
-@functools.cache
-def _decoder(hint: Any) -> Decoder:
-    """A strict decoder for one type hint, built once per hint.
-
-    Reading records is the hot path of every poll; resolving the hint's shape
-    (typing.get_origin and friends) on every value cost more than the JSON
-    parse, so it happens here, once.
-    """
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(hint)
-        nullable = type(None) in args
-        options = [_decoder(arg) for arg in args if arg is not type(None)]
-
-        def union(value: Any, name: str, path: Path) -> Any:
-            if value is None and nullable:
-                return None
-            errors = []
-            for option in options:
-                try:
-                    return option(value, name, path)
-                except MalformedRecordError as exc:
-                    errors.append(exc.problem)
-            raise MalformedRecordError(path, "; ".join(errors))
-
-        return union
-    if hint is Any:
-        return lambda value, name, path: value
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        members = {m.value: m for m in hint}
-        allowed = ", ".join(repr(v) for v in members)
-
-        def member(value: Any, name: str, path: Path) -> Any:
-            try:
-                return members[value]
-            except (KeyError, TypeError):
-                raise MalformedRecordError(
-                    path, f"field {name!r} is {value!r}, expected one of {allowed}"
-                ) from None
-
-        return member
-    if isinstance(hint, type) and issubclass(hint, Record):
-        def nested(value: Any, name: str, path: Path) -> Any:
-            if not isinstance(value, dict):
-                raise MalformedRecordError(path, f"field {name!r} must be an object")
-            return hint.from_json({"schema": hint.SCHEMA, "version": VERSION, **value}, path)
-
-        return nested
-    if origin is tuple:
-        args = typing.get_args(hint)
-        if len(args) == 2 and args[1] is Ellipsis:
-            item = _decoder(args[0])
-
-            def sequence(value: Any, name: str, path: Path) -> Any:
-                if not isinstance(value, list):
-                    raise MalformedRecordError(path, f"field {name!r} must be a list, got {value!r}")
-                return tuple(item(v, name, path) for v in value)
-
-            return sequence
-        items = [_decoder(a) for a in args]
-
-        def fixed(value: Any, name: str, path: Path) -> Any:
-            if not isinstance(value, list):
-                raise MalformedRecordError(path, f"field {name!r} must be a list, got {value!r}")
-            if len(value) != len(items):
-                raise MalformedRecordError(path, f"field {name!r} must have {len(items)} items")
-            return tuple(d(v, name, path) for v, d in zip(value, items, strict=True))
-
-        return fixed
-    if origin is dict or hint is dict:
-        args = typing.get_args(hint)
-        entry = _decoder(args[1]) if args else None
-
-        def mapping(value: Any, name: str, path: Path) -> Any:
-            if not isinstance(value, dict):
-                raise MalformedRecordError(path, f"field {name!r} must be an object")
-            if entry is None:
-                return dict(value)
-            return {str(k): entry(v, name, path) for k, v in value.items()}
-
-        return mapping
-    if hint is bool:
-        def boolean(value: Any, name: str, path: Path) -> Any:
-            if not isinstance(value, bool):
-                raise MalformedRecordError(path, f"field {name!r} must be true or false")
-            return value
-
-        return boolean
-    if hint is int:
-        def integer(value: Any, name: str, path: Path) -> Any:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise MalformedRecordError(path, f"field {name!r} must be an integer, got {value!r}")
-            return value
-
-        return integer
-    if hint is float:
-        def number(value: Any, name: str, path: Path) -> Any:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or not math.isfinite(value):
-                raise MalformedRecordError(path, f"field {name!r} must be a finite number")
-            return float(value)
-
-        return number
-    if hint is str:
-        def string(value: Any, name: str, path: Path) -> Any:
-            if not isinstance(value, str):
-                raise MalformedRecordError(path, f"field {name!r} must be a string, got {value!r}")
-            return value
-
-        return string
-    raise TypeError(f"records.py cannot decode type {hint!r}")
+    return tuple((f.name, codec.decoder(hints[f.name])) for f in dataclasses.fields(cls))
 
 
 def check_rank(rank: int, num_nodes: int = MAX_RANKS) -> int:
