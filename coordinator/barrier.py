@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from coordinator import fsio, layout
@@ -92,7 +91,7 @@ class Barrier:
         self.waker = waker
         self.heartbeat_path = heartbeat_path
         self.last_wait: Wait | None = None
-        self._heartbeat_paths: dict[int, Path] = {}
+        self._heartbeat_paths: dict[int, str] = {}  # as the Waker reports them
 
     # -- every rank -------------------------------------------------------
     def arrive(
@@ -140,7 +139,8 @@ class Barrier:
                 swept[0] = now
                 return list(missing)
             changed = self.waker.drain()
-            return [r for r in missing if str(self.heartbeat_path(r)) in changed] \
+            # probe() has just watched every missing rank: their paths are cached.
+            return [r for r in missing if self._heartbeat_paths.get(r) in changed] \
                 if self.heartbeat_path is not None else list(missing)
 
         def probe() -> dict[int, Arrival] | None:
@@ -232,7 +232,7 @@ class Barrier:
         self.heartbeat.set(waiting_for=describe())
         # Where every rename wakes us (a local filesystem), fast polls would
         # only burn CPU that the ranks share: poll at the ceiling, as a net.
-        complete = self.waker is not None and getattr(self.waker, "complete", False)
+        complete = self.waker is not None and self.waker.complete
         backoff = self.backoff if not complete else Backoff(
             initial_s=self.backoff.ceiling_s, factor=1.0, ceiling_s=self.backoff.ceiling_s)
         wait = Wait(
@@ -283,7 +283,7 @@ class Barrier:
             paths = self._heartbeat_paths
             for r in ranks:
                 if r not in paths:
-                    paths[r] = self.heartbeat_path(r)
+                    paths[r] = str(self.heartbeat_path(r))
             self.waker.watch(paths[r] for r in ranks)
 
     def _describe_missing(

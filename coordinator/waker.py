@@ -116,7 +116,7 @@ class Waker:
             log.debug("file-change wake-ups unavailable (%s): %s", backend.value, exc)
         self.backend = backend if self._backend is not None else Backend.NONE
 
-    def watch(self, paths: Iterable[Path]) -> None:
+    def watch(self, paths: Iterable[str | Path]) -> None:
         """Wake on renames onto exactly these files (replaces the previous set)."""
         interest = frozenset(str(p) for p in paths)
         if interest == self._interest and self._complete:

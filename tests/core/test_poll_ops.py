@@ -131,9 +131,10 @@ def test_the_master_reads_one_heartbeat_per_missing_rank(tmp_path, num_nodes, ar
 class FakeWaker:
     """The Waker interface with a scripted set of renamed files."""
 
-    def __init__(self) -> None:
+    def __init__(self, complete: bool = False) -> None:
         self.event = threading.Event()
         self.changed: set[str] = set()
+        self.complete = complete
 
     def watch(self, paths) -> None:  # type: ignore[no-untyped-def]
         pass
@@ -180,8 +181,7 @@ def test_a_master_woken_by_a_rename_reads_only_the_renamed_heartbeat(tmp_path) -
 def test_a_waiter_whose_every_rename_wakes_it_polls_only_at_the_ceiling(tmp_path,
                                                                         complete) -> None:
     """On a local filesystem the timed poll is a safety net: one per ceiling, not a ramp."""
-    waker = FakeWaker()
-    waker.complete = complete  # type: ignore[attr-defined]
+    waker = FakeWaker(complete)
     slept: list[float] = []
 
     def on_sleep() -> None:
