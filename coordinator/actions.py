@@ -47,6 +47,9 @@ class StepContext:
     runtime: Runtime
     # Release payloads of the phases already passed in this iteration.
     releases: dict[int, Mapping[str, Any]] = field(default_factory=dict)
+    # Master, phases 9-10: the training port's listening socket, held since it
+    # was announced; the rendezvous store takes it over (trainer/rendezvous.py).
+    listener: Any = None
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("coordinator.action"))
 
     @property
@@ -97,6 +100,7 @@ class ActionKind:
     name: str
     target: str  # "module:function" building Actions(config, rank, num_nodes, run_dir)
     sections: str  # "module:function" resolving raw config sections into defaults
+    node_local: str = ""  # "module:NAME" of its node-local dotted keys (PROTOCOL.md)
 
     def _load(self, spec: str) -> Callable[..., Any]:
         module, _, attr = spec.partition(":")
@@ -104,6 +108,11 @@ class ActionKind:
 
     def resolve_sections(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         return dict(self._load(self.sections)(raw))
+
+    def node_local_keys(self) -> tuple[str, ...]:
+        if not self.node_local:
+            return ()
+        return tuple(self._load(self.node_local))  # type: ignore[arg-type]
 
     def build(self, config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> Actions:
         return self._load(self.target)(config, rank=rank, num_nodes=num_nodes, run_dir=run_dir)  # type: ignore[no-any-return]
@@ -113,7 +122,8 @@ KINDS: dict[str, ActionKind] = {
     "scripted": ActionKind(name="scripted", target="coordinator.scripted:build",
                            sections="coordinator.scripted:resolve_sections"),
     "rl": ActionKind(name="rl", target="rollout.rl_actions:build",
-                     sections="rollout.rl_actions:resolve_sections"),
+                     sections="rollout.rl_actions:resolve_sections",
+                     node_local="rollout.rl_config:NODE_LOCAL_KEYS"),
 }
 
 
@@ -129,5 +139,14 @@ def kind(name: str) -> ActionKind:
 def resolve_config(raw: Mapping[str, Any]) -> RunConfig:
     """Parse a raw config dict and fill every section's defaults."""
     config = RunConfig.from_dict(raw)
-    sections = kind(config.run.actions).resolve_sections(config.sections)
-    return RunConfig(run=config.run, coordination=config.coordination, sections=sections)
+    action_kind = kind(config.run.actions)
+    sections = action_kind.resolve_sections(config.sections)
+    return RunConfig(run=config.run, coordination=config.coordination, sections=sections,
+                     node_local=action_kind.node_local_keys())
+
+
+def node_local_keys(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """The node-local keys of the action kind a raw (or resolved) config names."""
+    run = raw.get("run", {})
+    name = run.get("actions", "rl") if isinstance(run, Mapping) else "rl"
+    return kind(str(name)).node_local_keys()

@@ -7,23 +7,33 @@ every exit code).
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import sys
-import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from coordinator.errors import CoordinatorError, ExitCode, UsageError
+from coordinator.cli_args import (
+    check_log_path,
+    check_num_nodes,
+    existing_run_dir,
+    fail_usage,
+    log_path_arg,
+    parse_set,
+    parse_weights,
+    resolve_rank,
+    set_dotted,
+)
+from coordinator.errors import CoordinatorError, ExitCode, MalformedRecordError, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Drive a multi-node LLM RL loop through a shared filesystem.")
 
-RANK_ENV_VARS = ("RANK", "NODE_RANK", "SLURM_PROCID")
+# Files and directories the daemons create are 0644 and 0755 whatever umask
+# the job inherited (docs/PROTOCOL.md, rule 7): no group or world write.
+PROTOCOL_UMASK = 0o022
 
 # CLI flag -> config key.  Flags override the config file.
 FLAG_KEYS = {
@@ -44,110 +54,6 @@ FLAG_KEYS = {
 }
 
 
-def fail_usage(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(int(ExitCode.USAGE))
-
-
-def parse_weights(text: str | None) -> tuple[float, ...] | str | None:
-    if text is None:
-        return None
-    if text.strip() == "auto":
-        return "auto"
-    parts = [p.strip() for p in text.split(",")]
-    weights = []
-    for part in parts:
-        try:
-            value = float(part)
-        except ValueError:
-            raise UsageError(
-                f"--rank-weights {text!r}: {part!r} is not a number; give comma-separated "
-                "numbers, one per node, e.g. 2,1,1, or 'auto'"
-            ) from None
-        if not math.isfinite(value) or value < 0:
-            raise UsageError(
-                f"--rank-weights {text!r}: weight {part} is negative or not finite; weights are "
-                "shares of the work, so use numbers >= 0, e.g. 2,1,1"
-            )
-        weights.append(value)
-    if sum(weights) <= 0:
-        raise UsageError(
-            f"--rank-weights {text!r} sum to zero: at least one node must get work, e.g. 1,1,1"
-        )
-    return tuple(weights)
-
-
-def resolve_rank(master: bool, worker: int | None) -> int:
-    if master and worker is not None:
-        raise UsageError(
-            f"--master and --worker {worker} both given: a daemon is either the master (rank 0) "
-            "or one worker; drop one of them"
-        )
-    if master:
-        return 0
-    if worker is not None:
-        if worker < 1:
-            raise UsageError(
-                f"--worker {worker} is below 1: workers are ranks 1..N-1 (rank 0 is --master)"
-            )
-        return worker
-    for var in RANK_ENV_VARS:
-        value = os.environ.get(var)
-        if value is not None:
-            try:
-                rank = int(value)
-            except ValueError:
-                raise UsageError(f"${var}={value!r} is not an integer rank") from None
-            if rank < 0:
-                raise UsageError(f"${var}={rank} is negative: ranks start at 0")
-            return rank
-    raise UsageError(
-        "no rank given: pass --master on node 0 and --worker R on the others "
-        f"(or set one of ${', $'.join(RANK_ENV_VARS)})"
-    )
-
-
-def check_log_path(path: Path) -> Path:
-    path = path.expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        raise UsageError(
-            f"--log-path {path} is a file, not a directory: give a directory on the shared "
-            "filesystem that every node mounts"
-        )
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", suffix=".tmp"):
-            pass
-    except OSError as exc:
-        raise UsageError(
-            f"--log-path {path} is not writable ({exc.strerror}): give a directory this user can "
-            "write on the shared filesystem"
-        ) from None
-    return path
-
-
-def set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = target
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-
-
-def parse_set(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--set {item!r} must look like section.key=value, e.g. train.lr=1e-4")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        set_dotted(out, key, value)
-    return out
-
-
 def setup_logging(verbose: bool, rank: int | None = None) -> None:
     level = logging.DEBUG if verbose else logging.INFO
     who = f"rank {rank} " if rank is not None else ""
@@ -159,9 +65,21 @@ def setup_logging(verbose: bool, rank: int | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def report(exc: CoordinatorError) -> typer.Exit:
+    """Print an expected failure with its fix and turn it into its exit code."""
+    if isinstance(exc, UsageError):
+        return fail_usage(str(exc))
+    message = str(exc)
+    if isinstance(exc, MalformedRecordError):
+        message += (" (this file is corrupt or was not written by coordinator: look at it, "
+                    "restore or remove it, then run `coordinator recover`)")
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(int(exc.exit_code))
+
+
 @app.command()
 def run(
-    log_path: Annotated[Path | None, typer.Option(help="Run directory on the shared filesystem.")] = None,
+    log_path: Annotated[str | None, typer.Option(help="Run directory on the shared filesystem.")] = None,
     master: Annotated[bool, typer.Option("--master", help="This node is rank 0.")] = False,
     worker: Annotated[int | None, typer.Option(help="This node is worker rank R (1..N-1).")] = None,
     num_nodes: Annotated[int | None, typer.Option(help="Number of nodes (master; workers read it).")] = None,
@@ -181,23 +99,21 @@ def run(
     engine: Annotated[str | None, typer.Option(help="Inference engine: hf or vllm.")] = None,
     local_cache: Annotated[Path | None, typer.Option(help="Node-local directory for checkpoint copies.")] = None,
     keep_checkpoints: Annotated[int | None, typer.Option(help="Published checkpoints to keep.")] = None,
-    node_ip: Annotated[str | None, typer.Option(help="Address this node serves on (master: what workers use).")] = None,
+    node_ip: Annotated[str | None, typer.Option(help="Address of this host to serve on (master: what workers use).")] = None,
     ifname: Annotated[str | None, typer.Option(help="Interface whose IPv4 address to serve on.")] = None,
     new_run: Annotated[bool, typer.Option("--new-run", help="Archive an existing run in --log-path and start anew.")] = False,
     set_: Annotated[list[str], typer.Option("--set", help="Any config key: section.key=value.")] = [],  # noqa: B006
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run this node's daemon until every iteration is done (or something fails)."""
+    from coordinator import beneath, netaddr
     from coordinator.daemon import Daemon
     from coordinator.runplan import RunRequest, make_plan
 
     try:
-        if log_path is None:
-            raise UsageError("--log-path is required: the run directory on the shared filesystem "
-                             "that every node mounts, e.g. --log-path /shared/runs/exp1")
+        path = log_path_arg(log_path)
         rank = resolve_rank(master, worker)
-        if num_nodes is not None and num_nodes < 1:
-            raise UsageError(f"--num-nodes {num_nodes} is below 1: give the number of nodes, e.g. 3")
+        num_nodes = check_num_nodes(num_nodes)
         if num_nodes is not None and rank >= num_nodes:
             raise UsageError(
                 f"--worker {rank} is out of range for --num-nodes {num_nodes}: workers are "
@@ -209,8 +125,7 @@ def run(
                 f"--rank-weights has {len(weights)} values but --num-nodes is {num_nodes}: give "
                 f"one weight per node, e.g. {','.join('1' for _ in range(num_nodes))}")
         if rank == 0 and weights is not None and num_nodes is None and isinstance(weights, tuple):
-            num_nodes = len(weights)
-        path = check_log_path(log_path)
+            num_nodes = check_num_nodes(len(weights))
         overrides = parse_set(set_)
         given = {
             "iterations": iterations, "eval_interval": eval_interval,
@@ -222,16 +137,19 @@ def run(
         for flag, key in FLAG_KEYS.items():
             value = given[flag]
             if value is not None:
-                set_dotted(overrides, key, str(value) if isinstance(value, Path) else value)
+                set_dotted(overrides, key, str(value) if isinstance(value, Path) else value,
+                           given=f"--{flag.replace('_', '-')}")
+        # Checked before anything is written: a wrong address must not leave a
+        # run.json behind that workers would then wait on.
+        address = netaddr.choose_address(node_ip=node_ip, ifname=ifname)
+        check_log_path(path)
+        beneath.confine(path)
         setup_logging(verbose, rank)
         plan = make_plan(RunRequest(
             log_path=path, rank=rank, num_nodes=num_nodes, weights=weights, config_file=config,
-            overrides=overrides, new_run=new_run, node_ip=node_ip, ifname=ifname))
-    except UsageError as exc:
-        raise fail_usage(str(exc)) from None
+            overrides=overrides, new_run=new_run, address=address))
     except CoordinatorError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(int(exc.exit_code)) from None
+        raise report(exc) from None
     except KeyboardInterrupt:
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
     code = Daemon(plan).run()
@@ -240,46 +158,51 @@ def run(
 
 @app.command()
 def status(
-    log_path: Annotated[Path, typer.Option(help="Run directory.")],
+    log_path: Annotated[str | None, typer.Option(help="Run directory.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     window: Annotated[float, typer.Option(help="Seconds to watch heartbeats advance (0: one read).")] = 0.0,
 ) -> None:
     """Show every rank: host, address, iteration, phase, state, heartbeat age, what it waits for."""
+    from coordinator import beneath
     from coordinator import status as status_mod
 
-    if not log_path.is_dir():
-        raise fail_usage(f"--log-path {log_path} is not a directory: give the run directory")
-    report = status_mod.collect(log_path, window_s=window)
-    typer.echo(status_mod.render_json(report) if as_json else status_mod.render(report))
+    try:
+        path = existing_run_dir(log_path)
+        if not 0 <= window <= 600:
+            raise UsageError(f"--window {window:g} is outside 0..600 seconds: give e.g. 3")
+        beneath.confine(path)
+        report_ = status_mod.collect(path, window_s=window)
+    except CoordinatorError as exc:
+        raise report(exc) from None
+    typer.echo(status_mod.render_json(report_) if as_json else status_mod.render(report_))
+    if report_.problems:
+        raise typer.Exit(int(ExitCode.CORRUPT))
 
 
 @app.command()
 def recover(
-    log_path: Annotated[Path, typer.Option(help="Run directory.")],
-    iteration: Annotated[int, typer.Option(help="The iteration that failed.")],
+    log_path: Annotated[str | None, typer.Option(help="Run directory.")] = None,
+    iteration: Annotated[int | None, typer.Option(help="The iteration that failed.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List, do not remove.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Proceed even if daemons still heartbeat.")] = False,
-    window: Annotated[float | None, typer.Option(help="Seconds to watch heartbeats (default: heartbeat interval + 1).")] = None,
+    window: Annotated[float | None, typer.Option(help="Seconds to watch heartbeats advance (default: heartbeat interval + 1).")] = None,
 ) -> None:
     """Clean up a failed iteration so that restarting every node resumes the run."""
+    from coordinator import beneath
     from coordinator import recover as recover_mod
-    from coordinator.records import Manifest
-    from coordinator.store import FsStore, read_record
 
     setup_logging(False)
     try:
-        if not log_path.is_dir():
-            raise UsageError(f"--log-path {log_path} is not a directory: give the run directory")
-        if window is None:
-            manifest = read_record(FsStore(log_path), "run.json", Manifest, retry_s=2.0)
-            hb = manifest.config.get("coordination", {}).get("heartbeat_interval_s", 2.0) \
-                if manifest else 2.0
-            window = float(hb) + 1.0
-        plan = recover_mod.plan(log_path, iteration, force=force, window_s=window)
-    except UsageError as exc:
-        raise fail_usage(str(exc)) from None
-    if not dry_run:
-        recover_mod.apply(plan)
+        path = existing_run_dir(log_path)
+        if iteration is None:
+            raise UsageError("--iteration is required: the iteration that failed, as "
+                             "`coordinator status` shows it")
+        beneath.confine(path)
+        plan = recover_mod.plan(path, iteration, force=force, window_s=window)
+        if not dry_run:
+            recover_mod.apply(plan)
+    except CoordinatorError as exc:
+        raise report(exc) from None
     typer.echo(recover_mod.describe(plan, dry_run=dry_run))
 
 
@@ -349,6 +272,7 @@ def demo(
 
 
 def main() -> None:
+    os.umask(PROTOCOL_UMASK)
     app()
 
 

@@ -118,7 +118,41 @@ class RunSection:
 
 
 # Keys an operator may change on a restart without changing the experiment.
-OPERATIONAL_KEYS: Final = (("coordination",), ("run", "iterations"), ("run", "progress"))
+OPERATIONAL_KEYS: Final = ("coordination", "run.iterations", "run.progress")
+
+
+def drop_keys(tree: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """A deep copy of `tree` without the dotted `keys` (a key names a value or a section)."""
+    out: dict[str, Any] = json.loads(json.dumps(tree))
+    for key in keys:
+        *parents, last = key.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return out
+
+
+def pick_keys(tree: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """Only the dotted `keys` of `tree` that it has, in the same nesting."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        *parents, last = key.split(".")
+        node: Any = tree
+        for part in parents:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping) and last in node:
+            target = out
+            for part in parents:
+                target = target.setdefault(part, {})
+            target[last] = node[last]
+    return out
+
+
+def is_under(key: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether dotted `key` is one of `prefixes` or inside one of them."""
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,11 +162,19 @@ class RunConfig:
     run: RunSection = dataclasses.field(default_factory=RunSection)
     coordination: CoordinationConfig = dataclasses.field(default_factory=CoordinationConfig)
     sections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Dotted keys that belong to each node, never to the run (PROTOCOL.md,
+    # node-local keys): executables, environment, extra arguments, API keys,
+    # local paths.  run.json carries everything else.
+    node_local: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = {"run": to_plain(self.run), "coordination": to_plain(self.coordination)}
         out.update({k: to_plain(v) for k, v in self.sections.items()})
         return out
+
+    def experiment(self) -> dict[str, Any]:
+        """What run.json records: the whole configuration but the node-local keys."""
+        return drop_keys(self.to_dict(), self.node_local)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> RunConfig:
@@ -142,17 +184,12 @@ class RunConfig:
         return cls(run=run, coordination=coordination, sections=raw)
 
     def hash(self) -> str:
-        return config_hash(self.to_dict())
+        return config_hash(self.experiment())
 
 
 def config_hash(config: Mapping[str, Any]) -> str:
     """SHA-256 of the canonical JSON of the config without its operational keys."""
-    pruned = json.loads(json.dumps(config))
-    for path in OPERATIONAL_KEYS:
-        node = pruned
-        for key in path[:-1]:
-            node = node.get(key, {})
-        node.pop(path[-1], None)
+    pruned = drop_keys(config, OPERATIONAL_KEYS)
     canonical = json.dumps(pruned, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -161,7 +198,14 @@ def load_file(path: Path) -> dict[str, Any]:
     """Parse a TOML (.toml) or YAML (.yaml/.yml) config file into a dict."""
     if not path.is_file():
         raise UsageError(f"--config {path} does not exist or is not a file: give a .toml or .yaml file")
-    text = path.read_text()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"--config {path} is not UTF-8 text (byte {exc.start} is 0x{exc.object[exc.start]:02x}):"
+            " save it as UTF-8") from None
+    except OSError as exc:
+        raise UsageError(f"--config {path} cannot be read: {exc.strerror}") from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)

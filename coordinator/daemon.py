@@ -45,9 +45,12 @@ from coordinator.errors import (
     ExitCode,
     FencedError,
     Interrupted,
+    MalformedRecordError,
     PeerLostError,
     PhaseFailedError,
+    StorageError,
     WaitTimeout,
+    storage_error,
 )
 from coordinator.liveness import HeartbeatPublisher, Monitor, PeerTracker, fence_check
 from coordinator.phases import Phase, RlPhase, should_eval, spec
@@ -78,10 +81,11 @@ class RunPlan:
     rank: int
     manifest: Manifest
     config: RunConfig
-    node_ip: str | None = None
-    ifname: str | None = None
+    address: str = "127.0.0.1"  # this host's address, checked at the CLI boundary
     # Workers: the live master found before the plan was made (runplan.py).
     master: membership.MasterInfo | None = None
+    # Master: run.json to republish once rank 0 is held (operational keys changed).
+    republish: Manifest | None = None
 
 
 class Daemon:
@@ -106,7 +110,8 @@ class Daemon:
         self.waker: Waker | None = None
         self.actions: Actions | None = None
         self.session: Session | None = None
-        self.address = "127.0.0.1"
+        self.address = plan.address
+        self.listener: netaddr.Listener | None = None  # master: the training port, held
         self.journal = self._load_journal()
 
     # -- lifecycle ------------------------------------------------------------
@@ -130,6 +135,14 @@ class Daemon:
             self._finish(state, str(error))
             log.error("rank %d stops: %s", self.rank, error)
             return error.exit_code
+        except OSError as exc:
+            storage = storage_error(exc)
+            if storage is None:
+                raise
+            self.runtime.fail(storage)
+            self._finish(NodeState.FAILED, str(storage))
+            log.error("rank %d stops: %s", self.rank, storage)
+            return storage.exit_code
         except Exception as exc:
             log.exception("rank %d: unexpected error", self.rank)
             self.runtime.fail(CoordinatorError(f"internal error: {exc!r}"))
@@ -154,7 +167,6 @@ class Daemon:
 
     def _start(self) -> None:
         run_id, generation = self.manifest.run_id, self.manifest.generation
-        self.address = netaddr.choose_address(node_ip=self.plan.node_ip, ifname=self.plan.ifname)
         master_info = self.plan.master
         if self.is_master:
             self.probe_server = netaddr.ProbeServer(self.address)
@@ -169,6 +181,9 @@ class Daemon:
             retry_s=self.coord.read_retry_s, backoff=self.backoff,
             progress_interval_s=self.coord.progress_interval_s,
         )
+        if self.plan.republish is not None:
+            # Only the holder of rank 0 writes run.json (one writer per file).
+            publish_record(self.store, layout.MANIFEST, self.plan.republish)
         base = Heartbeat(
             run_id=run_id, generation=generation, rank=self.rank, token=self.token,
             host=self.host, pid=os.getpid(), counter=0, state=NodeState.STARTING,
@@ -327,8 +342,18 @@ class Daemon:
             except Cancelled:
                 self.runtime.check()
                 raise
-            except (PeerLostError, FencedError, Interrupted, WaitTimeout):
+            except (PeerLostError, FencedError, Interrupted, WaitTimeout, StorageError,
+                    MalformedRecordError):
                 raise
+            except OSError as exc:
+                # A full or read-only shared filesystem fails this rank's
+                # writes and its heartbeat alike: say so, do not report a
+                # phase failure nobody can publish.
+                storage = storage_error(exc)
+                if storage is not None:
+                    raise storage from exc
+                log.exception("rank %d iteration %d %s failed", self.rank, iteration, phase.label)
+                status, error = ArrivalStatus.FAILED, f"{type(exc).__name__}: {exc}"
             except Exception as exc:
                 log.exception("rank %d iteration %d %s failed", self.rank, iteration, phase.label)
                 status, error = ArrivalStatus.FAILED, f"{type(exc).__name__}: {exc}"
@@ -363,6 +388,8 @@ class Daemon:
                 raise
             release = self.barrier.release(iteration, phase, extra)
         releases[int(phase)] = release.payload
+        if phase is Phase.TRAIN:
+            self._close_listener()  # torchrun's store holds its own copy while it runs
         polls = self.barrier.last_wait.polls if self.barrier.last_wait else 0
         # Wall times let a benchmark on one machine compute release latency
         # (last arrival to last release) across ranks.
@@ -380,8 +407,10 @@ class Daemon:
                                           eval_before_train=run.eval_before_train,
                                           split=run.rollout_split)
         if phase is Phase.READY_TO_TRAIN:
+            self._close_listener()
+            self.listener = netaddr.Listener(self.address)
             payload["master_addr"] = self.address
-            payload["train_port"] = netaddr.free_port(self.address)
+            payload["train_port"] = self.listener.port
         later = [p for p in self.phases if p > phase]
         if later and spec(later[0]).collective:
             nxt = later[0]
@@ -403,7 +432,7 @@ class Daemon:
                       iteration=iteration, phase=int(phase))
         try:
             self.barrier.abort(iteration, phase, abort)
-        except OSError as err:
+        except (OSError, CoordinatorError) as err:
             log.error("could not publish the abort: %s", err)
 
     def _context(self, iteration: int, phase: Phase,
@@ -412,8 +441,13 @@ class Daemon:
             rank=self.rank, num_nodes=self.manifest.num_nodes, iteration=iteration, phase=phase,
             run_dir=self.plan.log_path, run_id=self.manifest.run_id, config=self.config,
             weights=self.manifest.weights, host=self.host, address=self.address,
-            runtime=self.runtime, releases=releases,
+            runtime=self.runtime, releases=releases, listener=self.listener,
         )
+
+    def _close_listener(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
     # -- journal, failure, shutdown ----------------------------------------------
     def _load_journal(self) -> Journal:
@@ -451,7 +485,7 @@ class Daemon:
                                      phase=hb.phase)
         try:
             self.heartbeat.update(**changes)
-        except OSError as exc:
+        except (OSError, CoordinatorError) as exc:
             log.error("could not publish the failure: %s", exc)
 
     def _final_heartbeat(self, state: NodeState, error: str | None) -> None:
@@ -475,6 +509,7 @@ class Daemon:
             self.waker.close()
         if self.probe_server is not None:
             self.probe_server.close()
+        self._close_listener()
 
     def _install_signals(self) -> None:
         def handler(signum: int, frame: FrameType | None) -> None:

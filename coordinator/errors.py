@@ -8,6 +8,8 @@ rule and the fix.  `ExitCode` is documented in docs/PROTOCOL.md.
 from __future__ import annotations
 
 import enum
+import errno
+import os
 from pathlib import Path
 
 
@@ -19,6 +21,8 @@ class ExitCode(enum.IntEnum):
     PHASE_FAILED = 4
     TIMEOUT = 5
     FENCED = 6
+    CORRUPT = 7
+    STORAGE = 8
     INTERRUPTED = 130
 
 
@@ -30,6 +34,10 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.PHASE_FAILED: "an action failed on some rank, or the master aborted the iteration",
     ExitCode.TIMEOUT: "a wait passed its deadline",
     ExitCode.FENCED: "this daemon is superseded: the generation was bumped or its claim was taken",
+    ExitCode.CORRUPT: "a file in the run directory is corrupt, out of range or not a plain "
+    "file (a symlink, FIFO, device, directory or oversized); the message names it",
+    ExitCode.STORAGE: "the shared filesystem refused a write (no space, quota, read-only, "
+    "permission); the message names the path and the errno",
     ExitCode.INTERRUPTED: "SIGINT or SIGTERM; the daemon published that it left",
 }
 
@@ -59,9 +67,64 @@ class RankHeldError(CoordinatorError):
 class MalformedRecordError(CoordinatorError, ValueError):
     """A file in the run directory is not a valid record of its schema."""
 
+    exit_code = ExitCode.CORRUPT
+
     def __init__(self, path: Path, problem: str) -> None:
         super().__init__(f"{path}: {problem}")
         self.path, self.problem = path, problem
+
+
+class UnsafeFileError(MalformedRecordError):
+    """A path in the run directory is a symlink, FIFO, device, directory or oversized file.
+
+    Such a file is never opened for its content, written through or followed:
+    whoever planted it cannot make a daemon hang, read without end, or write
+    outside the run directory.
+    """
+
+
+class IntegrityError(MalformedRecordError):
+    """A file's size or SHA-256 differs from what its manifest recorded.
+
+    Corruption, not an I/O error: an I/O error stays an OSError, so that work
+    is redone only when its output is known to be bad.
+    """
+
+
+class StorageError(CoordinatorError):
+    """The shared filesystem refused a write for a reason retrying will not fix."""
+
+    exit_code = ExitCode.STORAGE
+
+    def __init__(self, path: Path | str, errno_: int, strerror: str) -> None:
+        name = errno.errorcode.get(errno_, str(errno_))
+        fix = STORAGE_FIXES.get(errno_, "fix the filesystem")
+        super().__init__(
+            f"cannot write {path}: {strerror} ({name}): {fix}, then run "
+            "`coordinator recover` and restart every node")
+        self.errno, self.strerror = errno_, strerror
+        self.path = Path(path)
+
+
+# Errors of a write that no retry within a deadline will cure.
+STORAGE_FIXES: dict[int, str] = {
+    errno.ENOSPC: "free space on the shared filesystem",
+    errno.EDQUOT: "raise the quota or free space on the shared filesystem",
+    errno.EROFS: "remount the shared filesystem read-write",
+    errno.EACCES: "give this user write permission on the run directory",
+    errno.EPERM: "give this user write permission on the run directory",
+    errno.EFBIG: "the file exceeds the filesystem's size limit; free space or split the data",
+}
+
+
+def storage_error(exc: BaseException, path: Path | str | None = None) -> StorageError | None:
+    """The StorageError an OSError amounts to, or None when it is not one."""
+    if isinstance(exc, StorageError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in STORAGE_FIXES:
+        where = path if path is not None else (exc.filename or "the run directory")
+        return StorageError(where, exc.errno, exc.strerror or os.strerror(exc.errno))
+    return None
 
 
 class WaitTimeout(CoordinatorError, TimeoutError):

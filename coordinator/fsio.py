@@ -4,6 +4,12 @@ The only operations another node can rely on are a file published by rename
 and read back with open()+read() (NFS close-to-open consistency).  Everything
 here is built from those; nothing uses stat(), listings or mtimes to decide.
 
+Everything here also treats the run directory as untrusted: paths inside a
+confined run directory are resolved without following symlinks
+(coordinator/beneath.py), reads refuse anything but a regular file and stop
+at a size cap, writes and appends never go through a symlink, and
+directories get mode 0755 whatever the umask.
+
 Every system call goes through `STATS`, so benchmarks and tests can assert
 how many metadata and data operations a poll costs.  Counting is a few dict
 updates per call: cheap next to any real filesystem operation.
@@ -12,18 +18,29 @@ updates per call: cheap next to any real filesystem operation.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import secrets
+import stat
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
+from coordinator import beneath
+from coordinator.errors import UnsafeFileError, storage_error
+
 FILE_MODE: Final = 0o644  # no group/world write: peers read, only the writer writes
-DIR_MODE: Final = 0o755
+DIR_MODE: Final = beneath.DIR_MODE
 TMP_SUFFIX: Final = ".tmp"
+# Records are a few KB; run.json with a large config some tens of KB.  A file
+# beyond this is not a record, whatever it claims to be.
+MAX_RECORD_BYTES: Final = 4 << 20
+# Rank manifests and shard plans list task ids: a million ids fit.
+MAX_DOCUMENT_BYTES: Final = 256 << 20
+_READ_CHUNK: Final = 1 << 20
 
 # Errors a network filesystem returns transiently: the file was replaced under
 # an open handle (ESTALE), the server hiccuped (EIO), or a FUSE/NFS client
@@ -93,13 +110,14 @@ def temp_name(path: Path) -> Path:
 def ensure_dir(path: Path) -> None:
     """mkdir -p with the project's mode; tolerates a concurrent creator."""
     STATS.count("mkdir")
-    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    try:
+        beneath.make_dirs(path)
+    except OSError as exc:
+        raise storage_error(exc, path) or exc from None
 
 
-def fsync_dir(path: Path) -> None:
-    STATS.count("open")
+def _fsync_dir_fd(fd: int) -> None:
     STATS.count("fsync_dir")
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     except OSError as exc:
@@ -107,26 +125,23 @@ def fsync_dir(path: Path) -> None:
         # the rename is already durable as far as they can promise.
         if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
             raise
+
+
+def fsync_dir(path: Path) -> None:
+    STATS.count("open")
+    fd = beneath.open_dir(path)
+    try:
+        _fsync_dir_fd(fd)
     finally:
         os.close(fd)
 
 
-def _open_temp(path: Path) -> tuple[Path, int]:
-    tmp = temp_name(path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+def _write_temp(dir_fd: int, name: str, data: bytes) -> str:
+    """Write `data` to a new hidden temporary file in the directory; its name."""
+    tmp = f".{name}.{secrets.token_hex(6)}{TMP_SUFFIX}"
     STATS.count("open")
-    try:
-        return tmp, os.open(tmp, flags, FILE_MODE)
-    except FileNotFoundError:
-        # First file in a new directory: create it, then retry.  Trying the
-        # open first saves a stat() on every publish into an existing one.
-        ensure_dir(path.parent)
-        STATS.count("open")
-        return tmp, os.open(tmp, flags, FILE_MODE)
-
-
-def _write_temp(path: Path, data: bytes) -> Path:
-    tmp, fd = _open_temp(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 FILE_MODE, dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:
@@ -138,23 +153,35 @@ def _write_temp(path: Path, data: bytes) -> Path:
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):  # best effort: recover removes leftovers
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.close(fd)
     return tmp
 
 
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[tuple[int, str]]:
+    """The parent directory (made if missing) for a write; storage errors named by path."""
+    STATS.count("open")
+    try:
+        with beneath.parent_dir(path, create=True) as (dir_fd, name):
+            yield dir_fd, name
+    except OSError as exc:
+        raise storage_error(exc, path) or exc from None
+
+
 def publish_bytes(path: Path, data: bytes) -> None:
     """Atomically replace `path` with `data`: temp, fsync, rename, fsync dir."""
-    tmp = _write_temp(path, data)
-    try:
-        STATS.count("rename")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
+    with _writing(path) as (dir_fd, name):
+        tmp = _write_temp(dir_fd, name, data)
+        try:
+            STATS.count("rename")
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        _fsync_dir_fd(dir_fd)
 
 
 def create_exclusive(path: Path, data: bytes) -> bool:
@@ -163,49 +190,142 @@ def create_exclusive(path: Path, data: bytes) -> bool:
     link(2) is atomic and fails with EEXIST on NFSv3+, Lustre, GPFS and local
     filesystems, and unlike O_EXCL it never exposes a half-written file.
     """
-    tmp = _write_temp(path, data)
-    try:
-        STATS.count("link")
-        os.link(tmp, path)
-        created = True
-    except FileExistsError:
-        created = False
-    finally:
-        STATS.count("unlink")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    if created:
-        fsync_dir(path.parent)
-    return created
+    with _writing(path) as (dir_fd, name):
+        tmp = _write_temp(dir_fd, name, data)
+        try:
+            STATS.count("link")
+            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            created = True
+        except FileExistsError:
+            created = False
+        finally:
+            STATS.count("unlink")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dir_fd)
+        if created:
+            _fsync_dir_fd(dir_fd)
+        return created
 
 
-def read_bytes(path: Path) -> bytes:
-    """open()+read() of a whole file; FileNotFoundError when absent."""
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: Path, *, max_bytes: int | None = None) -> int:
+    """A read descriptor of a regular file: never a symlink, FIFO, device or directory.
+
+    O_NONBLOCK makes the open of a planted FIFO return at once instead of
+    waiting for a writer; on a regular file it changes nothing.
+    """
     STATS.count("open")
-    fd = os.open(path, os.O_RDONLY)
+    fd = beneath.open_file(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(path, f"is {_kind(st.st_mode)}, not a regular file")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise UnsafeFileError(
+                path, f"is {st.st_size} bytes, over the {max_bytes}-byte limit for this file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# statx(2) flags: ask the filesystem itself for the size, not the client cache.
+_AT_EMPTY_PATH: Final = 0x1000
+_AT_STATX_FORCE_SYNC: Final = 0x2000
+_STATX_SIZE: Final = 0x200
+
+
+def revalidate(fd: int) -> None:
+    """Make a network or FUSE client refetch an open file's attributes (its size).
+
+    A client that caches attributes may cut a read of a file replaced by
+    rename at the old file's cached size.  NFS revalidates at open (close-to-
+    open), many FUSE clients do not; statx with AT_STATX_FORCE_SYNC makes
+    both ask the server.  Used only when a read looked torn.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)
+        libc.statx(ctypes.c_int(fd), b"", ctypes.c_int(_AT_EMPTY_PATH | _AT_STATX_FORCE_SYNC),
+                   ctypes.c_uint(_STATX_SIZE), buf)
+    except (OSError, AttributeError):  # no statx in this libc: the retry still helps
+        pass
+
+
+def read_bytes(path: Path, *, max_bytes: int = MAX_RECORD_BYTES, fresh: bool = False) -> bytes:
+    """open()+read() of a whole regular file; FileNotFoundError when absent.
+
+    At most `max_bytes` are read, whatever the file's size claims; `fresh`
+    revalidates the cached size first (a retry after a torn read).
+    """
+    fd = open_regular(path, max_bytes=max_bytes)
+    try:
+        if fresh:
+            revalidate(fd)
         chunks = []
+        total = 0
         while True:
             STATS.count("read")
-            chunk = os.read(fd, 1 << 20)
+            chunk = os.read(fd, min(_READ_CHUNK, max_bytes + 1 - total))
             if not chunk:
                 break
             chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise UnsafeFileError(path, f"holds more than the {max_bytes}-byte limit")
         return b"".join(chunks)
     finally:
         os.close(fd)
 
 
+def open_append(path: Path) -> int:
+    """A descriptor for appending to a log: made if missing, never through a symlink."""
+    try:
+        beneath.make_dirs(path.parent)
+        fd = beneath.open_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK,
+                               FILE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO nobody reads: O_NONBLOCK refused to wait
+            raise UnsafeFileError(path, "is a FIFO, not a regular file") from None
+        raise storage_error(exc, path) or exc from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(path, f"is {_kind(st.st_mode)}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def remove(path: Path) -> bool:
-    """unlink; False if it was already gone."""
+    """unlink (a symlink itself, never its target); False if it was already gone."""
     STATS.count("unlink")
     try:
-        os.unlink(path)
+        with beneath.parent_dir(path, create=False) as (dir_fd, name):
+            os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     return True
 
 
+def remove_tree(path: Path) -> bool:
+    """rm -r beneath the run directory, never following a symlink."""
+    STATS.count("rmdir")
+    return beneath.remove_tree(path)
+
+
 def rename(src: Path, dst: Path) -> None:
     STATS.count("rename")
-    os.replace(src, dst)
+    with beneath.parent_dir(src, create=False) as (src_fd, src_name), \
+            beneath.parent_dir(dst, create=True) as (dst_fd, dst_name):
+        os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)

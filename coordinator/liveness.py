@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from coordinator import fsio, layout
-from coordinator.errors import FencedError, PeerLostError, PhaseFailedError
+from coordinator.errors import CoordinatorError, FencedError, PeerLostError, PhaseFailedError
 from coordinator.phases import Phase
 from coordinator.records import Abort, AbortKind, Claim, Heartbeat, Manifest, NodeState
 from coordinator.runtime import Runtime
@@ -85,7 +85,7 @@ class HeartbeatPublisher:
         if final:
             try:
                 self.beat(**final)
-            except OSError as exc:  # shutdown path: report, do not raise
+            except (OSError, CoordinatorError) as exc:  # shutdown path: report, do not raise
                 log.error("could not publish the final heartbeat: %s", exc)
 
     def _run(self) -> None:
@@ -96,7 +96,11 @@ class HeartbeatPublisher:
                 beats += 1
                 if self.fence is not None and beats % FENCE_CHECK_EVERY == 0:
                     self.fence()
-            except FencedError as exc:
+            except CoordinatorError as exc:
+                # Fenced, a full or read-only filesystem (StorageError), or a
+                # claim or manifest turned into something that is not one: a
+                # daemon that cannot beat must stop, saying why, rather than
+                # be declared lost by its peers a lease later.
                 self.runtime.fail(exc)
                 return
             except OSError as exc:

@@ -22,16 +22,29 @@ from coordinator.errors import UsageError
 log = logging.getLogger(__name__)
 
 
+def host_addresses() -> dict[str, str]:
+    """Every IPv4 address of this host -> the interface that carries it."""
+    return {str(a.address): name for name, addrs in psutil.net_if_addrs().items()
+            for a in addrs if a.family == socket.AF_INET}
+
+
 def choose_address(*, node_ip: str | None = None, ifname: str | None = None) -> str:
-    if node_ip:
+    if node_ip is not None:
         try:
-            ipaddress.ip_address(node_ip)
+            ip = ipaddress.ip_address(node_ip)
         except ValueError:
             raise UsageError(
                 f"--node-ip {node_ip!r} is not an IP address: give this node's address on the "
                 "network the other nodes use, e.g. --node-ip 10.0.0.5"
             ) from None
-        return node_ip
+        local = host_addresses()
+        if ip.version != 4 or str(ip) not in local:
+            raise UsageError(
+                f"--node-ip {node_ip} is not an IPv4 address of this host (it has "
+                f"{', '.join(sorted(local))}): the daemon listens on this address, so give one "
+                "of these, or --ifname with the interface the other nodes reach"
+            )
+        return str(ip)
     interfaces = psutil.net_if_addrs()
     if ifname:
         if ifname not in interfaces:
@@ -53,11 +66,28 @@ def choose_address(*, node_ip: str | None = None, ifname: str | None = None) -> 
     return "127.0.0.1"
 
 
-def free_port(address: str) -> int:
-    """A TCP port free on `address` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return int(sock.getsockname()[1])
+class Listener:
+    """A listening TCP socket on `address`, held from the moment its port is announced.
+
+    The training rendezvous store takes this very socket over (its descriptor
+    is inherited by torchrun, see trainer/rendezvous.py), so no other process
+    can take the port between its choice and its use, and the store listens
+    on the discovered address only, not on every interface.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind((address, 0))
+        self._sock.listen(1024)
+        self._sock.set_inheritable(False)
+        self.port = int(self._sock.getsockname()[1])
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 class ProbeServer:

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import functools
 import json
+import re
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Final, TypeVar
@@ -21,6 +22,7 @@ from coordinator import codec
 from coordinator.errors import ExitCode, MalformedRecordError
 
 VERSION: Final = 1
+RUN_ID: Final = re.compile(r"[0-9a-f]{8,64}")
 MAX_RANKS: Final = 4096
 MAX_ITERATIONS: Final = 1_000_000
 NUM_PHASES: Final = 14
@@ -149,6 +151,35 @@ def check_phase(phase: int) -> int:
     return phase
 
 
+def check_run_id(run_id: str) -> str:
+    # It becomes a directory name (archive/<run_id>): hex only, never a path.
+    if not RUN_ID.fullmatch(run_id):
+        raise ValueError(f"run_id {run_id!r} is not 8-64 lowercase hex digits")
+    return run_id
+
+
+def check_pid(pid: int) -> int:
+    if not 0 < pid < 1 << 32:
+        raise ValueError(f"pid {pid} is not a process id (1..2^32-1)")
+    return pid
+
+
+def check_generation(generation: int) -> int:
+    if not 0 <= generation < 1 << 31:
+        raise ValueError(f"generation {generation} is outside 0..2^31-1")
+    return generation
+
+
+def check_point(point: tuple[int, int] | None, name: str) -> None:
+    """An (iteration, phase) pair such as a heartbeat's `arrived` and `released`."""
+    if point is not None:
+        try:
+            check_iteration(point[0])
+            check_phase(point[1])
+        except ValueError as exc:
+            raise ValueError(f"{name} {list(point)}: {exc}") from None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Manifest(Record):
     SCHEMA: ClassVar[str] = "coordinator/manifest"
@@ -161,10 +192,13 @@ class Manifest(Record):
     created: float
 
     def __post_init__(self) -> None:
+        check_run_id(self.run_id)  # the only run id that becomes a path (archive/<run_id>)
+        check_generation(self.generation)
         if not 1 <= self.num_nodes <= MAX_RANKS:
             raise ValueError(f"num_nodes {self.num_nodes} is outside 1..{MAX_RANKS}")
-        if self.generation < 0:
-            raise ValueError(f"generation {self.generation} is negative")
+        if isinstance(self.weights, tuple) and (
+                len(self.weights) != self.num_nodes or any(w < 0 for w in self.weights)):
+            raise ValueError(f"weights {list(self.weights)} must be {self.num_nodes} numbers >= 0")
         if isinstance(self.weights, str) and self.weights != "auto":
             raise ValueError(f"weights {self.weights!r} must be a list of numbers or 'auto'")
 
@@ -183,7 +217,11 @@ class Claim(Record):
     started: float
 
     def __post_init__(self) -> None:
+        check_generation(self.generation)
         check_rank(self.rank)
+        check_pid(self.pid)
+        if self.probe_port is not None and not 0 < self.probe_port < 65536:
+            raise ValueError(f"probe_port {self.probe_port} is outside 1..65535")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,6 +232,14 @@ class Abort(Record):
     rank: int | None
     iteration: int | None
     phase: int | None
+
+    def __post_init__(self) -> None:
+        if self.rank is not None and self.rank != -1:  # -1: no single rank to blame
+            check_rank(self.rank)
+        if self.iteration is not None:
+            check_iteration(self.iteration)
+        if self.phase is not None:
+            check_phase(self.phase)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -219,7 +265,16 @@ class Heartbeat(Record):
     wall_time: float
 
     def __post_init__(self) -> None:
+        check_generation(self.generation)
         check_rank(self.rank)
+        check_pid(self.pid)
+        check_iteration(self.iteration)
+        check_phase(self.phase)
+        check_iteration(self.resume_iteration)
+        check_point(self.arrived, "arrived")
+        check_point(self.released, "released")
+        if self.counter < 0:
+            raise ValueError(f"counter {self.counter} is negative")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -233,11 +288,17 @@ class Session(Record):
     members: dict[str, str]
 
     def __post_init__(self) -> None:
+        check_generation(self.generation)
         check_iteration(self.start_iteration)
-        if self.end_iteration < self.start_iteration:
+        if not self.start_iteration <= self.end_iteration <= MAX_ITERATIONS:
             raise ValueError(
-                f"end_iteration {self.end_iteration} < start_iteration {self.start_iteration}"
+                f"end_iteration {self.end_iteration} is outside {self.start_iteration}.."
+                f"{MAX_ITERATIONS}"
             )
+        for rank in self.members:
+            if not rank.isdigit():
+                raise ValueError(f"members key {rank!r} is not a rank")
+            check_rank(int(rank))
 
     def token_of(self, rank: int) -> str | None:
         return self.members.get(str(rank))
@@ -259,9 +320,12 @@ class Arrival(Record):
     payload: dict[str, Any]
 
     def __post_init__(self) -> None:
+        check_generation(self.generation)
         check_rank(self.rank)
         check_iteration(self.iteration)
         check_phase(self.phase)
+        for phase in self.done:
+            check_phase(phase)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -294,8 +358,10 @@ class Journal(Record):
 
     def __post_init__(self) -> None:
         check_rank(self.rank)
-        if self.completed_iteration < -1:
-            raise ValueError(f"completed_iteration {self.completed_iteration} is below -1")
+        if not -1 <= self.completed_iteration < MAX_ITERATIONS:
+            raise ValueError(
+                f"completed_iteration {self.completed_iteration} is outside -1..{MAX_ITERATIONS - 1}")
+        check_iteration(self.iteration)
         for phase in self.done:
             check_phase(phase)
 

@@ -20,7 +20,7 @@ from coordinator import fsio, layout
 from coordinator.actions import kind, resolve_config
 from coordinator.errors import UsageError
 from coordinator.phases import Phase
-from coordinator.records import Heartbeat, Journal, Manifest
+from coordinator.records import MAX_ITERATIONS, Heartbeat, Journal, Manifest
 from coordinator.status import collect
 from coordinator.store import FsStore, publish_record, read_record
 
@@ -39,7 +39,13 @@ class RecoveryPlan:
     live: tuple[str, ...]
 
 
-def _furthest_iteration(store: FsStore, manifest: Manifest) -> int:
+def _furthest_iteration(store: FsStore, manifest: Manifest, limit: int) -> int:
+    """The furthest iteration any record of this run reached, never beyond `limit`.
+
+    Heartbeats and journals are parsed strictly (an iteration out of range
+    makes them malformed, named by path); `limit`, the run's configured
+    iteration count, bounds every loop over iterations that follows.
+    """
     furthest = -1
     for rank in range(manifest.num_nodes):
         journal = read_record(store, layout.journal(rank), Journal, retry_s=1.0)
@@ -51,26 +57,38 @@ def _furthest_iteration(store: FsStore, manifest: Manifest) -> int:
     for name in store.listdir(layout.ITERATIONS):
         if _ITERATION_DIR.match(name):
             furthest = max(furthest, int(name))
-    return furthest
+    return min(furthest, limit)
 
 
-def plan(log_path: Path, iteration: int, *, force: bool, window_s: float) -> RecoveryPlan:
-    if iteration < 0:
+def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None) -> RecoveryPlan:
+    if not 0 <= iteration < MAX_ITERATIONS:
         raise UsageError(
-            f"--iteration {iteration} is negative: give the iteration that failed, as shown by "
-            "`coordinator status` (0 is the first)"
+            f"--iteration {iteration} is outside 0..{MAX_ITERATIONS - 1}: give the iteration "
+            "that failed, as shown by `coordinator status` (0 is the first)"
         )
     store = FsStore(log_path)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if manifest is None:
         raise UsageError(f"--log-path {log_path} holds no run (no run.json): nothing to recover")
-    furthest = _furthest_iteration(store, manifest)
+    config = resolve_config(manifest.config)
+    if window_s is None:
+        window_s = config.coordination.heartbeat_interval_s + 1.0
+    if not 0 < window_s <= 600:
+        # Liveness is only ever judged from heartbeat counters seen advancing
+        # on this host's clock; without a window there is nothing to see, and
+        # comparing wall clocks across hosts is exactly what must not decide.
+        raise UsageError(
+            f"--window {window_s:g} must be above 0 (and at most 600) seconds: recover watches "
+            "every heartbeat for that long to see which daemons still run, e.g. --window 3")
+    furthest = _furthest_iteration(store, manifest, config.run.iterations)
     if iteration > max(furthest, 0):
         raise UsageError(
             f"--iteration {iteration} was never reached by run {manifest.run_id} (it got as far as "
             f"iteration {furthest}): give an iteration between 0 and {max(furthest, 0)}"
         )
     report = collect(log_path, window_s=window_s)
+    if report.problems:
+        raise report.problems[0]
     live = tuple(f"rank {r.rank} (pid {r.pid} on {r.host}, {r.state.value})" for r in report.live())
     if live and not force:
         raise UsageError(
@@ -90,18 +108,19 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float) -> Rec
             for record in store.listdir(f"{layout.ITERATIONS}/{name}/{phase_name}"):
                 if _RECORD.match(record):
                     remove.append(it_dir / phase_name / record)
-    if (root / layout.SESSION).exists():
+    if layout.SESSION in store.listdir("."):
         remove.append(root / layout.SESSION)
     for rank in range(manifest.num_nodes):
         for name in store.listdir(layout.rank_dir(rank)):
             if name == "claim.json" or name.startswith("claim.stale-"):
                 remove.append(root / layout.rank_dir(rank) / name)
+    # os.walk never descends into a symlinked directory; a symlink named like
+    # a temporary file is removed itself, never its target.
     for dirpath, _dirs, files in os.walk(root):
         if os.path.relpath(dirpath, root).startswith(layout.ARCHIVE):
             continue
         remove.extend(Path(dirpath) / f for f in files
                       if f.startswith(".") and f.endswith(fsio.TMP_SUFFIX))
-    config = resolve_config(manifest.config)
     kept = 0
     for rank in range(manifest.num_nodes):
         actions = kind(config.run.actions).build(config, rank=rank, num_nodes=manifest.num_nodes,
@@ -111,7 +130,8 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float) -> Rec
             journal = None
         for it in range(iteration, max(furthest, iteration) + 1):
             for phase in Phase:
-                outputs = [p for p in actions.partial_outputs(it, phase, rank) if p.exists()]
+                outputs = [p for p in actions.partial_outputs(it, phase, rank)
+                           if os.path.lexists(p)]
                 if journal is not None and journal.is_done(it, phase):
                     kept += len(outputs)
                 else:
@@ -123,16 +143,15 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float) -> Rec
 
 
 def apply(recovery: RecoveryPlan) -> None:
+    """Remove what the plan lists (beneath the run directory, never through a
+    symlink), then fence every earlier daemon with a new generation."""
     store = FsStore(recovery.log_path)
     for path in recovery.remove:
-        if path.is_dir():
-            import shutil
-
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            fsio.remove(path)
+        fsio.remove_tree(path)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
-    assert manifest is not None
+    if manifest is None:
+        raise UsageError(f"{recovery.log_path}/run.json vanished during recovery: is another "
+                         "`coordinator recover` or `run --new-run` running?")
     bumped = dataclasses.replace(manifest, generation=recovery.generation)
     publish_record(store, layout.MANIFEST, bumped)
 

@@ -13,21 +13,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from coordinator import layout, membership
-from coordinator.actions import resolve_config
-from coordinator.config import CoordinationConfig, RunConfig, deep_merge, from_mapping, load_file
+from coordinator import fsio, layout, membership
+from coordinator.actions import node_local_keys, resolve_config
+from coordinator.config import (
+    OPERATIONAL_KEYS,
+    CoordinationConfig,
+    RunConfig,
+    deep_merge,
+    drop_keys,
+    from_mapping,
+    is_under,
+    load_file,
+    pick_keys,
+)
 from coordinator.daemon import RunPlan
 from coordinator.errors import UsageError
 from coordinator.polling import Backoff
 from coordinator.records import Manifest
 from coordinator.status import collect
-from coordinator.store import FsStore, publish_record, read_record
+from coordinator.store import FsStore, read_record
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +50,7 @@ class RunRequest:
     config_file: Path | None
     overrides: Mapping[str, Any]
     new_run: bool = False
-    node_ip: str | None = None
-    ifname: str | None = None
+    address: str = "127.0.0.1"  # this host's, checked by the CLI before anything is written
 
 
 def _raw_config(req: RunRequest) -> dict[str, Any]:
@@ -68,18 +76,30 @@ def _plan_master(req: RunRequest) -> RunPlan:
     if existing is not None and req.new_run:
         _archive(req.log_path, existing, config)
         existing = None
+    republish = None
     if existing is None:
-        manifest = Manifest(
+        fresh = Manifest(
             run_id=secrets.token_hex(6), generation=0, num_nodes=num_nodes, weights=weights,
-            config=config.to_dict(), config_hash=config.hash(), created=time.time(),
+            config=config.experiment(), config_hash=config.hash(), created=time.time(),
         )
-        publish_record(store, layout.MANIFEST, manifest)
-        log.info("new run %s in %s: %d node(s), weights %s", manifest.run_id, req.log_path,
-                 num_nodes, weights)
-    else:
-        manifest = _resume(store, existing, config, num_nodes, weights, req)
+        # Created exclusively, like a rank claim: of two masters started at
+        # once on a fresh directory, one creates the run and the other finds
+        # it and resumes it, and the rank-0 claim then lets only one of them run.
+        if store.create_exclusive(layout.MANIFEST, fresh.to_bytes()):
+            log.info("new run %s in %s: %d node(s), weights %s", fresh.run_id, req.log_path,
+                     num_nodes, weights)
+            return RunPlan(log_path=req.log_path, rank=0, manifest=fresh, config=config,
+                           address=req.address)
+        existing = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
+        if existing is None:
+            raise UsageError(
+                f"{req.log_path}/run.json appeared and vanished while this master started: is "
+                "another master starting or archiving in the same --log-path? Stop it first")
+        log.info("another master created run %s in %s a moment ago: joining it",
+                 existing.run_id, req.log_path)
+    manifest, republish = _resume(existing, config, num_nodes, weights, req)
     return RunPlan(log_path=req.log_path, rank=0, manifest=manifest, config=config,
-                   node_ip=req.node_ip, ifname=req.ifname)
+                   address=req.address, republish=republish)
 
 
 def _differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -93,29 +113,32 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "
     return out
 
 
-def _resume(store: FsStore, existing: Manifest, config: RunConfig, num_nodes: int,
-            weights: tuple[float, ...] | str, req: RunRequest) -> Manifest:
+def _resume(existing: Manifest, config: RunConfig, num_nodes: int,
+            weights: tuple[float, ...] | str, req: RunRequest) -> tuple[Manifest, Manifest | None]:
+    """The run to resume, and the run.json to republish once rank 0 is ours (or None)."""
     changes = []
     if existing.num_nodes != num_nodes:
         changes.append(f"num_nodes: {existing.num_nodes} -> {num_nodes}")
     if tuple(existing.weights) != tuple(weights) if not isinstance(weights, str) else \
             existing.weights != weights:
         changes.append(f"weights: {existing.weights} -> {weights}")
+    recorded = drop_keys(existing.config, config.node_local)
+    experiment = config.experiment()
     if existing.config_hash != config.hash():
-        changes.extend(d for d in _differences(existing.config, config.to_dict())
-                       if not d.startswith(("coordination.", "run.iterations", "run.progress")))
+        changes.extend(d for d in _differences(recorded, experiment)
+                       if not is_under(d.split(":", 1)[0], OPERATIONAL_KEYS))
     if changes:
         raise UsageError(
             f"{req.log_path} holds run {existing.run_id} with a different setup "
             f"({'; '.join(changes[:5])}): restart with the original flags and config to resume "
             "it, pass --new-run to archive it and start a new run, or use another --log-path"
         )
-    if existing.config != config.to_dict():  # only operational keys differ
-        existing = dataclasses.replace(existing, config=config.to_dict())
-        publish_record(store, layout.MANIFEST, existing)
     log.info("resuming run %s generation %d in %s", existing.run_id, existing.generation,
              req.log_path)
-    return existing
+    if existing.config != experiment:  # only operational keys differ
+        updated = dataclasses.replace(existing, config=experiment)
+        return updated, updated
+    return existing, None
 
 
 def _archive(log_path: Path, old: Manifest, config: RunConfig) -> None:
@@ -127,13 +150,20 @@ def _archive(log_path: Path, old: Manifest, config: RunConfig) -> None:
             f"--new-run would archive run {old.run_id}, but its daemons still heartbeat: {who}; "
             "stop them first"
         )
+    # The run id was checked as hex when run.json was parsed: this stays a
+    # child of archive/, and every move below is resolved beneath the run
+    # directory without following a symlink.
     target = log_path / layout.ARCHIVE / old.run_id
-    target.mkdir(parents=True, exist_ok=True)
-    for name in (layout.MANIFEST, layout.SESSION, layout.RANKS, layout.ITERATIONS,
-                 layout.CHECKPOINTS):
-        source = log_path / name
-        if source.exists():
-            shutil.move(str(source), str(target / name))
+    for name in (layout.SESSION, layout.RANKS, layout.ITERATIONS, layout.CHECKPOINTS,
+                 layout.MANIFEST):
+        try:
+            fsio.rename(log_path / name, target / name)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise UsageError(
+                f"--new-run could not move {log_path / name} to {target / name} "
+                f"({exc.strerror}): move or remove it by hand, then start again") from None
     log.info("archived run %s to %s", old.run_id, target)
 
 
@@ -163,10 +193,16 @@ def _plan_worker(req: RunRequest) -> RunPlan:
             f"--rank-weights {req.weights} disagrees with the master's {manifest.weights}: "
             "drop the flag on workers or fix it on the master"
         )
-    config = resolve_config(manifest.config)
+    # The run's experiment from run.json, this node's own node-local keys from
+    # its own config and flags: run.json never decides what a node executes.
+    local_keys = node_local_keys(manifest.config)
+    config = resolve_config(deep_merge(drop_keys(manifest.config, local_keys),
+                                       pick_keys(raw, local_keys)))
     resolved = config.to_dict()
     diffs = []
     for key, value in _flatten(raw):
+        if is_under(key, local_keys):
+            continue
         node: Any = resolved
         for part in key.split("."):
             node = node.get(part) if isinstance(node, Mapping) else None
@@ -180,7 +216,7 @@ def _plan_worker(req: RunRequest) -> RunPlan:
             "match the master's"
         )
     return RunPlan(log_path=req.log_path, rank=req.rank, manifest=manifest, config=config,
-                   node_ip=req.node_ip, ifname=req.ifname, master=info)
+                   address=req.address, master=info)
 
 
 def _flatten(raw: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

@@ -12,15 +12,20 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
+import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 from coordinator import layout
 from coordinator.errors import MalformedRecordError
 from coordinator.liveness import describe_phase
 from coordinator.records import Claim, Heartbeat, Manifest, NodeState, Release, Session
 from coordinator.store import FsStore, Store, read_record
+
+if TYPE_CHECKING:
+    from rich.text import Text
 
 
 class RankState(str, enum.Enum):
@@ -56,6 +61,8 @@ class StatusReport:
     session: Session | None
     ranks: tuple[RankView, ...]
     last_error: str | None
+    # Records that are corrupt, out of range or not plain files, each naming its path.
+    problems: tuple[MalformedRecordError, ...] = ()
 
     def live(self) -> list[RankView]:
         return [r for r in self.ranks if r.advancing or (
@@ -73,34 +80,45 @@ class StatusReport:
                 {**dataclasses.asdict(r), "state": r.state.value} for r in self.ranks
             ],
             "last_error": self.last_error,
+            "problems": [str(p) for p in self.problems],
         }
 
 
-def _safe(store: Store, key: str, cls: type[Any]) -> Any:
-    try:
-        return read_record(store, key, cls, retry_s=0.5)
-    except MalformedRecordError:
-        return None
+class _Reader:
+    """Reads records for a report; a bad one is noted (with its path) and shown as absent."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.problems: dict[str, MalformedRecordError] = {}
+
+    def __call__(self, key: str, cls: type[Any]) -> Any:
+        try:
+            return read_record(self.store, key, cls, retry_s=0.5)
+        except MalformedRecordError as exc:
+            self.problems.setdefault(key, exc)
+            return None
 
 
 def collect(log_path: Path, *, window_s: float = 0.0, lease_s: float | None = None) -> StatusReport:
+    """Every rank's state; a corrupt run.json raises (nothing can be shown without it)."""
     store = FsStore(log_path)
-    manifest: Manifest | None = _safe(store, layout.MANIFEST, Manifest)
-    session: Session | None = _safe(store, layout.SESSION, Session)
+    manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=0.5)
+    _safe = _Reader(store)
+    session: Session | None = _safe(layout.SESSION, Session)
     if manifest is None:
         return StatusReport(log_path=log_path, manifest=None, session=None, ranks=(),
-                            last_error=None)
+                            last_error=None, problems=tuple(_safe.problems.values()))
     lease = lease_s or float(manifest.config.get("coordination", {}).get("lease_s", 15.0))
     ranks = range(manifest.num_nodes)
-    first = {r: _safe(store, layout.heartbeat(r), Heartbeat) for r in ranks}
+    first = {r: _safe(layout.heartbeat(r), Heartbeat) for r in ranks}
     second = first
     if window_s > 0:
         time.sleep(window_s)
-        second = {r: _safe(store, layout.heartbeat(r), Heartbeat) for r in ranks}
+        second = {r: _safe(layout.heartbeat(r), Heartbeat) for r in ranks}
     views = []
     now = time.time()
     for r in ranks:
-        claim: Claim | None = _safe(store, layout.claim(r), Claim)
+        claim: Claim | None = _safe(layout.claim(r), Claim)
         hb: Heartbeat | None = second[r]
         if hb is None or hb.run_id != manifest.run_id:
             views.append(RankView(rank=r, state=RankState.ABSENT,
@@ -122,16 +140,18 @@ def collect(log_path: Path, *, window_s: float = 0.0, lease_s: float | None = No
             pid=hb.pid, iteration=hb.iteration, phase=hb.phase, heartbeat_age_s=age,
             advancing=advancing, waiting_for=hb.waiting_for, error=hb.error,
         ))
+    last_error = _last_error(_safe, first, second)
     return StatusReport(log_path=log_path, manifest=manifest, session=session,
-                        ranks=tuple(views), last_error=_last_error(store, first, second))
+                        ranks=tuple(views), last_error=last_error,
+                        problems=tuple(_safe.problems.values()))
 
 
-def _last_error(store: Store, *samples: dict[int, Heartbeat | None]) -> str | None:
+def _last_error(read: _Reader, *samples: dict[int, Heartbeat | None]) -> str | None:
     master = samples[-1].get(0)
     if master is not None and master.abort is not None:
         return master.abort.reason
     if master is not None and master.released is not None:
-        release = _safe(store, layout.release(*master.released), Release)
+        release = read(layout.release(*master.released), Release)
         if release is not None and release.abort is not None:
             return release.abort.reason
     for hb in samples[-1].values():
@@ -140,35 +160,55 @@ def _last_error(store: Store, *samples: dict[int, Heartbeat | None]) -> str | No
     return None
 
 
+_CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def plain(text: object) -> Text:
+    """Record text as inert terminal text: no escape sequences, no rich markup.
+
+    Heartbeats are written by other hosts (or by whoever can write the run
+    directory); an ESC byte in an error message must not reach the terminal.
+    """
+    from rich.text import Text
+
+    escaped = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+    return Text(escaped)
+
+
 def render(report: StatusReport) -> str:
     """The table `coordinator status` prints."""
     from rich.console import Console
     from rich.table import Table
 
+    problems = [f"unreadable: {p}" for p in report.problems]
     if report.manifest is None:
-        return f"no run in {report.log_path} (no run.json): nothing has started there yet"
+        return "\n".join(plain(line).plain for line in [
+            f"no run in {report.log_path} (no run.json): nothing has started there yet",
+            *problems])
     m = report.manifest
     title = f"run {m.run_id} generation {m.generation} in {report.log_path}"
     if report.session:
         title += (f" - iterations {report.session.start_iteration}.."
                   f"{report.session.end_iteration - 1}")
-    table = Table(title=title)
+    table = Table(title=plain(title))
     for column in ("rank", "host", "address", "iteration", "phase", "state", "heartbeat",
                    "waiting for"):
         table.add_column(column)
     for r in report.ranks:
-        table.add_row(
+        table.add_row(*(plain(cell) for cell in (
             str(r.rank), r.host, r.address,
             "-" if r.iteration is None else str(r.iteration),
             "-" if r.phase is None else describe_phase(r.phase),
             r.state.value,
             "-" if r.heartbeat_age_s is None else f"{r.heartbeat_age_s:.1f} s ago",
             r.waiting_for or (r.error or ""),
-        )
-    console = Console(width=160, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+        )))
+    console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(table)
     if report.last_error:
-        console.print(f"last error: {report.last_error}")
+        console.print(plain(f"last error: {report.last_error}"))
+    for problem in problems:
+        console.print(plain(problem))
     return console.export_text()
 
 

@@ -19,12 +19,12 @@ from typing import Protocol, TypeVar
 
 import tenacity
 
-from coordinator import fsio
-from coordinator.errors import MalformedRecordError
+from coordinator import beneath, fsio
 from coordinator.records import Record
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
+T = TypeVar("T")
 
 
 class Store(Protocol):
@@ -32,8 +32,11 @@ class Store(Protocol):
 
     def publish(self, key: str, data: bytes) -> None: ...
 
-    def read(self, key: str) -> bytes | None:
-        """The file's bytes, or None when it does not exist."""
+    def read(self, key: str, *, fresh: bool = False) -> bytes | None:
+        """The file's bytes, or None when it does not exist.
+
+        `fresh`: a retry after a torn read; ask the server, not a client cache.
+        """
         ...
 
     def create_exclusive(self, key: str, data: bytes) -> bool: ...
@@ -59,12 +62,10 @@ class FsStore:
     def publish(self, key: str, data: bytes) -> None:
         fsio.publish_bytes(self.path(key), data)
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, *, fresh: bool = False) -> bytes | None:
         try:
-            return fsio.read_bytes(self.path(key))
+            return fsio.read_bytes(self.path(key), fresh=fresh)
         except FileNotFoundError:
-            return None
-        except NotADirectoryError:
             return None
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
@@ -78,11 +79,16 @@ class FsStore:
         fsio.rename(self.path(src), self.path(dst))
 
     def listdir(self, key: str) -> list[str]:
+        """Names in a directory reached without a symlink (UnsafeFileError otherwise)."""
         fsio.STATS.count("listdir")
         try:
-            return sorted(os.listdir(self.path(key)))
-        except (FileNotFoundError, NotADirectoryError):
+            fd = beneath.open_dir(self.path(key))
+        except FileNotFoundError:
             return []
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
 
 
 class MemoryStore:
@@ -97,7 +103,7 @@ class MemoryStore:
         with self._lock:
             self._files[key] = bytes(data)
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, *, fresh: bool = False) -> bytes | None:
         with self._lock:
             self.reads.append(key)
             return self._files.get(key)
@@ -125,33 +131,35 @@ class MemoryStore:
 
 
 def _retryable(exc: BaseException) -> bool:
-    return isinstance(exc, MalformedRecordError) or fsio.is_transient(exc)
+    return isinstance(exc, ValueError) or fsio.is_transient(exc)
 
 
-def read_record(
-    store: Store,
-    key: str,
-    cls: type[R],
+def read_retrying(
+    read: Callable[[bool], bytes | None],
+    parse: Callable[[bytes, Path], T],
+    path: Path,
     *,
-    retry_s: float = 5.0,
+    retry_s: float,
     sleep: Callable[[float], None] = time.sleep,
-) -> R | None:
-    """Read and strictly parse one record; None when the file does not exist.
+) -> T | None:
+    """Read and strictly parse one file; None when it does not exist.
 
-    A torn read (a FUSE client with a stale cached size), ESTALE after a
-    rename, or EIO is retried with backoff for `retry_s`; then the last error
-    is raised, naming the file.
+    `read(fresh)` returns the bytes (None when absent); `parse` raises a
+    ValueError (MalformedRecordError and the other schema errors are ones)
+    when the bytes are not a valid file of its kind.  A torn read (a client
+    with a stale cached size), ESTALE after a rename, EIO or an unparsable
+    file is retried with backoff for `retry_s`, each retry asking the server
+    afresh; then the last error is raised, naming the file.
     """
-    path = Path(getattr(store, "root", Path("<memory>"))) / key
 
-    def attempt() -> R | None:
-        data = store.read(key)
+    def attempt(fresh: bool) -> T | None:
+        data = read(fresh)
         if data is None:
             return None
-        return cls.from_bytes(data, path)
+        return parse(data, path)
 
     try:
-        return attempt()  # the common case: one open+read, no retry machinery
+        return attempt(False)  # the common case: one open+read, no retry machinery
     except Exception as exc:
         if not _retryable(exc) or retry_s <= 0:
             raise
@@ -165,7 +173,41 @@ def read_record(
             "retrying read of %s: %s", path, state.outcome.exception() if state.outcome else "?"
         ),
     )
-    return retrying(attempt)
+    return retrying(attempt, True)
+
+
+def read_record(
+    store: Store,
+    key: str,
+    cls: type[R],
+    *,
+    retry_s: float = 5.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> R | None:
+    """One record of the protocol, by key; see `read_retrying`."""
+    path = Path(getattr(store, "root", Path("<memory>"))) / key
+    return read_retrying(lambda fresh: store.read(key, fresh=fresh), cls.from_bytes, path,
+                         retry_s=retry_s, sleep=sleep)
+
+
+def read_document(
+    path: Path,
+    parse: Callable[[bytes, Path], T],
+    *,
+    retry_s: float = 5.0,
+    max_bytes: int = fsio.MAX_DOCUMENT_BYTES,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T | None:
+    """A JSON file of rollout/ or trainer/ in the run directory (rank manifest, shard
+    plan, train job, metrics, checkpoint manifest): the records' reader and rules."""
+
+    def read(fresh: bool) -> bytes | None:
+        try:
+            return fsio.read_bytes(path, max_bytes=max_bytes, fresh=fresh)
+        except FileNotFoundError:
+            return None
+
+    return read_retrying(read, parse, path, retry_s=retry_s, sleep=sleep)
 
 
 def publish_record(store: Store, key: str, record: Record) -> None:

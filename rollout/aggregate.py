@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.errors import MalformedRecordError as CoordinatorMalformed
 from rollout.errors import AggregationError, MalformedRecordError
 from rollout.manifest import RankManifest, read_manifest
 from rollout.train_batch import (
@@ -255,7 +256,7 @@ def _check_manifest(
 ) -> RankManifest:
     try:
         manifest = read_manifest(directory)
-    except MalformedRecordError as exc:
+    except (MalformedRecordError, CoordinatorMalformed) as exc:
         raise AggregationError(f"rank {rank}: {exc}", rank=rank, path=exc.path) from exc
     if manifest is None:
         raise AggregationError(
@@ -359,8 +360,8 @@ def _merge(
         manifest = _check_manifest(rank, directory, assignments[rank], iteration)
         for entry in manifest.chunks:
             try:
-                chunk = read_verified_chunk(directory / entry.file, entry.sha256)
-            except MalformedRecordError as exc:
+                chunk = read_verified_chunk(directory / entry.file, entry)
+            except (MalformedRecordError, CoordinatorMalformed) as exc:
                 raise AggregationError(f"rank {rank}: {exc}", rank=rank, path=exc.path) from exc
             _check_chunk(
                 chunk,

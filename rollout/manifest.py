@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from coordinator.store import read_document
 from rollout.errors import MalformedRecordError
 
 MANIFEST_NAME: Final = "manifest.json"
@@ -161,13 +162,12 @@ class RankManifest:
             ) from exc
 
 
-def read_manifest(directory: Path) -> RankManifest | None:
-    """The manifest in a rank directory, None if there is none yet."""
-    path = directory / MANIFEST_NAME
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise MalformedRecordError(f"cannot read manifest {path}: {exc}", path=path) from exc
-    return RankManifest.from_json(text, source=path)
+def read_manifest(directory: Path, *, retry_s: float = 5.0) -> RankManifest | None:
+    """The manifest in a rank directory, None if there is none yet.
+
+    Read like every record (coordinator.store.read_document): a torn or stale
+    read is retried until `retry_s`, then the manifest is reported malformed.
+    """
+    return read_document(directory / MANIFEST_NAME,
+                         lambda data, path: RankManifest.from_json(data, source=path),
+                         retry_s=retry_s)

@@ -35,6 +35,9 @@ from typing import Final
 
 import psutil
 
+from coordinator.errors import UnsafeFileError
+from coordinator.fsio import open_append, open_regular
+
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG: Final = 1  # from <linux/prctl.h>
@@ -100,13 +103,15 @@ class ManagedProcess:
         env: Mapping[str, str],
         cwd: Path | None = None,
         stdin_pipe: bool = False,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         if not argv:
             raise ValueError("argv is empty: give the server command to run")
         self.argv = tuple(argv)
         self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # The log may sit in the run directory: appended to without ever
+        # following a symlink, and refused when it is not a regular file.
+        fd = open_append(self.log_path)
         with os.fdopen(fd, "ab", buffering=0) as logf:
             # One log file across restarts; the tail of this run starts here.
             logf.write(
@@ -123,6 +128,7 @@ class ManagedProcess:
                 start_new_session=True,
                 preexec_fn=_preexec_pdeathsig(os.getpid()),
                 close_fds=True,
+                pass_fds=tuple(pass_fds),
             )
         self.pid = self._popen.pid
         # Every pid ever seen in the tree: GPU release is checked against all
@@ -268,13 +274,16 @@ def log_tail(path: Path, n_lines: int = 40, *, start: int = 0) -> str:
     if n_lines < 1:
         raise ValueError(f"n_lines={n_lines} is below 1: ask for at least one line")
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(start, size - _TAIL_BYTES))
-            data = f.read()
+        fd = open_regular(path)  # never a FIFO that would block, never through a symlink
     except FileNotFoundError:
         return ""
+    except UnsafeFileError as exc:
+        return f"(log not shown: {exc})"
+    with os.fdopen(fd, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(start, size - _TAIL_BYTES))
+        data = f.read()
     lines = data.decode("utf-8", errors="replace").splitlines()
     return "\n".join(lines[-n_lines:])
 

@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import random
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ from coordinator.config import RunConfig
 from coordinator.errors import ActionError
 from coordinator.phases import Phase, RolloutSplit
 from coordinator.records import Arrival
+from coordinator.store import read_document
 from rollout.rl_config import RlSections, parse_sections, resolve_sections
 from rollout.sharding import ShardPlan, throughput_weights
 from rollout.tasks import Task, TaskSource, load_task_source
@@ -155,9 +155,11 @@ class RlActions:
         speeds: dict[int, float] = {}
         if previous is not None:
             try:
-                data = json.loads(fsio.read_bytes(previous))
+                data = read_document(previous, lambda raw, _path: json.loads(raw))
+                if not isinstance(data, dict):
+                    raise ValueError(f"{previous} is not a metrics object")
                 speeds = {int(r): float(v) for r, v in data.get("samples_per_second", {}).items()}
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, AttributeError) as exc:
                 log.warning("rank weights 'auto': no throughput from %s (%s); equal weights",
                             previous, exc)
         return throughput_weights(speeds, self.num_nodes)
@@ -187,7 +189,11 @@ class RlActions:
 
     def _plan_for(self, iteration: int, split: str) -> ShardPlan:
         path = self.run_dir / shard_key(iteration, split)
-        return ShardPlan.from_json(fsio.read_bytes(path), source=str(path))
+        plan = read_document(path, lambda raw, where: ShardPlan.from_json(raw, source=str(where)))
+        if plan is None:
+            raise ActionError(f"the master's shard plan {path} is missing: run `coordinator "
+                              f"recover --iteration {iteration}` and restart every node")
+        return plan
 
     # -- phases 1, 2, 6 --------------------------------------------------------------
     def _rollout(self, ctx: StepContext, split: str) -> Mapping[str, Any]:
@@ -195,9 +201,7 @@ class RlActions:
 
         plan = self._plan_for(ctx.iteration, split)
         assigned = list(plan.tasks_for(self.rank))
-        policy = ctx.release(Phase.SYNC).get("policy")
-        if policy is None:
-            raise ActionError("the phase-0 release names no policy checkpoint")
+        policy = self.training.model_in_release(ctx, Phase.SYNC, "policy")
         index = self._task_index(split)
         missing = [t for t in assigned if t not in index]
         if missing:
@@ -208,21 +212,17 @@ class RlActions:
         return roll_out_shard(
             ctx, self.s, split=split, tasks=[index[t] for t in assigned],
             out_dir=rank_dir(self.run_dir, ctx.iteration, split, self.rank),
-            group_size=group_size, engines=self.engines, policy=self.run_dir / policy,
+            group_size=group_size, engines=self.engines, policy=policy,
             seed_of=lambda task_id: group_seed(self.config.run.seed, ctx.iteration, split,
                                                task_id),
         )
 
     def _digest(self, ctx: StepContext, split: str) -> Mapping[str, Any]:
         manifest = rank_dir(self.run_dir, ctx.iteration, split, self.rank) / "manifest.json"
-        try:
-            data = fsio.read_bytes(manifest)
-        except FileNotFoundError:
-            if self._plan_for(ctx.iteration, split).tasks_for(self.rank):
-                raise ActionError(
-                    f"rank {self.rank} has tasks but no manifest at {manifest}") from None
-            return {"manifest_sha256": None}
-        return {"manifest_sha256": hashlib.sha256(data).hexdigest()}
+        digest = read_document(manifest, lambda raw, _path: hashlib.sha256(raw).hexdigest())
+        if digest is None and self._plan_for(ctx.iteration, split).tasks_for(self.rank):
+            raise ActionError(f"rank {self.rank} has tasks but no manifest at {manifest}")
+        return {"manifest_sha256": digest}
 
     # -- phase 4 and the phase-6 decision ---------------------------------------------------
     def _merge_inputs(self, iteration: int, split: str) -> tuple[dict[int, Path],
@@ -271,7 +271,7 @@ class RlActions:
         if ctx.iteration > 0 and not self.s.rollout.keep_rank_files:
             base = self.run_dir / layout.iteration_dir(ctx.iteration - 1)
             for name in SPLIT_DIR.values():
-                shutil.rmtree(base / name, ignore_errors=True)
+                fsio.remove_tree(base / name)
         self.training.prune_checkpoints(ctx.iteration)
 
 

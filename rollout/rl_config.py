@@ -25,6 +25,27 @@ from rollout.engine import EngineConfig
 
 SECTIONS: Final = ("model", "data", "rollout", "engine", "train", "torchrun", "checkpoint")
 
+# Each node's own business, never written to run.json and never taken from it
+# (docs/PROTOCOL.md, node-local keys): what a node executes and with which
+# environment, secrets, and where its local disk is.  Each daemon reads them
+# from its own --config and --set; the run directory cannot make a node run
+# a program or leak a key.
+NODE_LOCAL_KEYS: Final = (
+    "engine.host",
+    "engine.port",
+    "engine.api_key",
+    "engine.extra_args",
+    "engine.env",
+    "engine.cuda_visible_devices",
+    "engine.vllm_executable",
+    "engine.python_executable",
+    "engine.device",
+    "engine.threads",
+    "engine.prewarm",
+    "torchrun.extra_args",
+    "checkpoint.local_cache",
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSection:

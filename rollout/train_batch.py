@@ -46,7 +46,19 @@ from typing import Any, Final
 
 import torch
 
-from coordinator.fsio import FILE_MODE, STATS, ensure_dir, fsync_dir, temp_name
+from coordinator import beneath
+from coordinator.errors import MalformedRecordError as CoordinatorMalformed
+from coordinator.fsio import (
+    FILE_MODE,
+    STATS,
+    ensure_dir,
+    fsync_dir,
+    open_regular,
+    remove,
+    rename,
+    temp_name,
+)
+from coordinator.verified import read_verified
 from rollout.errors import MalformedRecordError
 
 TRAIN_BATCH_SCHEMA: Final = "coordinator/train-batch"
@@ -368,7 +380,8 @@ class TrainBatchWriter:
         ensure_dir(self.path.parent)
         self._tmp: Path | None = temp_name(self.path)
         STATS.count("open")
-        self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        # Beneath the run directory, never through a symlink (coordinator/beneath.py).
+        self._fd = beneath.open_file(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
             with (
                 os.fdopen(self._fd, "wb", closefd=False) as handle,
@@ -472,11 +485,10 @@ class TrainBatchWriter:
                 os.fsync(self._fd)
             finally:
                 os.close(self._fd)  # exactly once: Linux frees the fd even when close fails
-            STATS.count("rename")
-            os.replace(tmp, self.path)
+            rename(tmp, self.path)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                remove(tmp)
             raise
         fsync_dir(self.path.parent)
 
@@ -487,9 +499,7 @@ class TrainBatchWriter:
         tmp, self._tmp = self._tmp, None
         with contextlib.suppress(OSError):  # a close error cannot matter for a dropped file
             os.close(self._fd)
-        with contextlib.suppress(FileNotFoundError):
-            STATS.count("unlink")
-            os.unlink(tmp)
+        remove(tmp)
 
     def __enter__(self) -> TrainBatchWriter:
         return self
@@ -516,24 +526,38 @@ def save_train_batch(path: Path, batch: TrainBatch) -> None:
         writer.publish()
 
 
-def load_train_batch(path: Path) -> TrainBatch:
+def load_train_batch(path: Path, *, size: int | None = None,
+                     sha256: str | None = None) -> TrainBatch:
     """Load with weights_only=True and validate strictly; TrainBatchError naming path.
 
-    FileNotFoundError when there is no file, so callers can tell "not yet" from "bad".
+    With `size` and `sha256` (what the master recorded in the train job), the
+    file is loaded only if it is exactly that file (coordinator/verified.py);
+    an altered one raises TrainBatchError.  FileNotFoundError when there is
+    no file, so callers can tell "not yet" from "bad".
     """
     path = Path(path)
-    STATS.count("open")
-    with path.open("rb") as handle:
-        try:
-            STATS.count("read")
-            obj = torch.load(handle, weights_only=True, map_location="cpu")
-        except Exception as exc:  # UnpicklingError (forbidden global), RuntimeError (bad zip)
-            raise TrainBatchError(
-                f"train batch {path} was refused by torch.load(weights_only=True): "
-                f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}",
-                path=path,
-            ) from exc
+    try:
+        if size is not None and sha256 is not None:
+            with read_verified(path, size=size, sha256=sha256) as file:
+                obj = _load(path, file.source(), mmap=file.mapped)
+        else:  # unchecked (tests, standalone use): read through a safe descriptor
+            with os.fdopen(open_regular(path), "rb") as handle:
+                obj = _load(path, handle, mmap=False)
+    except CoordinatorMalformed as exc:  # altered, or not a regular file
+        raise TrainBatchError(f"train batch {exc}", path=path) from exc
     return decode_train_batch(obj, path=path)
+
+
+def _load(path: Path, source: Any, *, mmap: bool) -> Any:
+    try:
+        STATS.count("read")
+        return torch.load(source, weights_only=True, mmap=mmap, map_location="cpu")
+    except Exception as exc:  # UnpicklingError (forbidden global), RuntimeError (bad zip)
+        raise TrainBatchError(
+            f"train batch {path} was refused by torch.load(weights_only=True): "
+            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}",
+            path=path,
+        ) from exc
 
 
 def decode_train_batch(obj: Any, *, path: Path) -> TrainBatch:

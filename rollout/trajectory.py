@@ -29,8 +29,6 @@ import hashlib
 import io
 import logging
 import math
-import mmap
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -39,7 +37,10 @@ from typing import Any, Final
 
 import torch
 
+from coordinator.errors import IntegrityError, UnsafeFileError
+from coordinator.errors import MalformedRecordError as CoordinatorMalformed
 from coordinator.fsio import ensure_dir, publish_bytes
+from coordinator.verified import read_verified
 from rollout.errors import CheckpointError, MalformedRecordError
 from rollout.manifest import (
     CHUNK_NAME,
@@ -276,38 +277,25 @@ def decode_chunk(obj: Any, *, path: Path) -> Chunk:
     )
 
 
-class ChecksumMismatchError(MalformedRecordError):
-    """A file's SHA-256 differs from the one its manifest recorded."""
+def read_verified_chunk(path: Path, entry: ChunkEntry, *, retry_s: float = 5.0) -> Chunk:
+    """The chunk at `path` if it is the file `entry` lists; decoded and validated.
 
+    Size and SHA-256 are checked on the same descriptor torch.load then reads
+    (coordinator/verified.py), so a rename over the path in between cannot
+    swap in unverified content.  Where the filesystem can map files the
+    tensors stay mapped (MAP_PRIVATE, zero-copy: hashing from the page cache
+    and not copying is about twice as fast as read() + torch.load); where it
+    cannot (FUSE direct_io), the bytes are read once and loaded from memory.
+    Mapping relies on published chunks being immutable (writers only create
+    new files by rename).
 
-def read_verified_chunk(path: Path, sha256: str) -> Chunk:
-    """Verify the file's SHA-256, then torch.load(weights_only=True) the same inode.
-
-    The checksum is computed over a read-only mapping of the open file and the
-    load goes through that same descriptor, so a rename over the path in
-    between cannot swap in unverified content.  The tensors stay mapped
-    (MAP_PRIVATE, zero-copy): hashing from the page cache and not copying
-    makes this about twice as fast as read() + torch.load(BytesIO).  That
-    relies on published chunks being immutable (writers only create new
-    files by rename); truncating one in place while it is being read would
-    raise SIGBUS, exactly as it would during the hash itself.
+    IntegrityError: the file is altered or truncated (its groups may be
+    redone).  OSError: an I/O error, its path named (never taken as damage).
     """
-    try:
-        handle = path.open("rb")
-    except OSError as exc:
-        raise MalformedRecordError(f"cannot read chunk {path}: {exc}", path=path) from exc
-    with handle:
-        actual = _sha256_of_open_file(handle.fileno())
-        if actual != sha256:
-            raise ChecksumMismatchError(
-                f"chunk {path} has SHA-256 {actual[:16]}..., its manifest says {sha256[:16]}...: "
-                "the file is truncated or altered; redo its groups",
-                path=path,
-            )
-        same_inode = f"/proc/self/fd/{handle.fileno()}"
-        source = same_inode if os.path.exists(same_inode) else str(path)
+    with read_verified(path, size=entry.size, sha256=entry.sha256, retry_s=retry_s) as file:
         try:
-            obj = torch.load(source, weights_only=True, mmap=True, map_location="cpu")
+            obj = torch.load(file.source(), weights_only=True, mmap=file.mapped,
+                             map_location="cpu")
         except Exception as exc:  # UnpicklingError for forbidden globals, RuntimeError for bad zips
             raise MalformedRecordError(
                 f"chunk {path} was refused by torch.load(weights_only=True): "
@@ -315,18 +303,6 @@ def read_verified_chunk(path: Path, sha256: str) -> Chunk:
                 path=path,
             ) from exc
     return decode_chunk(obj, path=path)
-
-
-def _sha256_of_open_file(fd: int) -> str:
-    if os.fstat(fd).st_size == 0:
-        return hashlib.sha256(b"").hexdigest()  # mmap refuses empty files
-    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
-        return hashlib.sha256(mapped).hexdigest()  # releases the GIL while hashing
-
-
-def file_sha256(path: Path) -> str:
-    with path.open("rb") as handle:
-        return _sha256_of_open_file(handle.fileno())
 
 
 # --- The rank's writer -------------------------------------------------------
@@ -387,21 +363,16 @@ class RankCheckpointWriter:
         for entry in self._manifest.chunks:
             path = self.directory / entry.file
             try:
-                ok = file_sha256(path) == entry.sha256
-            except OSError as exc:
-                logger.warning("rank %d: chunk %s unreadable (%s)", self.rank, path, exc)
-                ok = False
-            if ok:
-                kept.append(entry)
-            else:
+                read_verified(path, size=entry.size, sha256=entry.sha256).close()
+            except (IntegrityError, FileNotFoundError, UnsafeFileError) as exc:
+                # Damaged, gone or replaced by something that is not a file:
+                # its groups are redone.  An I/O error is not damage and is
+                # not caught here: it fails the phase, naming the file.
                 logger.warning(
-                    "rank %d iteration %d: chunk %s fails its SHA-256 check (truncated or "
-                    "altered); its %d groups will be redone",
-                    self.rank,
-                    self.iteration,
-                    path,
-                    len(entry.task_ids),
-                )
+                    "rank %d iteration %d: chunk %s cannot be used (%s); its %d groups will "
+                    "be redone", self.rank, self.iteration, path, exc, len(entry.task_ids))
+            else:
+                kept.append(entry)
         if len(kept) != len(self._manifest.chunks):
             self._publish_manifest(chunks=tuple(kept), complete=False)
         saved = self._manifest.task_ids()
@@ -500,9 +471,10 @@ class RankCheckpointWriter:
         path = self.directory / MANIFEST_NAME
         try:
             found = read_manifest(self.directory)
-        except MalformedRecordError as exc:
-            # Manifests are published atomically, so this is damage, not a torn
-            # write; starting over costs one redo and trusts nothing damaged.
+        except (MalformedRecordError, CoordinatorMalformed) as exc:
+            # Still unparsable after read_manifest's retries (which outlast a
+            # torn read from a stale client cache): damage.  Starting over
+            # costs one redo and trusts nothing damaged.
             logger.warning("rank %d: %s; starting this rank's checkpoint afresh", self.rank, exc)
             found = None
         if found is None:

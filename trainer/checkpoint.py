@@ -25,8 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from coordinator.errors import MalformedRecordError as CoordinatorMalformed
+from coordinator.fsio import ensure_dir, open_regular, publish_bytes, remove_tree, rename
 from coordinator.fsio import fsync_dir as _fsync_dir
-from coordinator.fsio import publish_bytes  # re-exported for the trainer
+from coordinator.store import read_document
+from coordinator.verified import copy_verified, file_digest, read_verified
 from trainer.config import TrainerError
 
 log = logging.getLogger(__name__)
@@ -34,13 +37,16 @@ log = logging.getLogger(__name__)
 MANIFEST_NAME: Final = "manifest.json"
 MANIFEST_SCHEMA: Final = "coordinator/checkpoint-manifest"
 MANIFEST_VERSION: Final = 1
-_CHUNK: Final = 1 << 20
 _FILE_MODE: Final = 0o644
 _DIR_MODE: Final = 0o755
 
 
-class CheckpointError(TrainerError):
-    """A checkpoint is missing, incomplete, altered or conflicts with another."""
+class CheckpointError(TrainerError, ValueError):
+    """A checkpoint is missing, incomplete, altered or conflicts with another.
+
+    A ValueError, so that the run directory's reader retries a manifest that
+    looked torn (coordinator.store.read_document) before reporting it.
+    """
 
     def __init__(self, message: str, *, path: Path | None = None) -> None:
         super().__init__(message)
@@ -48,19 +54,11 @@ class CheckpointError(TrainerError):
 
 
 def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,22 +150,25 @@ def _list_files(root: Path) -> list[str]:
 
 
 def _build_manifest(root: Path, iteration: int) -> Manifest:
-    files = tuple(
-        FileEntry(name=rel, sha256=file_sha256(root / rel), size=(root / rel).stat().st_size)
-        for rel in _list_files(root)
-    )
-    return Manifest(iteration=iteration, files=files)
+    entries = []
+    for rel in _list_files(root):
+        size, sha256 = file_digest(root / rel)  # the size of what was read, not a cached stat
+        entries.append(FileEntry(name=rel, sha256=sha256, size=size))
+    return Manifest(iteration=iteration, files=tuple(entries))
 
 
 def read_manifest(directory: Path) -> Manifest:
+    """A checkpoint's manifest, read like every record of the run directory."""
     path = directory / MANIFEST_NAME
     try:
-        text = path.read_bytes()
-    except FileNotFoundError:
+        manifest = read_document(path, lambda raw, where: Manifest.parse(raw, source=where))
+    except CoordinatorMalformed as exc:  # a symlink, FIFO or giant where the manifest belongs
+        raise CheckpointError(str(exc), path=path) from exc
+    if manifest is None:
         raise CheckpointError(
             f"{path} is missing: {directory} is not a published checkpoint", path=path
-        ) from None
-    return Manifest.parse(text, source=path)
+        )
+    return manifest
 
 
 def verify_checkpoint(directory: Path) -> Manifest:
@@ -187,16 +188,10 @@ def verify_checkpoint(directory: Path) -> Manifest:
         path = directory / name
         if name not in present:
             raise CheckpointError(f"{path}: file listed in the manifest is missing", path=path)
-        size = path.stat().st_size
-        if size != entry.size:
-            raise CheckpointError(
-                f"{path}: size {size} differs from the manifest's {entry.size}", path=path
-            )
-        if file_sha256(path) != entry.sha256:
-            raise CheckpointError(
-                f"{path}: sha256 differs from the manifest: the file was altered or corrupted",
-                path=path,
-            )
+        try:
+            read_verified(path, size=entry.size, sha256=entry.sha256, allow_map=False).close()
+        except CoordinatorMalformed as exc:
+            raise CheckpointError(str(exc), path=path) from exc
     return manifest
 
 
@@ -206,7 +201,7 @@ def _finalise_dir(tmp: Path, manifest: Manifest, final_dir: Path) -> Manifest:
         if final_dir.exists() and any(final_dir.iterdir()):
             raise FileExistsError(final_dir)
         # On Linux rename() onto an empty directory replaces it atomically.
-        os.rename(tmp, final_dir)
+        rename(tmp, final_dir)
     except OSError as exc:
         if not final_dir.exists():
             raise CheckpointError(f"cannot publish {final_dir}: {exc}", path=final_dir) from exc
@@ -219,16 +214,17 @@ def _finalise_dir(tmp: Path, manifest: Manifest, final_dir: Path) -> Manifest:
                 "refusing to overwrite; publish to a new directory",
                 path=final_dir,
             ) from None
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         return existing
     _fsync_dir(final_dir.parent)
     return manifest
 
 
 def _tmp_sibling(final_dir: Path) -> Path:
-    final_dir.parent.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
+    """A new hidden directory beside `final_dir` (made beneath the run directory
+    without following symlinks, mode 0755)."""
     tmp = final_dir.parent / f".{final_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir(mode=_DIR_MODE)
+    ensure_dir(tmp)
     return tmp
 
 
@@ -295,7 +291,7 @@ def seal_directory(tmp: Path, final_dir: Path, *, iteration: int) -> Manifest:
         _seal(tmp, manifest)
         return _finalise_dir(tmp, manifest, final_dir)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # a no-op once renamed
+        remove_tree(tmp)  # a no-op once renamed
 
 
 def publish_checkpoint(
@@ -322,7 +318,7 @@ def publish_checkpoint(
             model, tokenizer, tmp, state_dict=state_dict, carry_files_from=carry_files_from
         )
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         raise
     return seal_directory(tmp, final_dir, iteration=iteration)
 
@@ -341,28 +337,22 @@ def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:
                 return dest
         except CheckpointError as exc:
             log.warning("cached copy %s is damaged (%s): copying again", dest, exc)
-        shutil.rmtree(dest)
+        remove_tree(dest)
     tmp = _tmp_sibling(dest)
     try:
         for entry in manifest.files:
             target = tmp / entry.name
-            target.parent.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
-            shutil.copyfile(src_dir / entry.name, target)
-        copied = _build_manifest(tmp, manifest.iteration)
-        if copied != manifest:
-            bad = sorted({f.name for f in copied.files} ^ {f.name for f in manifest.files}) or [
-                a.name for a, b in zip(copied.files, manifest.files, strict=False) if a != b
-            ]
-            raise CheckpointError(
-                f"{src_dir / bad[0]}: the copy differs from the manifest: the source changed "
-                "while copying; retry",
-                path=src_dir / bad[0],
-            )
+            ensure_dir(target.parent)
+            try:
+                copy_verified(src_dir / entry.name, target, size=entry.size,
+                              sha256=entry.sha256)
+            except CoordinatorMalformed as exc:
+                raise CheckpointError(f"{exc}; retry", path=src_dir / entry.name) from exc
         _seal(tmp, manifest)
         _finalise_dir(tmp, manifest, dest)
         return dest
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
 
 
 def latest_checkpoint(root: Path, *, verify: bool = True) -> Path | None:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import enum
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator.fsio import publish_bytes, read_bytes
+from coordinator.fsio import publish_bytes
+from coordinator.store import read_document
 
 JOB_SCHEMA: Final = "coordinator/train-job"
 JOB_VERSION: Final = 1
@@ -237,6 +239,11 @@ class TrainJob:
     optim_dir: Path
     metrics_path: Path
     config: TrainConfig = field(default_factory=TrainConfig)
+    # The batch as the master published it: the trainer loads it only if it
+    # still has exactly this size and SHA-256 (None: not checked, for tests
+    # and standalone use).
+    batch_bytes: int | None = None
+    batch_sha256: str | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -260,6 +267,31 @@ class TrainJob:
             self.out_dir.resolve() != self.model_dir.resolve(),
             f"out_dir {self.out_dir} is the input model_dir: give each iteration a new directory",
         )
+        _check(
+            (self.batch_bytes is None) == (self.batch_sha256 is None)
+            and (self.batch_bytes is None or (type(self.batch_bytes) is int
+                                              and self.batch_bytes >= 0))
+            and (self.batch_sha256 is None or (isinstance(self.batch_sha256, str)
+                                               and len(self.batch_sha256) == 64)),
+            f"batch_bytes={self.batch_bytes!r} and batch_sha256={self.batch_sha256!r} must be "
+            "given together: a byte count and 64 hex digits",
+        )
+
+    def check_writes_inside(self, run_dir: Path) -> None:
+        """Every path training writes must lie inside the run directory.
+
+        The job file sits in the run directory, which others can write: a
+        forged job must not make a trainer write anywhere else.
+        """
+        root = os.path.normpath(os.path.abspath(run_dir))
+        for name in ("out_dir", "optim_dir", "metrics_path"):
+            path = os.path.abspath(getattr(self, name))
+            _check(
+                ".." not in Path(getattr(self, name)).parts
+                and os.path.commonpath([root, path]) == root and path != root,
+                f"train job field {name}={str(getattr(self, name))!r} is not inside the run "
+                f"directory {root}: the job file is forged or from another run",
+            )
 
     def to_json(self) -> str:
         data: dict[str, Any] = {"schema": JOB_SCHEMA, "version": JOB_VERSION}
@@ -275,6 +307,8 @@ class TrainJob:
             value = getattr(self, name)
             data[name] = None if value is None else str(value)
         data["config"] = self.config.to_dict()
+        data["batch_bytes"] = self.batch_bytes
+        data["batch_sha256"] = self.batch_sha256
         return json.dumps(data, indent=2, sort_keys=False) + "\n"
 
     @classmethod
@@ -303,6 +337,8 @@ class TrainJob:
                 optim_dir=_path_field(data, "optim_dir"),  # type: ignore[arg-type]
                 metrics_path=_path_field(data, "metrics_path"),  # type: ignore[arg-type]
                 config=TrainConfig.from_dict(data.get("config", {})),
+                batch_bytes=data.get("batch_bytes"),
+                batch_sha256=data.get("batch_sha256"),
             )
         except ConfigError as exc:
             raise ConfigError(f"train job {source}: {exc}") from exc
@@ -312,8 +348,13 @@ class TrainJob:
 
     @classmethod
     def load(cls, path: Path) -> TrainJob:
+        """Read with the run directory's reader: a torn read is retried, never trusted."""
         try:
-            text = read_bytes(path)
+            job = read_document(path, lambda raw, where: cls.from_json(raw, source=str(where)))
         except OSError as exc:
             raise ConfigError(f"cannot read train job {path}: {exc}") from exc
-        return cls.from_json(text, source=str(path))
+        except ValueError as exc:  # a file planted where the job belongs, too big, ...
+            raise ConfigError(f"train job {path}: {exc}") from exc
+        if job is None:
+            raise ConfigError(f"train job {path} does not exist: phase 8 writes it")
+        return job

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,16 +27,24 @@ from typing import Any
 
 from coordinator import fsio, layout
 from coordinator.actions import StepContext
+from coordinator.beneath import RUN_DIR_ENV, relative_inside
 from coordinator.errors import ActionError
 from coordinator.phases import Phase
+from coordinator.store import read_document
+from coordinator.verified import file_digest
 from rollout.engine_host import EngineHost
 from rollout.process import ManagedProcess, describe_exit
 from rollout.rl_config import RlSections
 from trainer.lifeline import LAUNCHER_PID_ENV
+from trainer.rendezvous import BACKEND as RDZV_BACKEND
 
 log = logging.getLogger(__name__)
 INITIAL_MODEL = "model-init"
 OPTIM_DIR = "optim"
+# What a release names instead of a path for the run's initial model: that
+# model may live outside the run directory (model.path), and a release never
+# carries an absolute path (PROTOCOL.md, threat model).
+INITIAL_POLICY = "initial"
 
 
 def init_model(out_dir: Path, *, seed: int, warmstart_steps: int) -> dict[str, Any]:
@@ -75,10 +82,18 @@ class TrainingSteps:
         return self.run_dir / layout.iteration_dir(iteration) / "train" / "job.json"
 
     def _rel(self, path: Path) -> str:
-        try:
-            return str(path.relative_to(self.run_dir))
-        except ValueError:
-            return str(path)
+        return path.relative_to(self.run_dir).as_posix()
+
+    def model_in_release(self, ctx: StepContext, phase: Phase, key: str) -> Path:
+        """The model a release names: the initial model, or a directory checked to lie
+        inside the run directory (no '..', not absolute; symlinks refused when opened)."""
+        where = self.run_dir / layout.release(ctx.iteration, int(phase))
+        value = ctx.release(phase).get(key)
+        if value is None:
+            raise ActionError(f"the phase-{int(phase)} release names no {key} ({where})")
+        if value == INITIAL_POLICY:
+            return self.initial_model()
+        return self.run_dir / relative_inside(value, what=f"payload {key}", where=where)
 
     def ensure_initial_model(self, ctx: StepContext) -> None:
         """Master, phase 0: build the demo model once if no --model was given."""
@@ -106,7 +121,7 @@ class TrainingSteps:
             except (CheckpointError, OSError):
                 continue
             return self._rel(self.checkpoint_dir(k))
-        return self._rel(self.initial_model())
+        return INITIAL_POLICY
 
     # -- the phases ------------------------------------------------------------------
     def run(self, phase: Phase, ctx: StepContext, *, trains: bool) -> dict[str, Any]:
@@ -119,12 +134,11 @@ class TrainingSteps:
         if phase is Phase.PUBLISH_CHECKPOINT:
             return self._verify(ctx) if ctx.is_master else {}
         if phase is Phase.RESTART_ENGINE:
-            model = ctx.release(Phase.PUBLISH_CHECKPOINT).get("checkpoint") or \
-                ctx.release(Phase.SYNC).get("policy")
-            if model is None:
-                raise ActionError("no checkpoint was announced to restart the engine on")
-            self.engines.ensure(ctx, self.run_dir / str(model))
-            return {"serving": model}
+            announced = ctx.release(Phase.PUBLISH_CHECKPOINT).get("checkpoint")
+            model = self.model_in_release(ctx, Phase.PUBLISH_CHECKPOINT, "checkpoint") \
+                if announced else self.model_in_release(ctx, Phase.SYNC, "policy")
+            self.engines.ensure(ctx, model)
+            return {"serving": str(announced or ctx.release(Phase.SYNC).get("policy"))}
         return {}
 
     def announce(self, ctx: StepContext, *, trains: bool) -> dict[str, Any]:
@@ -135,14 +149,16 @@ class TrainingSteps:
     def _prepare(self, ctx: StepContext) -> dict[str, Any]:
         from trainer.config import TrainJob
 
-        policy = ctx.release(Phase.SYNC).get("policy")
-        if policy is None:
-            raise ActionError("the phase-0 release names no policy checkpoint")
+        batch = self.run_dir / layout.iteration_dir(ctx.iteration) / "batch.pt"
+        # The trainer loads exactly the batch phase 4 published, or nothing.
+        batch_bytes, batch_sha256 = file_digest(batch)
         job = TrainJob(
             iteration=ctx.iteration,
-            model_dir=self.run_dir / str(policy),
+            model_dir=self.model_in_release(ctx, Phase.SYNC, "policy"),
             ref_model_dir=self.initial_model() if self.s.train.kl_coef > 0 else None,
-            batch_path=self.run_dir / layout.iteration_dir(ctx.iteration) / "batch.pt",
+            batch_path=batch,
+            batch_bytes=batch_bytes,
+            batch_sha256=batch_sha256,
             out_dir=self.checkpoint_dir(ctx.iteration),
             optim_dir=self.run_dir / OPTIM_DIR,
             metrics_path=self.run_dir / layout.iteration_dir(ctx.iteration) / "metrics"
@@ -152,13 +168,17 @@ class TrainingSteps:
         job.save(self.job_path(ctx.iteration))
         return {"job": self._rel(self.job_path(ctx.iteration))}
 
-    def command(self, *, master_addr: str, master_port: int, job: Path) -> list[str]:
+    def command(self, *, master_addr: str, master_port: int, job: Path, run_id: str,
+                iteration: int, listen_fd: int | None = None) -> list[str]:
+        """torchrun with this project's rendezvous (trainer/rendezvous.py): node rank 0's
+        store serves on the socket the daemon has held since it announced the port."""
         t = self.s.torchrun
+        conf = f"rank={self.rank}" + (f",listen_fd={listen_fd}" if listen_fd is not None else "")
         return [
             sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(self.num_nodes), "--node-rank", str(self.rank),
-            "--nproc-per-node", str(t.nproc_per_node),
-            "--master-addr", master_addr, "--master-port", str(master_port),
+            "--nnodes", str(self.num_nodes), "--nproc-per-node", str(t.nproc_per_node),
+            "--rdzv-backend", RDZV_BACKEND, "--rdzv-endpoint", f"{master_addr}:{master_port}",
+            "--rdzv-id", f"{run_id}-{iteration}", "--rdzv-conf", conf,
             "--max-restarts", "0", *t.extra_args,
             "-m", "trainer.train", "--job", str(job),
         ]
@@ -173,16 +193,23 @@ class TrainingSteps:
             aside = out.with_name(f".superseded-{out.name}-{secrets.token_hex(4)}")
             log.warning("training of iteration %d is rerun: moving %s aside to %s",
                         ctx.iteration, out, aside)
-            os.replace(out, aside)
+            fsio.rename(out, aside)
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("OMP_NUM_THREADS", "1")  # one CPU thread per trainer process
         env[LAUNCHER_PID_ENV] = str(os.getpid())  # lets a trainer see that torchrun died early
+        env[RUN_DIR_ENV] = str(self.run_dir)  # the trainer confines itself to it
         log_path = self.run_dir / layout.logs(self.rank) / f"train-iter-{ctx.iteration:06d}.log"
+        listener = ctx.listener if ctx.is_master else None
+        if ctx.is_master and listener is None:
+            raise ActionError("the master holds no training port: phase 9 must announce one")
+        listen_fd = listener.fileno() if listener is not None else None
         command = self.command(master_addr=addr, master_port=port,
-                               job=self.job_path(ctx.iteration))
+                               job=self.job_path(ctx.iteration), run_id=ctx.run_id,
+                               iteration=ctx.iteration, listen_fd=listen_fd)
         started = time.monotonic()
-        proc = ManagedProcess(command, log_path=log_path, env=env)
+        proc = ManagedProcess(command, log_path=log_path, env=env,
+                              pass_fds=() if listen_fd is None else (listen_fd,))
         ctx.add_child(proc.pid, "torchrun")
         try:
             while proc.returncode is None:
@@ -205,11 +232,13 @@ class TrainingSteps:
                 f"(log {log_path}); last lines:\n{proc.log_tail(20)}")
         metrics = {}
         if ctx.is_master:
+            path = self.run_dir / layout.iteration_dir(ctx.iteration) / "metrics" / "train.json"
             try:
-                metrics = json.loads(fsio.read_bytes(
-                    self.run_dir / layout.iteration_dir(ctx.iteration) / "metrics" / "train.json"))
+                metrics = read_document(path, lambda raw, _where: json.loads(raw))
             except (OSError, ValueError) as exc:
                 raise ActionError(f"the trainer wrote no readable metrics: {exc}") from exc
+            if metrics is None:
+                raise ActionError(f"the trainer wrote no metrics at {path}")
         return {"seconds": time.monotonic() - started,
                 "loss": metrics.get("loss") if isinstance(metrics, dict) else None}
 
@@ -228,11 +257,10 @@ class TrainingSteps:
         root = self.run_dir / layout.CHECKPOINTS
         for k in range(iteration - keep, -1, -1):
             path = self.checkpoint_dir(k)
-            if not path.exists():
+            if not fsio.remove_tree(path):
                 break  # older ones were pruned before
-            shutil.rmtree(path, ignore_errors=True)
             log.info("pruned %s (checkpoint.keep=%d)", path, keep)
         if root.is_dir():
             for child in root.iterdir():
                 if child.name.startswith(".superseded-"):
-                    shutil.rmtree(child, ignore_errors=True)
+                    fsio.remove_tree(child)

@@ -43,6 +43,8 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 
+from coordinator import beneath
+from coordinator.beneath import RUN_DIR_ENV
 from coordinator.fsio import publish_bytes
 from rollout.train_batch import TrainBatch, TrainBatchError, load_train_batch
 from trainer import grpo
@@ -78,9 +80,10 @@ def seed_everything(seed: int) -> None:
 # ---------------------------------------------------------------- the batch
 
 
-def load_batch(path: Path) -> TrainBatch:
+def load_batch(job: TrainJob) -> TrainBatch:
+    path = job.batch_path
     try:
-        return load_train_batch(path)
+        return load_train_batch(path, size=job.batch_bytes, sha256=job.batch_sha256)
     except FileNotFoundError:
         raise TrainError(
             f"batch file {path} does not exist: the rollout phase must write it"
@@ -111,7 +114,7 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
     started = time.monotonic()
     config = job.config
     seed_everything(config.seed * 1_000_003 + job.iteration)
-    batch = load_batch(job.batch_path)
+    batch = load_batch(job)
     if batch.iteration != job.iteration:
         raise TrainError(
             f"{job.batch_path} holds the batch of iteration {batch.iteration}, but this is "
@@ -293,7 +296,14 @@ def _prepare_process() -> None:
 
 
 def _train(job_path: Path, rank: int, world: int) -> None:
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        # Started by a daemon: every path inside the run directory is opened
+        # without following symlinks, and the job may write nowhere else.
+        beneath.confine(Path(run_dir))
     job = TrainJob.load(job_path)
+    if run_dir:
+        job.check_writes_inside(Path(run_dir))
     _setup_logging(rank, world, job.iteration)
     # Process-wide, so set here rather than in run(), which tests call in-process.
     # warn_only: a few CUDA kernels have no deterministic version; CPU has all we use.

@@ -113,7 +113,7 @@ def test_a_worker_beyond_the_masters_node_count_exits_2(tmp_path) -> None:
 
 def test_recover_rejects_a_negative_or_unreached_iteration(tmp_path) -> None:
     code, out = invoke("recover", "--log-path", str(tmp_path), "--iteration", "-1")
-    assert code == 2 and "--iteration -1 is negative" in out
+    assert code == 2 and "--iteration -1 is outside 0..999999" in out
     subprocess.run(
         [sys.executable, "-m", "coordinator", "run", "--master", "--num-nodes", "1",
          "--actions", "scripted", "--iterations", "2", "--log-path", str(tmp_path)],

@@ -107,11 +107,11 @@ def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
     try:
         c.start_all()
         c.wait_until(lambda: c.at_phase(2, 1, 10) and any(
-            "--node-rank 2" in " ".join(p.parent().cmdline()) for p in trainers(c.log_path)
+            "rank=2" in " ".join(p.parent().cmdline()) for p in trainers(c.log_path)
             if p.is_running()), 600, "node 2's trainer in iteration 1")
         if victim == "trainer":
             next(p for p in trainers(c.log_path)
-                 if "--node-rank 2" in " ".join(p.parent().cmdline())).kill()
+                 if "rank=2" in " ".join(p.parent().cmdline())).kill()
         else:
             c.procs[2].kill()  # the whole node: its daemon, torchrun and trainer go down
         killed = time.monotonic()

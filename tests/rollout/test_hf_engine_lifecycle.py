@@ -183,14 +183,22 @@ def test_server_killed_during_generation_is_reported_with_exit_status_and_log_ta
         health_check=engine.check_alive,
     )
     results: list[GroupResult] = []
-    # A long request (64 rows x 100 tokens) so the kill lands mid-generation.
+    # A long request: 512 rows x 120 tokens, in forward passes of max_batch
+    # rows, takes seconds of server CPU.  The kill waits until the server has
+    # spent 0.1 s of CPU on it, so it lands mid-generation however loaded
+    # the machine is (a fixed sleep once let the whole request finish first).
+    server = psutil.Process(pid)
+    busy_before = sum(server.cpu_times()[:2])
     worker = threading.Thread(
         target=lambda: results.extend(
-            client.generate_groups(["4021>"], n=64, max_tokens=100, seed=1)
+            client.generate_groups(["4021>"], n=512, max_tokens=120, seed=1)
         )
     )
     worker.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while sum(server.cpu_times()[:2]) - busy_before < 0.1:
+        assert time.monotonic() < deadline, "the server never started generating"
+        time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
     worker.join(60)
 

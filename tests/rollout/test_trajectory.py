@@ -71,7 +71,7 @@ def test_a_chunk_is_published_every_k_groups_with_its_checksum_in_the_manifest(
     assert not manifest.complete
     (entry,) = manifest.chunks
     assert entry.file == "chunk-000000.pt" and entry.task_ids == ("t/0", "t/1")
-    chunk = read_verified_chunk(tmp_path / entry.file, entry.sha256)
+    chunk = read_verified_chunk(tmp_path / entry.file, entry)
     assert list(chunk.samples()) == make_group("t/0") + make_group("t/1")
     assert (tmp_path / entry.file).stat().st_mode & 0o777 == 0o644
     assert (tmp_path / MANIFEST_NAME).stat().st_mode & 0o777 == 0o644
@@ -89,7 +89,7 @@ def test_finalize_publishes_the_remainder_and_marks_the_manifest_complete(tmp_pa
     assert manifest.complete and manifest.rollout_seconds == pytest.approx(12.5)
     assert [c.task_ids for c in manifest.chunks] == [("t/0", "t/1", "t/2", "t/3"), ("t/4",)]
     assert writer.finalize() == read_manifest(tmp_path)  # idempotent
-    chunk = read_verified_chunk(tmp_path / "chunk-000000.pt", manifest.chunks[0].sha256)
+    chunk = read_verified_chunk(tmp_path / "chunk-000000.pt", manifest.chunks[0])
     failed = [s for s in chunk.samples() if s.failed]
     assert [(s.task_id, s.error, s.finish_reason) for s in failed] == [
         ("t/2", "engine died", FinishReason.ERROR)
@@ -167,7 +167,7 @@ def test_a_damaged_chunk_is_reported_dropped_and_its_groups_redone(
         restarted = RankCheckpointWriter(tmp_path, 0, 2, iteration=0)
         done = restarted.load_completed_task_ids()
     assert done == {"t/0", "t/1", "t/4", "t/5"}
-    assert str(victim) in caplog.text and "SHA-256" in caplog.text
+    assert str(victim) in caplog.text and "truncated or altered" in caplog.text
     manifest = read_manifest(tmp_path)
     assert manifest is not None and "chunk-000001.pt" not in [c.file for c in manifest.chunks]
     for i in (2, 3):

@@ -1,0 +1,180 @@
+"""Validation of command-line values, at the boundary, before anything is written.
+
+Each function takes what the user typed and returns a checked value or raises
+`UsageError` with the value, the rule and the fix; the commands in cli.py turn
+that into exit code 2.  Nothing here touches the run directory except
+`check_log_path`, which only proves the directory can be written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from coordinator import fsio
+from coordinator.errors import ExitCode, UsageError
+from coordinator.records import MAX_RANKS
+
+RANK_ENV_VARS = ("RANK", "NODE_RANK", "SLURM_PROCID")
+
+
+def fail_usage(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(int(ExitCode.USAGE))
+
+
+def parse_weights(text: str | None) -> tuple[float, ...] | str | None:
+    if text is None:
+        return None
+    if text.strip() == "auto":
+        return "auto"
+    parts = [p.strip() for p in text.split(",")]
+    weights = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            raise UsageError(
+                f"--rank-weights {text!r}: {part!r} is not a number; give comma-separated "
+                "numbers, one per node, e.g. 2,1,1, or 'auto'"
+            ) from None
+        if not math.isfinite(value) or value < 0:
+            raise UsageError(
+                f"--rank-weights {text!r}: weight {part} is negative or not finite; weights are "
+                "shares of the work, so use numbers >= 0, e.g. 2,1,1"
+            )
+        weights.append(value)
+    if sum(weights) <= 0:
+        raise UsageError(
+            f"--rank-weights {text!r} sum to zero: at least one node must get work, e.g. 1,1,1"
+        )
+    return tuple(weights)
+
+
+def check_num_nodes(num_nodes: int | None) -> int | None:
+    if num_nodes is None:
+        return None
+    if num_nodes < 1:
+        raise UsageError(f"--num-nodes {num_nodes} is below 1: give the number of nodes, e.g. 3")
+    if num_nodes > MAX_RANKS:
+        raise UsageError(
+            f"--num-nodes {num_nodes} is above {MAX_RANKS}, the most one run directory "
+            "coordinates: give the number of nodes of this run, e.g. 3")
+    return num_nodes
+
+
+def resolve_rank(master: bool, worker: int | None) -> int:
+    if master and worker is not None:
+        raise UsageError(
+            f"--master and --worker {worker} both given: a daemon is either the master (rank 0) "
+            "or one worker; drop one of them"
+        )
+    if master:
+        return 0
+    if worker is not None:
+        if worker < 1:
+            raise UsageError(
+                f"--worker {worker} is below 1: workers are ranks 1..N-1 (rank 0 is --master)"
+            )
+        if worker >= MAX_RANKS:
+            raise UsageError(f"--worker {worker} is above {MAX_RANKS - 1}, the largest rank")
+        return worker
+    for var in RANK_ENV_VARS:
+        value = os.environ.get(var)
+        if value is not None:
+            try:
+                rank = int(value)
+            except ValueError:
+                raise UsageError(f"${var}={value!r} is not an integer rank") from None
+            if not 0 <= rank < MAX_RANKS:
+                raise UsageError(f"${var}={rank} is outside 0..{MAX_RANKS - 1}: ranks start at 0")
+            return rank
+    raise UsageError(
+        "no rank given: pass --master on node 0 and --worker R on the others "
+        f"(or set one of ${', $'.join(RANK_ENV_VARS)})"
+    )
+
+
+def log_path_arg(text: str | None) -> Path:
+    """The --log-path as typed: required and never empty (an empty one would mean '.')."""
+    if text is None:
+        raise UsageError("--log-path is required: the run directory on the shared filesystem "
+                         "that every node mounts, e.g. --log-path /shared/runs/exp1")
+    if not text.strip():
+        raise UsageError(
+            f"--log-path {text!r} is empty: give the run directory on the shared filesystem, "
+            "e.g. --log-path /shared/runs/exp1 (use --log-path . for the current directory)")
+    if "\0" in text:
+        raise UsageError("--log-path contains a NUL byte: give a plain directory path")
+    return Path(text).expanduser().absolute()
+
+
+def existing_run_dir(text: str | None) -> Path:
+    """--log-path of a command that reads a run (status, recover): it must exist."""
+    path = log_path_arg(text)
+    if not path.is_dir():
+        raise UsageError(f"--log-path {path} is not a directory: give the run directory")
+    return path
+
+
+def check_log_path(path: Path) -> Path:
+    """Make the run directory (mode 0755) and prove this user can write it."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(
+            f"--log-path {path} is a file, not a directory: give a directory on the shared "
+            "filesystem that every node mounts"
+        )
+    try:
+        fsio.ensure_dir(path)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", suffix=".tmp"):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"--log-path {path} is not writable ({exc.strerror}): give a directory this user can "
+            "write on the shared filesystem"
+        ) from None
+    except Exception as exc:  # StorageError and the like: the same verdict, with its words
+        raise UsageError(f"--log-path {path} is not writable: {exc}") from None
+    return path
+
+
+def set_dotted(target: dict[str, Any], key: str, value: Any, *, given: str = "") -> None:
+    parts = key.split(".")
+    if not all(parts):
+        raise UsageError(f"--set {given or key!r}: {key!r} has an empty section or key name; "
+                         "write section.key=value, e.g. train.lr=1e-4")
+    node = target
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            prefix = ".".join(parts[:depth + 1])
+            raise UsageError(
+                f"--set {given or key!r} puts a key under {prefix!r}, which another --set "
+                f"already gave the value {child!r}: a section cannot be both; drop one of them")
+        node = child
+    if isinstance(node.get(parts[-1]), dict) and not isinstance(value, dict):
+        raise UsageError(
+            f"--set {given or key!r} gives section {key!r} a single value, but another --set "
+            "already put keys under it: drop one of them")
+    node[parts[-1]] = value
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--set {item!r} must look like section.key=value, e.g. train.lr=1e-4")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        set_dotted(out, key, value, given=item)
+    return out
