@@ -345,16 +345,16 @@ class Daemon:
             except (PeerLostError, FencedError, Interrupted, WaitTimeout, StorageError,
                     MalformedRecordError):
                 raise
-            except OSError as exc:
+            except Exception as exc:
+                # The group is stopping (a peer was lost, a signal came): the
+                # action's error is a consequence, the recorded failure the cause.
+                self.runtime.check()
                 # A full or read-only shared filesystem fails this rank's
                 # writes and its heartbeat alike: say so, do not report a
                 # phase failure nobody can publish.
                 storage = storage_error(exc)
                 if storage is not None:
                     raise storage from exc
-                log.exception("rank %d iteration %d %s failed", self.rank, iteration, phase.label)
-                status, error = ArrivalStatus.FAILED, f"{type(exc).__name__}: {exc}"
-            except Exception as exc:
                 log.exception("rank %d iteration %d %s failed", self.rank, iteration, phase.label)
                 status, error = ArrivalStatus.FAILED, f"{type(exc).__name__}: {exc}"
             else:

@@ -209,17 +209,28 @@ class TrainConfig:
         return cls(**kwargs)
 
 
-def _path_field(data: dict[str, Any], name: str, *, optional: bool = False) -> Path | None:
+def _path_field(data: dict[str, Any], name: str, *, run_dir: Path | None,
+                optional: bool = False) -> Path | None:
+    """A job path: relative to the run directory (each node resolves it against its
+    own mount), or absolute for a model outside the run directory."""
     if name not in data:
         raise ConfigError(f"train job is missing field {name!r}: the coordinator must set it")
     value = data[name]
     if value is None and optional:
         return None
     _check(
-        isinstance(value, str) and value != "",
+        isinstance(value, str) and value != "" and "\0" not in value,
         f"train job field {name}={value!r} must be a non-empty path string",
     )
-    return Path(value)
+    path = Path(value)
+    if path.is_absolute():
+        return path
+    _check(".." not in path.parts,
+           f"train job field {name}={value!r} climbs out of the run directory with '..'")
+    _check(run_dir is not None,
+           f"train job field {name}={value!r} is relative to the run directory, but no run "
+           "directory is known: start the trainer from the coordinator")
+    return run_dir / path  # type: ignore[operator]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,7 +304,9 @@ class TrainJob:
                 f"directory {root}: the job file is forged or from another run",
             )
 
-    def to_json(self) -> str:
+    def to_json(self, run_dir: Path | None = None) -> str:
+        """The job file; paths inside `run_dir` are written relative to it, so that
+        every node resolves them against its own mount of the run directory."""
         data: dict[str, Any] = {"schema": JOB_SCHEMA, "version": JOB_VERSION}
         data["iteration"] = self.iteration
         for name in (
@@ -305,14 +318,17 @@ class TrainJob:
             "metrics_path",
         ):
             value = getattr(self, name)
-            data[name] = None if value is None else str(value)
+            if value is not None and run_dir is not None and value.is_relative_to(run_dir):
+                value = value.relative_to(run_dir)
+            data[name] = None if value is None else value.as_posix()
         data["config"] = self.config.to_dict()
         data["batch_bytes"] = self.batch_bytes
         data["batch_sha256"] = self.batch_sha256
         return json.dumps(data, indent=2, sort_keys=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str | bytes, *, source: str = "<job>") -> TrainJob:
+    def from_json(cls, text: str | bytes, *, source: str = "<job>",
+                  run_dir: Path | None = None) -> TrainJob:
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -330,12 +346,12 @@ class TrainJob:
         try:
             return cls(
                 iteration=data.get("iteration"),  # type: ignore[arg-type]  # checked in __post_init__
-                model_dir=_path_field(data, "model_dir"),  # type: ignore[arg-type]
-                ref_model_dir=_path_field(data, "ref_model_dir", optional=True),
-                batch_path=_path_field(data, "batch_path"),  # type: ignore[arg-type]
-                out_dir=_path_field(data, "out_dir"),  # type: ignore[arg-type]
-                optim_dir=_path_field(data, "optim_dir"),  # type: ignore[arg-type]
-                metrics_path=_path_field(data, "metrics_path"),  # type: ignore[arg-type]
+                model_dir=_path_field(data, "model_dir", run_dir=run_dir),  # type: ignore[arg-type]
+                ref_model_dir=_path_field(data, "ref_model_dir", run_dir=run_dir, optional=True),
+                batch_path=_path_field(data, "batch_path", run_dir=run_dir),  # type: ignore[arg-type]
+                out_dir=_path_field(data, "out_dir", run_dir=run_dir),  # type: ignore[arg-type]
+                optim_dir=_path_field(data, "optim_dir", run_dir=run_dir),  # type: ignore[arg-type]
+                metrics_path=_path_field(data, "metrics_path", run_dir=run_dir),  # type: ignore[arg-type]
                 config=TrainConfig.from_dict(data.get("config", {})),
                 batch_bytes=data.get("batch_bytes"),
                 batch_sha256=data.get("batch_sha256"),
@@ -343,14 +359,18 @@ class TrainJob:
         except ConfigError as exc:
             raise ConfigError(f"train job {source}: {exc}") from exc
 
-    def save(self, path: Path) -> None:
-        publish_bytes(path, self.to_json().encode())
+    def save(self, path: Path, *, run_dir: Path | None = None) -> None:
+        publish_bytes(path, self.to_json(run_dir).encode())
 
     @classmethod
-    def load(cls, path: Path) -> TrainJob:
-        """Read with the run directory's reader: a torn read is retried, never trusted."""
+    def load(cls, path: Path, *, run_dir: Path | None = None) -> TrainJob:
+        """Read with the run directory's reader: a torn read is retried, never trusted.
+
+        Relative paths resolve against `run_dir`, this node's mount of the run.
+        """
         try:
-            job = read_document(path, lambda raw, where: cls.from_json(raw, source=str(where)))
+            job = read_document(path, lambda raw, where: cls.from_json(
+                raw, source=str(where), run_dir=run_dir))
         except OSError as exc:
             raise ConfigError(f"cannot read train job {path}: {exc}") from exc
         except ValueError as exc:  # a file planted where the job belongs, too big, ...

@@ -165,7 +165,7 @@ class TrainingSteps:
             / "train.json",
             config=self.s.train,
         )
-        job.save(self.job_path(ctx.iteration))
+        job.save(self.job_path(ctx.iteration), run_dir=self.run_dir)
         return {"job": self._rel(self.job_path(ctx.iteration))}
 
     def command(self, *, master_addr: str, master_port: int, job: Path, run_id: str,

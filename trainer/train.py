@@ -301,7 +301,7 @@ def _train(job_path: Path, rank: int, world: int) -> None:
         # Started by a daemon: every path inside the run directory is opened
         # without following symlinks, and the job may write nowhere else.
         beneath.confine(Path(run_dir))
-    job = TrainJob.load(job_path)
+    job = TrainJob.load(job_path, run_dir=Path(run_dir) if run_dir else None)
     if run_dir:
         job.check_writes_inside(Path(run_dir))
     _setup_logging(rank, world, job.iteration)

@@ -12,10 +12,14 @@ caching like an NFS client's:
 - directory listings cached by sshfs for `dcache_dir_timeout` (NFS:
   acdirmin..acdirmax), so a listing misses other clients' new files,
 - failed lookups cached for `negative_timeout`: 0 by default, as on an NFS
-  mount with `lookupcache=positive` (see docs/PROTOCOL.md, start-up),
-- open()+read() reaches the server (`direct_io`), as NFS close-to-open
-  consistency guarantees.  Without it FUSE would truncate a read to the
-  cached size, which no NFS client does.
+  mount with `lookupcache=positive`; `negative_timeout_s > 0` caches them
+  like NFS's default `lookupcache=all` (see docs/PROTOCOL.md, start-up),
+- with `direct_io` (the default) open()+read() reaches the server, as NFS
+  close-to-open consistency guarantees.  Without it (`direct_io=False`, the
+  "plain caching" mode, as sshfs and many FUSE clients mount by default) the
+  kernel caches data and cuts a read at the cached size: a file replaced by
+  rename on another client reads short until the attributes expire, unless
+  the reader asks the server again (coordinator/fsio.py `revalidate`).
 
 The setup needs root, /dev/fuse, sshd and sshfs (scripts/setup.sh installs
 them); when it cannot be set up, `NetFsUnavailable` says why, and tests fail
@@ -46,12 +50,13 @@ def _free_port() -> int:
 
 class NetFs:
     def __init__(self, base: Path, *, mounts: int, cache_s: float = 30.0,
-                 negative_timeout_s: float = 0.0) -> None:
+                 negative_timeout_s: float = 0.0, direct_io: bool = True) -> None:
         self.base = base
         self.export = base / "export"
         self.mounts = [base / f"client{i}" for i in range(mounts)]
         self.cache_s = cache_s
         self.negative_timeout_s = negative_timeout_s
+        self.direct_io = direct_io
         self._sshd: subprocess.Popen[bytes] | None = None
         self._mounted: list[Path] = []
 
@@ -106,8 +111,10 @@ class NetFs:
         options = ",".join([
             f"IdentityFile={keys / 'user'}", "StrictHostKeyChecking=no",
             "UserKnownHostsFile=/dev/null", "LogLevel=ERROR",
-            "dir_cache=yes", "direct_io", f"dcache_dir_timeout={c:g}", "dcache_stat_timeout=0", f"entry_timeout={c:g}",
-            f"attr_timeout={c:g}", f"negative_timeout={self.negative_timeout_s:g}",
+            "dir_cache=yes", f"dcache_dir_timeout={c:g}", "dcache_stat_timeout=0",
+            f"entry_timeout={c:g}", f"attr_timeout={c:g}",
+            f"negative_timeout={self.negative_timeout_s:g}",
+            *(["direct_io"] if self.direct_io else []),
         ])
         for mount in self.mounts:
             mount.mkdir()
