@@ -76,3 +76,59 @@ def test_three_ranks_on_three_client_mounts_complete_with_fast_barriers(tmp_path
                     )
         print(f"3 iterations on 3 sshfs mounts in {elapsed:.1f} s; longest barrier wait "
               f"{worst:.2f} s")
+
+
+def _join_delay(tmp_path: Path, negative_timeout_s: float) -> float:
+    """Workers start first and wait for the master; seconds from the master's
+    start until every rank has joined its session, as seen on the server."""
+    tmp_path.mkdir()
+    config = write_config(tmp_path / "c.toml", iterations=1)
+    with NetFs(tmp_path / "fs", mounts=3, negative_timeout_s=negative_timeout_s) as fs:
+        (fs.mounts[0] / "run").mkdir()
+        runs = [m / "run" for m in fs.mounts]
+        c = LocalCluster(runs[0], tmp_path, num_nodes=3, config=config)
+        export = fs.export / "run"
+        try:
+            for rank in (1, 2):
+                c.start(rank, c.command(rank, log_path=runs[rank]))
+            # Both workers have looked up run.json and found nothing: with
+            # lookupcache=all-like caching their clients now remember that.
+            c.wait_until(lambda: all("waiting for the master" in c.output(r) for r in (1, 2)),
+                         60, "both workers to wait for the master")
+            started = time.monotonic()
+            c.start(0, c.command(0, log_path=runs[0]))
+
+            def joined() -> bool:
+                return all((hb := _heartbeat(export, r)) is not None and hb["state"] != "starting"
+                           for r in range(3))
+
+            c.wait_until(joined, negative_timeout_s + 90, "every rank to join")
+            delay = time.monotonic() - started
+            assert c.wait_all(timeout=120) == {0: 0, 1: 0, 2: 0}
+        finally:
+            c.close()
+    return delay
+
+
+def _heartbeat(run: Path, rank: int) -> dict | None:
+    try:
+        return json.loads((run / f"ranks/{rank}/heartbeat.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def test_workers_started_before_the_master_join_despite_cached_negative_lookups(
+    tmp_path: Path,
+) -> None:
+    """NFS's default lookupcache=all remembers "no such file" for up to acdirmax;
+    a worker that looked for run.json before the master wrote it sees it that
+    much later.  Measured here with the fixture's negative cache at 10 s
+    against none (lookupcache=positive); docs/PROTOCOL.md quotes the figures.
+    Two lookups wait in turn: the workers' of run.json, then the master's of
+    the workers' claims (it looked for them before they existed)."""
+    positive = _join_delay(tmp_path / "positive", 0.0)
+    negative = _join_delay(tmp_path / "negative", 10.0)
+    print(f"\njoin after the master starts: {positive:.1f} s with no negative lookup cache, "
+          f"{negative:.1f} s with a 10 s one")
+    assert positive < 8.0
+    assert 10.0 <= negative < 2 * 10.0 + 8.0
