@@ -4,7 +4,8 @@ Exclusive claim: `ranks/<R>/claim.json` is created with link(2), which fails
 when the file exists.  A claim held by a live daemon makes a second daemon
 exit with code 2 naming the holder; a claim whose holder is provably dead (a
 PID gone on this host, a heartbeat that says it left or failed, or no
-heartbeat progress for a whole lease) is moved aside and taken over.  A
+heartbeat progress for a whole lease on this daemon's own clock), whatever run
+or generation it names, is moved aside and taken over.  A
 daemon that took a claim re-reads it every few beats (liveness.fence_check),
 so two daemons racing for one dead claim cannot both keep writing.
 """
@@ -106,18 +107,22 @@ def claim_rank(
         holder = read_record(store, key, Claim, retry_s=retry_s)
         if holder is None:
             continue  # its holder removed it between our link and our read
-        stale = holder.run_id != claim.run_id or holder.generation < claim.generation
-        if not stale and holder_alive(
+        # Whatever run or generation the claim names, only a holder proven
+        # dead gives way: two masters racing on a fresh directory name
+        # different runs, and the one that holds rank 0 must keep it.
+        if holder_alive(
             store, holder, lease_s=lease_s, clock=clock, retry_s=retry_s, backoff=backoff,
             progress_interval_s=progress_interval_s,
         ):
             raise RankHeldError(
                 f"rank {claim.rank} of run {claim.run_id} is already held by pid {holder.pid} "
-                f"on host {holder.host} (started {time.ctime(holder.started)}): stop that daemon "
-                "first, or give this one another rank",
+                f"on host {holder.host} (run {holder.run_id}, started "
+                f"{time.ctime(holder.started)}): stop that daemon first, or give this one "
+                "another rank or another --log-path",
                 rank=claim.rank, host=holder.host, pid=holder.pid,
             )
-        why = "another run" if stale else "a dead holder"
+        why = "a dead holder" + (f" of run {holder.run_id}" if holder.run_id != claim.run_id
+                                 else "")
         log.warning("taking over rank %d from %s (pid %d on %s)", claim.rank, why,
                     holder.pid, holder.host)
         # Race: another daemon may move the dead holder's claim first; then

@@ -193,11 +193,8 @@ def _plan_worker(req: RunRequest) -> RunPlan:
             f"--rank-weights {req.weights} disagrees with the master's {manifest.weights}: "
             "drop the flag on workers or fix it on the master"
         )
-    # The run's experiment from run.json, this node's own node-local keys from
-    # its own config and flags: run.json never decides what a node executes.
-    local_keys = node_local_keys(manifest.config)
-    config = resolve_config(deep_merge(drop_keys(manifest.config, local_keys),
-                                       pick_keys(raw, local_keys)))
+    config = node_config(manifest.config, raw)
+    local_keys = config.node_local
     resolved = config.to_dict()
     diffs = []
     for key, value in _flatten(raw):
@@ -217,6 +214,15 @@ def _plan_worker(req: RunRequest) -> RunPlan:
         )
     return RunPlan(log_path=req.log_path, rank=req.rank, manifest=manifest, config=config,
                    address=req.address, master=info)
+
+
+def node_config(experiment: Mapping[str, Any], raw: Mapping[str, Any]) -> RunConfig:
+    """This node's configuration: the run's experiment from run.json, and the
+    node-local keys from this node's own config and flags only.  run.json
+    never decides what a node executes, with which environment or secrets."""
+    local_keys = node_local_keys(experiment)
+    return resolve_config(deep_merge(drop_keys(experiment, local_keys),
+                                     pick_keys(raw, local_keys)))
 
 
 def _flatten(raw: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

@@ -43,3 +43,11 @@ def test_the_timeout_table_lists_every_key_with_its_default() -> None:
 def test_the_exit_code_table_matches_the_code() -> None:
     rows = table("exit-codes")
     assert rows == [[str(int(c)), c.name, EXIT_CODE_MEANINGS[c]] for c in ExitCode]
+
+
+def test_the_node_local_table_matches_every_action_kind() -> None:
+    from coordinator.actions import KINDS
+
+    rows = [r[0].strip("`") for r in table("node-local")]
+    keys = [k for kind in KINDS.values() for k in kind.node_local_keys()]
+    assert rows == keys

@@ -227,3 +227,35 @@ def test_killed_workers_and_master_recover_without_redoing_a_saved_chunk(
             assert json.loads((run / f"iterations/{it:06d}/metrics/rollout.json").read_text())[
                 "num_samples"] == 96
             assert (run / f"checkpoints/iter-{it:06d}/manifest.json").exists()
+
+
+def test_chunks_on_a_direct_io_mount_verify_and_load_though_it_cannot_map_them(
+    tmp_path: Path,
+) -> None:
+    """sshfs with direct_io refuses mmap (ENODEV): the SHA-256 check and the load
+    read the file instead, and a restarted writer on another mount keeps every
+    chunk (an I/O error or an unmappable file is never taken for damage)."""
+    import mmap
+    import os
+
+    from rollout.trajectory import RankCheckpointWriter, read_verified_chunk
+    from tests.rollout.test_trajectory import make_group
+
+    with NetFs(tmp_path / "fs", mounts=2) as fs:
+        a, b = (m / "rank-1" for m in fs.mounts)
+        writer = RankCheckpointWriter(a, 1, 2, iteration=0)
+        for i in range(6):
+            writer.add_group(make_group(f"t/{i}"))
+        writer.finalize()
+        fd = os.open(b / "chunk-000000.pt", os.O_RDONLY)
+        try:
+            with pytest.raises(OSError) as refused:
+                mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            assert refused.value.errno == 19  # ENODEV: the case this test is about
+        finally:
+            os.close(fd)
+        restarted = RankCheckpointWriter(b, 1, 2, iteration=0)
+        assert restarted.load_completed_task_ids() == {f"t/{i}" for i in range(6)}
+        for entry in restarted.manifest.chunks:
+            chunk = read_verified_chunk(b / entry.file, entry)
+            assert chunk.task_ids == entry.task_ids
