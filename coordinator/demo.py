@@ -21,6 +21,7 @@ from typing import Any
 
 from coordinator import layout
 from coordinator.liveness import describe_phase
+from coordinator.store import read_document
 
 DEMO_CONFIG = """\
 # Written by `coordinator demo`; every key not listed takes its default.
@@ -56,7 +57,7 @@ class DemoResult:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text())
+        data = read_document(path, lambda raw, _where: json.loads(raw), retry_s=1.0)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

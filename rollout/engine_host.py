@@ -11,12 +11,12 @@ peer or a failure kills it at once.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 from coordinator import layout
 from coordinator.actions import StepContext
 from coordinator.errors import ActionError
+from coordinator.fsio import remove_tree
 from rollout.client import CompletionClient
 from rollout.engine import Engine, EngineState, make_engine
 from rollout.rl_config import RlSections
@@ -83,7 +83,7 @@ class EngineHost:
             return
         for child in root.iterdir():
             if child != keep and child.is_dir() and not child.name.startswith("."):
-                shutil.rmtree(child, ignore_errors=True)
+                remove_tree(child)
                 log.info("rank %d: removed old cached model %s", self.rank, child)
 
     def client(self) -> CompletionClient:

@@ -16,12 +16,14 @@ on a CPU, and exact match is an unambiguous reward.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from coordinator.fsio import open_regular
 from rollout.errors import TaskDataError
 
 # Chat messages as verl stores them: [{"role": "user", "content": "..."}].
@@ -170,6 +172,12 @@ class _FileTasks:
         raise NotImplementedError
 
 
+def _open_task_file(file: Path) -> int:
+    """A descriptor of a task file: a regular file, never a FIFO or device that
+    would block or never end (data.path comes from run.json, which others write)."""
+    return open_regular(file)
+
+
 class ParquetTasks(_FileTasks):
     """verl-style parquet: prompt (chat messages), reward_model.ground_truth,
     data_source, optional extra_info.index."""
@@ -180,24 +188,31 @@ class ParquetTasks(_FileTasks):
         import pyarrow.parquet as pq  # deferred: pyarrow is heavy and only file sources need it
 
         try:
-            parquet = pq.ParquetFile(file)
-        except (OSError, ValueError) as exc:  # pyarrow raises ArrowInvalid (a ValueError)
-            raise TaskDataError(f"{file} is not a readable parquet file: {exc}", path=file) from exc
-        names = set(parquet.schema_arrow.names)
-        for name in _REQUIRED_FIELDS:
-            if name not in names:
-                raise TaskDataError(
-                    f"{file} (all rows): column {name!r} is missing; verl task files need "
-                    f"columns {', '.join(_REQUIRED_FIELDS)} (extra_info optional), found {sorted(names)}",
-                    path=file,
-                    field=name,
-                )
-        columns = [*_REQUIRED_FIELDS, *(["extra_info"] if "extra_info" in names else [])]
-        row = 0
-        for batch in parquet.iter_batches(columns=columns, batch_size=4096):
-            for record in batch.to_pylist():
-                yield f"{file} row {row}", row, record
-                row += 1
+            handle = os.fdopen(_open_task_file(file), "rb")
+        except (OSError, ValueError) as exc:
+            raise TaskDataError(f"cannot open task file {file}: {exc}", path=file) from exc
+        with handle:
+            try:
+                parquet = pq.ParquetFile(handle)
+            except (OSError, ValueError) as exc:  # pyarrow raises ArrowInvalid (a ValueError)
+                raise TaskDataError(f"{file} is not a readable parquet file: {exc}",
+                                    path=file) from exc
+            names = set(parquet.schema_arrow.names)
+            for name in _REQUIRED_FIELDS:
+                if name not in names:
+                    raise TaskDataError(
+                        f"{file} (all rows): column {name!r} is missing; verl task files need "
+                        f"columns {', '.join(_REQUIRED_FIELDS)} (extra_info optional), found "
+                        f"{sorted(names)}",
+                        path=file,
+                        field=name,
+                    )
+            columns = [*_REQUIRED_FIELDS, *(["extra_info"] if "extra_info" in names else [])]
+            row = 0
+            for batch in parquet.iter_batches(columns=columns, batch_size=4096):
+                for record in batch.to_pylist():
+                    yield f"{file} row {row}", row, record
+                    row += 1
 
 
 class JsonlTasks(_FileTasks):
@@ -207,8 +222,8 @@ class JsonlTasks(_FileTasks):
 
     def _rows(self, file: Path) -> Iterator[tuple[str, int, Any]]:
         try:
-            handle = file.open(encoding="utf-8")
-        except OSError as exc:
+            handle = os.fdopen(_open_task_file(file), encoding="utf-8")
+        except (OSError, ValueError) as exc:
             raise TaskDataError(f"cannot open task file {file}: {exc}", path=file) from exc
         with handle:
             for line_number, line in enumerate(handle, start=1):
