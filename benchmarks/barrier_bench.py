@@ -79,9 +79,10 @@ def run_ours(n: int, iterations: int, work: Path, *, late_s: float = 0.0) -> dic
     for rank in range(n):
         who = ["--master", "--num-nodes", str(n), "--config", str(config)] if rank == 0 \
             else ["--worker", str(rank)]
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "run", "--log-path", str(log_path), *who],
-            stdout=subprocess.DEVNULL, stderr=open(work / f"rank{rank}.log", "wb"), env=env))
+        with open(work / f"rank{rank}.log", "wb") as err:  # the child keeps its own copy
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "rl", "run", "--log-path", str(log_path), *who],
+                stdout=subprocess.DEVNULL, stderr=err, env=env))
     codes = [p.wait(timeout=900) for p in procs]
     if any(codes):
         raise SystemExit(f"our daemons failed ({codes}); see {work}")

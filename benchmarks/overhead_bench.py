@@ -49,9 +49,10 @@ def run_ours(paths: list[Path], work: Path, iterations: int, ceiling: float) -> 
     for rank, path in enumerate(paths):
         who = ["--master", "--num-nodes", str(len(paths)), "--config", str(config)] if rank == 0 \
             else ["--worker", str(rank)]
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "run", "--log-path", str(path), *who],
-            stdout=subprocess.DEVNULL, stderr=open(work / f"rank{rank}.log", "wb")))
+        with open(work / f"rank{rank}.log", "wb") as err:  # the child keeps its own copy
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "rl", "run", "--log-path", str(path), *who],
+                stdout=subprocess.DEVNULL, stderr=err))
     codes = [p.wait(timeout=600) for p in procs]
     if any(codes):
         raise SystemExit(f"daemons failed {codes}; see {work}")

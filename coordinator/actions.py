@@ -9,19 +9,21 @@ journal skips completed ones on resume, but a rank killed mid-action runs it
 again.  A long action calls `ctx.check_cancel()` now and then, and registers
 its child processes with `ctx.add_child`, so that a lost peer stops it fast.
 
-Two implementations ship: `scripted` (coordinator/scripted.py: writes marker
+Two implementations ship, each registered as an entry point of the group
+`coordinator.actions`: `scripted` (coordinator/scripted.py: writes marker
 files, sleeps, fails on request; used by tests, benchmarks and as a cluster
-smoke test) and `rl` (rollout/ and trainer/: the real loop).
+smoke test) and `rl` (the rl package: the real loop).
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from coordinator.config import RunConfig
 from coordinator.errors import UsageError
@@ -95,58 +97,55 @@ class Actions(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class ActionKind:
-    """A registered implementation: how to validate its config and build it."""
+    """An implementation of the actions, as a package registers it.
+
+    Packages register a kind under the entry-point group `coordinator.actions`
+    (pyproject.toml), the way pytest finds its plugins: this package never
+    names them, and a user's own package can add one.
+    """
 
     name: str
-    target: str  # "module:function" building Actions(config, rank, num_nodes, run_dir)
-    sections: str  # "module:function" resolving raw config sections into defaults
-    node_local: str = ""  # "module:NAME" of its node-local dotted keys (PROTOCOL.md)
-
-    def _load(self, spec: str) -> Callable[..., Any]:
-        module, _, attr = spec.partition(":")
-        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
-
-    def resolve_sections(self, raw: Mapping[str, Any]) -> dict[str, Any]:
-        return dict(self._load(self.sections)(raw))
-
-    def node_local_keys(self) -> tuple[str, ...]:
-        if not self.node_local:
-            return ()
-        return tuple(self._load(self.node_local))  # type: ignore[arg-type]
-
-    def build(self, config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> Actions:
-        return self._load(self.target)(config, rank=rank, num_nodes=num_nodes, run_dir=run_dir)  # type: ignore[no-any-return]
+    # (config, *, rank, num_nodes, run_dir) -> Actions
+    build: Callable[..., Actions]
+    # raw config sections -> the resolved sections, every default filled in
+    resolve_sections: Callable[[Mapping[str, Any]], Mapping[str, Any]]
+    # dotted keys that belong to each node, never to run.json (PROTOCOL.md)
+    node_local: tuple[str, ...] = ()
 
 
-KINDS: dict[str, ActionKind] = {
-    "scripted": ActionKind(name="scripted", target="coordinator.scripted:build",
-                           sections="coordinator.scripted:resolve_sections"),
-    "rl": ActionKind(name="rl", target="rollout.rl_actions:build",
-                     sections="rollout.rl_actions:resolve_sections",
-                     node_local="rollout.rl_config:NODE_LOCAL_KEYS"),
-}
+ENTRY_POINT_GROUP: Final = "coordinator.actions"
 
 
+def kind_names() -> list[str]:
+    return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
+@functools.cache
 def kind(name: str) -> ActionKind:
-    try:
-        return KINDS[name]
-    except KeyError:
+    """The registered kind `name`; only that one's package is imported."""
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not found:
+        known = ", ".join(kind_names()) or "none (is the package installed? pip install -e .)"
+        raise UsageError(f"run.actions={name!r} is unknown: use one of {known}")
+    loaded = found[0].load()
+    if not isinstance(loaded, ActionKind) or loaded.name != name:
         raise UsageError(
-            f"run.actions={name!r} is unknown: use one of {', '.join(sorted(KINDS))}"
-        ) from None
+            f"entry point {found[0].value!r} of group {ENTRY_POINT_GROUP} (run.actions={name!r}) "
+            "is not an ActionKind of that name: fix the package that registers it")
+    return loaded
 
 
 def resolve_config(raw: Mapping[str, Any]) -> RunConfig:
     """Parse a raw config dict and fill every section's defaults."""
     config = RunConfig.from_dict(raw)
     action_kind = kind(config.run.actions)
-    sections = action_kind.resolve_sections(config.sections)
+    sections = dict(action_kind.resolve_sections(config.sections))
     return RunConfig(run=config.run, coordination=config.coordination, sections=sections,
-                     node_local=action_kind.node_local_keys())
+                     node_local=action_kind.node_local)
 
 
 def node_local_keys(raw: Mapping[str, Any]) -> tuple[str, ...]:
     """The node-local keys of the action kind a raw (or resolved) config names."""
     run = raw.get("run", {})
     name = run.get("actions", "rl") if isinstance(run, Mapping) else "rl"
-    return kind(str(name)).node_local_keys()
+    return kind(str(name)).node_local

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import fsio, layout
-from coordinator.actions import StepContext
+from coordinator.actions import ActionKind, StepContext
 from coordinator.config import RunConfig, from_mapping, to_plain
 from coordinator.errors import ActionError, UsageError
 from coordinator.phases import Phase
@@ -168,3 +168,6 @@ class ScriptedActions:
 def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> ScriptedActions:
     scripted = from_mapping(ScriptedConfig, config.sections.get("scripted", {}), "scripted")
     return ScriptedActions(scripted, rank=rank, run_dir=run_dir)
+
+
+KIND = ActionKind(name="scripted", build=build, resolve_sections=resolve_sections)

@@ -1,3 +1,3 @@
-from coordinator.cli import main
+from rl.cli import main
 
 main()

@@ -8,7 +8,7 @@
     4      master   aggregate all ranks into the training batch + metrics
     6      all      eval rollout when phase 5 decided so; master merges eval metrics
     7      all      stop the engine, GPU memory released
-    8-12   see trainer/launch.py (training job, torchrun, checkpoint, engine restart)
+    8-12   see rl/training.py (training job, torchrun, checkpoint, engine restart)
     13     master   prune rank files of the finished iteration and old checkpoints
 
 Files (all under iterations/<N>/, see docs/PROTOCOL.md): `shard-train.json` and
@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import fsio, layout
-from coordinator.actions import StepContext
+from coordinator.actions import ActionKind, StepContext
 from coordinator.config import RunConfig
 from coordinator.errors import ActionError
 from coordinator.phases import Phase, RolloutSplit
 from coordinator.records import Arrival
 from coordinator.store import read_document
-from rollout.rl_config import RlSections, parse_sections, resolve_sections
+from rl.config import NODE_LOCAL_KEYS, RlSections, parse_sections, resolve_sections
 from rollout.sharding import ShardPlan, throughput_weights
 from rollout.tasks import Task, TaskSource, load_task_source
 
@@ -70,8 +70,8 @@ class RlActions:
         self.run_dir = run_dir
         self._tasks: TaskSource | None = None
         self._by_id: dict[str, dict[str, Task]] = {}
-        from rollout.engine_host import EngineHost
-        from trainer.launch import TrainingSteps
+        from rl.engines import EngineHost
+        from rl.training import TrainingSteps
 
         self.engines = EngineHost(self.s, rank=rank, run_dir=run_dir)
         self.training = TrainingSteps(self.s, rank=rank, num_nodes=num_nodes, run_dir=run_dir,
@@ -127,7 +127,7 @@ class RlActions:
         if phase is Phase.PREPARE_TRAINING and rank == 0:
             return [base / "train" / "job.json"]
         # Rollout chunks are resumable and kept; the trainer's outputs are
-        # superseded, never trusted, by a rerun (trainer/launch.py).
+        # superseded, never trusted, by a rerun (rl/training.py).
         return []
 
     def close(self) -> None:
@@ -197,7 +197,7 @@ class RlActions:
 
     # -- phases 1, 2, 6 --------------------------------------------------------------
     def _rollout(self, ctx: StepContext, split: str) -> Mapping[str, Any]:
-        from rollout.rank_rollout import roll_out_shard
+        from rl.rollouts import roll_out_shard
 
         plan = self._plan_for(ctx.iteration, split)
         assigned = list(plan.tasks_for(self.rank))
@@ -279,4 +279,7 @@ def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> RlA
     return RlActions(config, rank=rank, num_nodes=num_nodes, run_dir=run_dir)
 
 
-__all__ = ["RlActions", "build", "resolve_sections"]
+KIND = ActionKind(name="rl", build=build, resolve_sections=resolve_sections,
+                  node_local=NODE_LOCAL_KEYS)
+
+__all__ = ["KIND", "RlActions", "build", "resolve_sections"]

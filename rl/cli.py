@@ -15,7 +15,8 @@ from typing import Annotated
 
 import typer
 
-from coordinator.cli_args import (
+from coordinator.errors import CoordinatorError, ExitCode, MalformedRecordError, UsageError
+from rl.cli_args import (
     check_log_path,
     check_num_nodes,
     existing_run_dir,
@@ -26,7 +27,6 @@ from coordinator.cli_args import (
     resolve_rank,
     set_dotted,
 )
-from coordinator.errors import CoordinatorError, ExitCode, MalformedRecordError, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Drive a multi-node LLM RL loop through a shared filesystem.")
@@ -213,7 +213,7 @@ def init_model(
     warmstart_steps: Annotated[int, typer.Option(help="Supervised warm-up steps on the built-in task (0: none).")] = 65,
 ) -> None:
     """Create the tiny demo model (Hugging Face format, safetensors, tokenizer) locally."""
-    from trainer.launch import init_model as build
+    from trainer.warmstart import build_initial_model as build
 
     setup_logging(False)
     if out.exists():
@@ -236,7 +236,7 @@ def demo(
     import time as _time
 
     from coordinator import demo as demo_mod
-    from trainer.launch import init_model as build
+    from trainer.warmstart import build_initial_model as build
 
     setup_logging(False)
     if nodes < 1:

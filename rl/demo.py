@@ -183,7 +183,7 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
     for rank in range(nodes):
         who = ["--master", "--num-nodes", str(nodes), "--config", str(config), *extra_args] \
             if rank == 0 else ["--worker", str(rank)]
-        cmd = [sys.executable, "-m", "coordinator", "run", "--log-path", str(log_path), *who]
+        cmd = [sys.executable, "-m", "rl", "run", "--log-path", str(log_path), *who]
         with open(logs / f"rank-{rank}.log", "wb") as out:
             procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     console = Console()

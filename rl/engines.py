@@ -17,9 +17,9 @@ from coordinator import layout
 from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.fsio import remove_tree
+from rl.config import RlSections
 from rollout.client import CompletionClient
 from rollout.engine import Engine, EngineState, make_engine
-from rollout.rl_config import RlSections
 
 log = logging.getLogger(__name__)
 

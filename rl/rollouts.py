@@ -17,10 +17,10 @@ from typing import Any
 
 from coordinator.actions import StepContext
 from coordinator.errors import ActionError
+from rl.config import RlSections
+from rl.engines import EngineHost
 from rollout.client import GroupResult
-from rollout.engine_host import EngineHost
 from rollout.rewards import default_reward_for, get_reward
-from rollout.rl_config import RlSections
 from rollout.tasks import Task
 from rollout.trajectory import FinishReason, RankCheckpointWriter, TrajectorySample
 

@@ -32,9 +32,9 @@ from coordinator.errors import ActionError
 from coordinator.phases import Phase
 from coordinator.store import read_document
 from coordinator.verified import file_digest
-from rollout.engine_host import EngineHost
+from rl.config import RlSections
+from rl.engines import EngineHost
 from rollout.process import ManagedProcess, describe_exit
-from rollout.rl_config import RlSections
 from trainer.lifeline import LAUNCHER_PID_ENV
 from trainer.rendezvous import BACKEND as RDZV_BACKEND
 
@@ -45,21 +45,6 @@ OPTIM_DIR = "optim"
 # model may live outside the run directory (model.path), and a release never
 # carries an absolute path (PROTOCOL.md, threat model).
 INITIAL_POLICY = "initial"
-
-
-def init_model(out_dir: Path, *, seed: int, warmstart_steps: int) -> dict[str, Any]:
-    """Build the tiny demo model, warm-start it, and publish it with a manifest."""
-    from trainer.checkpoint import seal_directory
-    from trainer.tiny_model import create_tiny_model
-    from trainer.warmstart import warm_start
-
-    tmp = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.tmp")
-    create_tiny_model(tmp, seed=seed)
-    report: dict[str, Any] = {}
-    if warmstart_steps > 0:
-        report = warm_start(tmp, steps=warmstart_steps, seed=seed)
-    seal_directory(tmp, out_dir, iteration=0)
-    return report
 
 
 class TrainingSteps:
@@ -107,8 +92,10 @@ class TrainingSteps:
             return
         log.info("building the tiny demo model in %s (warm start: %d steps)", target,
                  self.s.model.warmstart_steps)
-        report = init_model(target, seed=self.s.model.init_seed,
-                            warmstart_steps=self.s.model.warmstart_steps)
+        from trainer.warmstart import build_initial_model  # torch: only when needed
+
+        report = build_initial_model(target, seed=self.s.model.init_seed,
+                                     warmstart_steps=self.s.model.warmstart_steps)
         log.info("tiny model ready: %s", report)
 
     def policy_for(self, iteration: int) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import secrets
 import shutil
 import time
 from collections.abc import Sequence
@@ -218,3 +219,16 @@ def warm_start(model_dir: Path, *, steps: int = DEFAULT_STEPS, seed: int = 0) ->
         "steps": steps,
         "seconds": time.monotonic() - started,
     }
+
+
+def build_initial_model(out_dir: Path, *, seed: int, warmstart_steps: int) -> dict[str, Any]:
+    """Build the tiny demo model, warm-start it, and publish it with a manifest."""
+    from trainer.tiny_model import create_tiny_model
+
+    tmp = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.tmp")
+    create_tiny_model(tmp, seed=seed)
+    report: dict[str, Any] = {}
+    if warmstart_steps > 0:
+        report = warm_start(tmp, steps=warmstart_steps, seed=seed)
+    seal_directory(tmp, out_dir, iteration=0)
+    return report

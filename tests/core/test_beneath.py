@@ -111,7 +111,7 @@ def test_a_relative_path_from_a_record_must_stay_inside() -> None:
     assert str(beneath.relative_inside("checkpoints/iter-000001", what="x", where=where)) == \
         "checkpoints/iter-000001"
     for bad in ("/etc", "../x", "a/../../x", "", "a\\b", "./a", 7, None):
-        with pytest.raises(UnsafeFileError, match="release.json"):
+        with pytest.raises(UnsafeFileError, match=r"release\.json"):
             beneath.relative_inside(bad, what="payload checkpoint", where=where)
 
 
@@ -149,7 +149,7 @@ def test_a_binary_file_is_loaded_only_as_its_manifest_lists_it(tmp_path: Path) -
     with pytest.raises(IntegrityError, match="is 5000 bytes, its manifest says 4999"):
         read_verified(path, size=4999, sha256=sha, retry_s=0.05)
     path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    with pytest.raises(IntegrityError, match="SHA-256 .* differs from its manifest's"):
+    with pytest.raises(IntegrityError, match=r"SHA-256 .* differs from its manifest's"):
         read_verified(path, size=5000, sha256=sha, retry_s=0.05)
 
 

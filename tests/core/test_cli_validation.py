@@ -10,7 +10,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from coordinator.cli import app
+from rl.cli import app
 
 runner = CliRunner()
 
@@ -97,12 +97,12 @@ def test_unknown_config_keys_exit_2_listing_the_known_ones(tmp_path) -> None:
 
 def test_a_worker_beyond_the_masters_node_count_exits_2(tmp_path) -> None:
     master = subprocess.Popen(
-        [sys.executable, "-m", "coordinator", "run", "--master", "--num-nodes", "2",
+        [sys.executable, "-m", "rl", "run", "--master", "--num-nodes", "2",
          "--actions", "scripted", "--log-path", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "coordinator", "run", "--worker", "5", "--log-path",
+            [sys.executable, "-m", "rl", "run", "--worker", "5", "--log-path",
              str(tmp_path)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2
         assert "--worker 5 is out of range: run" in out.stderr and "workers are 1..1" in out.stderr
@@ -115,7 +115,7 @@ def test_recover_rejects_a_negative_or_unreached_iteration(tmp_path) -> None:
     code, out = invoke("recover", "--log-path", str(tmp_path), "--iteration", "-1")
     assert code == 2 and "--iteration -1 is outside 0..999999" in out
     subprocess.run(
-        [sys.executable, "-m", "coordinator", "run", "--master", "--num-nodes", "1",
+        [sys.executable, "-m", "rl", "run", "--master", "--num-nodes", "1",
          "--actions", "scripted", "--iterations", "2", "--log-path", str(tmp_path)],
         check=True, capture_output=True, timeout=60)
     code, out = invoke("recover", "--log-path", str(tmp_path), "--iteration", "7")

@@ -100,9 +100,9 @@ def cli(*args: str, cwd: Path | None = None, umask: int | None = None,
         timeout: float = CLI_TIMEOUT_S) -> tuple[int, str, float]:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "coordinator", *args], capture_output=True, text=True,
+        [sys.executable, "-m", "rl", *args], capture_output=True, text=True,
         timeout=timeout, cwd=cwd,
-        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)  # noqa: PLW1509
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
     return done.returncode, done.stdout + done.stderr, time.monotonic() - started
 
 
@@ -204,7 +204,7 @@ def test_a_release_naming_a_model_outside_the_run_directory_is_refused(
     from coordinator.errors import UnsafeFileError
     from coordinator.phases import Phase
     from coordinator.runtime import Runtime
-    from rollout.rl_actions import build
+    from rl.actions import build
 
     run = tmp_path / "run"
     run.mkdir()
@@ -354,9 +354,9 @@ def test_under_umask_000_every_directory_is_0755_and_every_file_0644(
         who = ["--master", "--num-nodes", "2", "--config", str(config)] if rank == 0 else \
             ["--worker", "1"]
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "run", "--log-path", str(run), *who],
+            [sys.executable, "-m", "rl", "run", "--log-path", str(run), *who],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=lambda: os.umask(0)))  # noqa: PLW1509
+            preexec_fn=lambda: os.umask(0)))
     assert [p.wait(timeout=60) for p in procs] == [0, 0]
     wrong = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in
              [tmp_path / "deep", run, *run.rglob("*")]
@@ -377,7 +377,7 @@ def test_run_json_never_carries_node_local_keys_and_workers_use_their_own(
         '[checkpoint]\nlocal_cache = "/etc"\n')
     run = tmp_path / "run"
     master = subprocess.Popen(
-        [sys.executable, "-m", "coordinator", "run", "--master", "--num-nodes", "2",
+        [sys.executable, "-m", "rl", "run", "--master", "--num-nodes", "2",
          "--config", str(config), "--log-path", str(run)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -53,7 +53,7 @@ def test_survivors_exit_naming_the_dead_rank_and_recover_resumes_the_run(
         assert before, "some actions completed before the kill"
 
         recover = subprocess.run(
-            [sys.executable, "-m", "coordinator", "recover", "--log-path", str(c.log_path),
+            [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path),
              "--iteration", "1"], capture_output=True, text=True, timeout=60)
         assert recover.returncode == 0, recover.stderr
         assert "generation is now 1" in recover.stdout
@@ -89,13 +89,13 @@ def test_recover_refuses_while_a_rank_still_heartbeats(tmp_path: Path) -> None:
         c.start_all()
         c.wait_until(lambda: c.at_phase(1, 0, 1, "running"), 60, "rank 1 in its rollout")
         out = subprocess.run(
-            [sys.executable, "-m", "coordinator", "recover", "--log-path", str(c.log_path),
+            [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path),
              "--iteration", "0"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2
         assert "refusing to recover while daemons still heartbeat" in out.stderr
         assert "rank 0" in out.stderr and "rank 1" in out.stderr
         dry = subprocess.run(
-            [sys.executable, "-m", "coordinator", "recover", "--log-path", str(c.log_path),
+            [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path),
              "--iteration", "0", "--force", "--dry-run"], capture_output=True, text=True,
             timeout=60)
         assert dry.returncode == 0 and "would remove" in dry.stdout

@@ -26,7 +26,7 @@ TRIALS = 20
 # Imports done, then wait for the gate byte on stdin, then run the CLI.
 GATED = (
     "import os, sys\n"
-    "from coordinator.cli import main\n"
+    "from rl.cli import main\n"
     "import coordinator.daemon, coordinator.runplan, coordinator.scripted\n"
     "os.read(0, 1)\n"
     "sys.argv = ['coordinator'] + sys.argv[1:]\n"

@@ -46,8 +46,8 @@ def test_the_exit_code_table_matches_the_code() -> None:
 
 
 def test_the_node_local_table_matches_every_action_kind() -> None:
-    from coordinator.actions import KINDS
+    from coordinator.actions import kind, kind_names
 
     rows = [r[0].strip("`") for r in table("node-local")]
-    keys = [k for kind in KINDS.values() for k in kind.node_local_keys()]
+    keys = [k for name in kind_names() for k in kind(name).node_local]
     assert rows == keys

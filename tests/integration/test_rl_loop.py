@@ -131,7 +131,7 @@ def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
         time.sleep(1.0)
         assert not trainers(c.log_path), "every node stopped its torchrun"
 
-        out = subprocess.run([sys.executable, "-m", "coordinator", "recover", "--log-path",
+        out = subprocess.run([sys.executable, "-m", "rl", "recover", "--log-path",
                               str(c.log_path), "--iteration", "1"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
@@ -157,7 +157,7 @@ def test_a_checkpoint_altered_after_publishing_is_refused_at_phase_12_naming_the
     from coordinator.errors import ActionError
     from coordinator.phases import Phase
     from coordinator.runtime import Runtime
-    from rollout.rl_actions import build
+    from rl.actions import build
 
     run = tmp_path / "run"
     published = run / "checkpoints/iter-000000"

@@ -162,7 +162,7 @@ def recover_and_restart(c: LocalCluster, killed: int, iteration: int) -> None:
             code = c.wait(rank, timeout=LEASE + 30)
             assert code == 3, c.output(rank)[-2000:]
             assert f"rank {killed} (host " in c.output(rank)
-    out = subprocess.run([sys.executable, "-m", "coordinator", "recover", "--log-path",
+    out = subprocess.run([sys.executable, "-m", "rl", "recover", "--log-path",
                           str(c.mount_paths[0]), "--iteration", str(iteration)],  # type: ignore[attr-defined]
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -85,7 +85,7 @@ def test_rank_weights_auto_follow_the_previous_iterations_throughput(tmp_path: P
     from coordinator.actions import StepContext, resolve_config
     from coordinator.phases import Phase
     from coordinator.runtime import Runtime
-    from rollout.rl_actions import RlActions, metrics_path
+    from rl.actions import RlActions, metrics_path
 
     config = resolve_config({"run": {"actions": "rl"}})
     actions = RlActions(config, rank=0, num_nodes=3, run_dir=tmp_path)

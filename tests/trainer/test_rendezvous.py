@@ -35,8 +35,8 @@ dist.destroy_process_group()
 
 
 def _command(tmp_path: Path, rank: int, port: int, listen_fd: int | None) -> list[str]:
-    from rollout.rl_config import parse_sections
-    from trainer.launch import TrainingSteps
+    from rl.config import parse_sections
+    from rl.training import TrainingSteps
 
     steps = TrainingSteps(parse_sections({}), rank=rank, num_nodes=2, run_dir=tmp_path,
                           engines=None)  # type: ignore[arg-type]
