@@ -49,9 +49,6 @@ class StepContext:
     runtime: Runtime
     # Release payloads of the phases already passed in this iteration.
     releases: dict[int, Mapping[str, Any]] = field(default_factory=dict)
-    # Master, phases 9-10: the training port's listening socket, held since it
-    # was announced; the rendezvous store takes it over (trainer/rendezvous.py).
-    listener: Any = None
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("coordinator.action"))
 
     @property

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator import fsio, layout
+from coordinator.decisions import MasterAction, judge_arrivals
 from coordinator.errors import MalformedRecordError
 from coordinator.liveness import (
     HeartbeatPublisher,
@@ -156,12 +157,15 @@ class Barrier:
                 record = self._read_arrival(iteration, phase, rank)
                 if record is None:
                     continue
-                if record.status is ArrivalStatus.FAILED:
-                    raise rank_failed(rank, self.m.hosts.get(rank, "?"), iteration, phase,
-                                      record.error)
                 arrivals[rank] = record
                 missing.remove(rank)
-            if not missing:
+            verdict = judge_arrivals(arrivals, list(self.m.members))
+            if verdict.action is MasterAction.ABORT:
+                failed = verdict.failed
+                assert failed is not None
+                raise rank_failed(failed.rank, self.m.hosts.get(failed.rank, "?"), iteration,
+                                  phase, failed.error)
+            if verdict.action is MasterAction.RELEASE:
                 return arrivals
             self.monitor.judge()
             return None

@@ -39,35 +39,30 @@ from coordinator import layout, membership, netaddr
 from coordinator.actions import Actions, StepContext, kind
 from coordinator.barrier import Barrier, Membership
 from coordinator.config import RunConfig
+from coordinator.decisions import abort_kind
 from coordinator.errors import (
     Cancelled,
     CoordinatorError,
     ExitCode,
     FencedError,
     Interrupted,
-    MalformedRecordError,
-    PeerLostError,
-    PhaseFailedError,
-    StorageError,
-    WaitTimeout,
     storage_error,
 )
+from coordinator.journal import JournalBook
 from coordinator.liveness import HeartbeatPublisher, Monitor, PeerTracker, fence_check
-from coordinator.phases import Phase, RlPhase, should_eval, spec
+from coordinator.phases import Phase, RlPhase
 from coordinator.polling import Backoff, Clock
 from coordinator.records import (
     Abort,
-    AbortKind,
-    ArrivalStatus,
     Claim,
     Heartbeat,
-    Journal,
     Manifest,
     NodeState,
     Session,
 )
 from coordinator.runtime import Runtime
-from coordinator.store import FsStore, publish_record, read_record
+from coordinator.stepper import PhaseStepper
+from coordinator.store import FsStore, publish_record
 from coordinator.waker import LOCAL_FILESYSTEMS, Waker, filesystem_type
 
 log = logging.getLogger("coordinator")
@@ -111,8 +106,8 @@ class Daemon:
         self.actions: Actions | None = None
         self.session: Session | None = None
         self.address = plan.address
-        self.listener: netaddr.Listener | None = None  # master: the training port, held
-        self.journal = self._load_journal()
+        self.journal = JournalBook(self.store, run_id=self.manifest.run_id, rank=self.rank,
+                                   retry_s=self.coord.read_retry_s)
 
     # -- lifecycle ------------------------------------------------------------
     def run(self) -> ExitCode:
@@ -295,14 +290,20 @@ class Daemon:
             retry_s=self.coord.read_retry_s, clock=self.clock, waker=self.waker,
             heartbeat_path=lambda r: self.store.path(layout.heartbeat(r)),
         )
+        assert self.actions is not None
+        stepper = PhaseStepper(
+            rank=self.rank, host=self.host, run_dir=self.plan.log_path, actions=self.actions,
+            barrier=self.barrier, heartbeat=self.heartbeat, runtime=self.runtime,
+            journal=self.journal, timeouts=self.coord.phase_timeouts_s, phases=self.phases,
+            context=self._context,
+        )
         for iteration in range(self.session.start_iteration, self.session.end_iteration):
             releases: dict[int, Mapping[str, Any]] = {}
             timings: dict[str, dict[str, float]] = {}
             started = time.monotonic()
             for phase in self.phases:
-                timings[str(int(phase))] = self._step(iteration, phase, releases)
-            self.journal = self.journal.with_completed(iteration)
-            self._publish_journal()
+                timings[str(int(phase))] = stepper.step(iteration, phase, releases)
+            self.journal.complete(iteration)
             total = time.monotonic() - started
             self._publish_timings(iteration, timings, total)
             log.info("rank %d completed iteration %d in %.2f s", self.rank, iteration, total)
@@ -314,161 +315,16 @@ class Daemon:
         self.store.publish(layout.timings(iteration, self.rank),
                            json.dumps(body).encode())
 
-    def _step(self, iteration: int, phase: Phase,
-              releases: dict[int, Mapping[str, Any]]) -> dict[str, float]:
-        """One phase on this rank; returns its timings (action, barrier wait)."""
-        assert self.heartbeat is not None and self.actions is not None
-        phase_spec = spec(phase)
-        deadline = self.coord.phase_timeouts_s.of(phase_spec.timeout)
-        if phase_spec.collective:
-            previous = releases.get(int(phase) - 1, {})
-            run = bool(previous.get("run", {}).get(str(int(phase)), True))
-        else:
-            run = not self.journal.is_done(iteration, phase)
-        self.runtime.check()
-        # Not published on its own: the heartbeat thread carries the new phase
-        # within one interval, and the arrival publishes it at once.  Saving
-        # this publish (two fsyncs) per phase matters with many ranks on one
-        # filesystem.
-        self.heartbeat.set(state=NodeState.RUNNING, iteration=iteration, phase=int(phase),
-                           waiting_for="")
-        ctx = self._context(iteration, phase, releases)
-        status, error, payload = ArrivalStatus.OK, None, {}
-        action_started = time.monotonic()
-        if run:
-            log.debug("rank %d iteration %d %s: action", self.rank, iteration, phase.label)
-            try:
-                payload = dict(self.actions.run(phase, ctx))
-            except Cancelled:
-                self.runtime.check()
-                raise
-            except (PeerLostError, FencedError, Interrupted, WaitTimeout, StorageError,
-                    MalformedRecordError):
-                raise
-            except Exception as exc:
-                # The group is stopping (a peer was lost, a signal came): the
-                # action's error is a consequence, the recorded failure the cause.
-                self.runtime.check()
-                # A full or read-only shared filesystem fails this rank's
-                # writes and its heartbeat alike: say so, do not report a
-                # phase failure nobody can publish.
-                storage = storage_error(exc)
-                if storage is not None:
-                    raise storage from exc
-                log.exception("rank %d iteration %d %s failed", self.rank, iteration, phase.label)
-                status, error = ArrivalStatus.FAILED, f"{type(exc).__name__}: {exc}"
-            else:
-                self.journal = self.journal.with_done(iteration, phase)
-                self._publish_journal()
-        else:
-            log.info("rank %d iteration %d %s: already done (journal), not redone", self.rank,
-                     iteration, phase.label)
-        done = tuple(p for p in range(14) if self.journal.is_done(iteration, p))
-        wait_started = time.monotonic()
-        arrival = self.barrier.arrive(iteration, phase, status=status, error=error, done=done,
-                                      payload=payload)
-        arrived_at = time.time()
-        if not self.is_master:
-            if status is ArrivalStatus.FAILED:
-                raise PhaseFailedError(
-                    f"rank {self.rank} failed iteration {iteration} {phase.label}: {error}",
-                    rank=self.rank, iteration=iteration, phase=int(phase), cause=error or "")
-            release = self.barrier.wait_release(iteration, phase, deadline_s=deadline)
-        else:
-            try:
-                if status is ArrivalStatus.FAILED:
-                    raise PhaseFailedError(
-                        f"rank 0 (the master, host {self.host}) failed iteration {iteration} "
-                        f"{phase.label}: {error}",
-                        rank=0, iteration=iteration, phase=int(phase), cause=error or "")
-                arrivals = self.barrier.collect(iteration, phase, own=arrival, deadline_s=deadline)
-                extra = self._decide(iteration, phase, ctx, arrivals)
-            except Exception as exc:
-                self._abort(iteration, phase, exc)
-                raise
-            release = self.barrier.release(iteration, phase, extra)
-        releases[int(phase)] = release.payload
-        if phase is Phase.TRAIN:
-            self._close_listener()  # torchrun's store holds its own copy while it runs
-        polls = self.barrier.last_wait.polls if self.barrier.last_wait else 0
-        # Wall times let a benchmark on one machine compute release latency
-        # (last arrival to last release) across ranks.
-        return {"action_s": wait_started - action_started,
-                "wait_s": time.monotonic() - wait_started, "polls": float(polls),
-                "arrived_at": arrived_at, "released_at": time.time()}
-
-    def _decide(self, iteration: int, phase: Phase, ctx: StepContext,
-                arrivals: Mapping[int, Any]) -> dict[str, Any]:
-        assert self.actions is not None
-        payload = dict(self.actions.decide(phase, ctx, arrivals))
-        run = self.config.run
-        if phase is Phase.EVAL_DECISION:
-            payload["eval"] = should_eval(iteration, eval_interval=run.eval_interval,
-                                          eval_before_train=run.eval_before_train,
-                                          split=run.rollout_split)
-        if phase is Phase.READY_TO_TRAIN:
-            self._close_listener()
-            self.listener = netaddr.Listener(self.address)
-            payload["master_addr"] = self.address
-            payload["train_port"] = self.listener.port
-        later = [p for p in self.phases if p > phase]
-        if later and spec(later[0]).collective:
-            nxt = later[0]
-            payload["run"] = {str(int(nxt)): not all(int(nxt) in a.done for a in arrivals.values())}
-        return payload
-
-    def _abort(self, iteration: int, phase: Phase, exc: BaseException) -> None:
-        kind_of = AbortKind.INTERNAL
-        if isinstance(exc, PeerLostError):
-            kind_of = AbortKind.LOST
-        elif isinstance(exc, (PhaseFailedError, CoordinatorError)) and not isinstance(exc, WaitTimeout):
-            kind_of = AbortKind.FAILED
-        if isinstance(exc, WaitTimeout):
-            kind_of = AbortKind.TIMEOUT
-        if isinstance(exc, Cancelled) and self.runtime.failure is not None:
-            exc = self.runtime.failure
-            kind_of = AbortKind.LOST if isinstance(exc, PeerLostError) else AbortKind.FAILED
-        abort = Abort(kind=kind_of, reason=str(exc), rank=getattr(exc, "rank", None),
-                      iteration=iteration, phase=int(phase))
-        try:
-            self.barrier.abort(iteration, phase, abort)
-        except (OSError, CoordinatorError) as err:
-            log.error("could not publish the abort: %s", err)
-
     def _context(self, iteration: int, phase: Phase,
                  releases: dict[int, Mapping[str, Any]]) -> StepContext:
         return StepContext(
             rank=self.rank, num_nodes=self.manifest.num_nodes, iteration=iteration, phase=phase,
             run_dir=self.plan.log_path, run_id=self.manifest.run_id, config=self.config,
             weights=self.manifest.weights, host=self.host, address=self.address,
-            runtime=self.runtime, releases=releases, listener=self.listener,
+            runtime=self.runtime, releases=releases,
         )
 
-    def _close_listener(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
-
-    # -- journal, failure, shutdown ----------------------------------------------
-    def _load_journal(self) -> Journal:
-        fresh = Journal(run_id=self.manifest.run_id, rank=self.rank, completed_iteration=-1,
-                        iteration=0, done=())
-        try:
-            journal = read_record(self.store, layout.journal(self.rank), Journal,
-                                  retry_s=self.coord.read_retry_s)
-        except CoordinatorError as exc:
-            log.warning("ignoring an unreadable journal: %s", exc)
-            return fresh
-        if journal is None or journal.run_id != self.manifest.run_id or journal.rank != self.rank:
-            return fresh
-        log.info("rank %d resumes from its journal: iterations up to %d complete, iteration %d "
-                 "phases %s done", self.rank, journal.completed_iteration, journal.iteration,
-                 list(journal.done))
-        return journal
-
-    def _publish_journal(self) -> None:
-        publish_record(self.store, layout.journal(self.rank), self.journal)
-
+    # -- failure, shutdown -------------------------------------------------------
     def _publish_failure(self, error: CoordinatorError) -> None:
         """Runtime hook: let peers know at once (the master's abort stops every worker)."""
         if self.heartbeat is None:
@@ -476,11 +332,8 @@ class Daemon:
         state = NodeState.LEFT if isinstance(error, Interrupted) else NodeState.FAILED
         changes: dict[str, Any] = {"state": state, "error": str(error)}
         if self.is_master and self.heartbeat.record.abort is None:
-            abort_kind = (AbortKind.LOST if isinstance(error, (PeerLostError, Interrupted))
-                          else AbortKind.TIMEOUT if isinstance(error, WaitTimeout)
-                          else AbortKind.FAILED)
             hb = self.heartbeat.record
-            changes["abort"] = Abort(kind=abort_kind, reason=str(error),
+            changes["abort"] = Abort(kind=abort_kind(error), reason=str(error),
                                      rank=getattr(error, "rank", None), iteration=hb.iteration,
                                      phase=hb.phase)
         try:
@@ -509,7 +362,6 @@ class Daemon:
             self.waker.close()
         if self.probe_server is not None:
             self.probe_server.close()
-        self._close_listener()
 
     def _install_signals(self) -> None:
         def handler(signum: int, frame: FrameType | None) -> None:

@@ -1,8 +1,7 @@
 """The fourteen phases of an iteration and the pure rules around them.
 
 The table here is the one docs/PROTOCOL.md shows (a test compares them).
-Decisions are pure functions of their inputs, so every rule is unit-tested
-without files or clocks.
+The decisions around them live in coordinator/decisions.py.
 """
 
 from __future__ import annotations
@@ -119,23 +118,3 @@ class RolloutSplit(str, enum.Enum):
     TRAIN_ONLY = "train-only"
     EVAL_ONLY = "eval-only"
     BOTH = "both"
-
-
-def should_eval(
-    iteration: int, *, eval_interval: int, eval_before_train: bool, split: RolloutSplit
-) -> bool:
-    """The master's phase-5 decision.
-
-    Iteration i samples from the model trained i times, so iteration 0
-    evaluates the initial model: only with `--eval-before-train`.  Unlike
-    the rule we replace (`i % K == 1`), K = 1 evaluates every iteration.
-    """
-    if split is RolloutSplit.TRAIN_ONLY:
-        return False
-    if split is RolloutSplit.EVAL_ONLY:
-        return True
-    if eval_interval <= 0:
-        return False
-    if iteration == 0:
-        return eval_before_train
-    return iteration % eval_interval == 0

@@ -1,24 +1,34 @@
-"""One rank's rollout of its shard: generate, reward, checkpoint every K groups.
+"""Phases 1-3: each rank rolls out its shard of the train split.
 
-A restarted rank reads its manifest, verifies every chunk's checksum and
-generates only the groups that are not safely saved, so a kill costs at most
-K groups.  A group whose requests still fail after the client's retries is
-recorded as failed samples (never dropped); more failed groups than
-`rollout.max_failed_fraction` fail the phase.
+    1   all   roll out this rank's train shard, checkpointing every K groups
+    2   all   make sure every assigned task is saved (redo groups a restart lost)
+    3   all   report the digest of the rank manifest the master will aggregate
+
+`roll_out_shard` serves the train split here and the eval split at phase 6
+(rl/evaluation.py): a restarted rank reads its manifest, verifies every
+chunk's checksum and generates only the groups that are not safely saved, so
+a kill costs at most K groups.  A group whose requests still fail after the
+client's retries is recorded as failed samples (never dropped); more failed
+groups than `rollout.max_failed_fraction` fail the phase.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from coordinator.actions import StepContext
 from coordinator.errors import ActionError
-from rl.config import RlSections
-from rl.engines import EngineHost
+from coordinator.store import read_document
+from rl import layout
+from rl.contracts import PolicyChoice
+from rl.layout import Split
+from rl.loop import Loop
+from rl.plan import shard_plan
 from rollout.client import GroupResult
 from rollout.rewards import default_reward_for, get_reward
 from rollout.tasks import Task
@@ -73,15 +83,54 @@ def _samples(task: Task, group: GroupResult, group_size: int,
     return out
 
 
-def roll_out_shard(
-    ctx: StepContext, s: RlSections, *, split: str, tasks: Sequence[Task], out_dir: Path,
-    group_size: int, engines: EngineHost, policy: Path, seed_of: Callable[[str], int],
-) -> Mapping[str, Any]:
+def roll_out_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 1: this rank's train shard."""
+    return roll_out_shard(loop, ctx, Split.TRAIN) if loop.trains else {}
+
+
+def finish_train_rollout(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 2: the same call; after a restart it redoes only the groups not saved."""
+    return roll_out_shard(loop, ctx, Split.TRAIN) if loop.trains else {}
+
+
+def report_trajectories(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 3: the digest of this rank's manifest, as the master will read it."""
+    if not loop.trains:
+        return {}
+    manifest = layout.rank_dir(loop.run_dir, ctx.iteration, Split.TRAIN, loop.rank) \
+        / "manifest.json"
+    digest = read_document(manifest, lambda raw, _path: hashlib.sha256(raw).hexdigest())
+    if digest is None and shard_plan(loop, ctx.iteration, Split.TRAIN).tasks_for(loop.rank):
+        raise ActionError(f"rank {loop.rank} has tasks but no manifest at {manifest}")
+    return {"manifest_sha256": digest}
+
+
+def group_seed(run_seed: int, iteration: int, split: Split, task_id: str) -> int:
+    """A sampling seed per group: a redone group samples the same way."""
+    digest = hashlib.sha256(f"{run_seed}/{iteration}/{split.value}/{task_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, Any]:
+    """Generate, reward and checkpoint this rank's shard of `split` in this iteration."""
+    s = loop.s
+    assigned = list(shard_plan(loop, ctx.iteration, split).tasks_for(loop.rank))
+    index = loop.tasks(split)
+    unknown = [t for t in assigned if t not in index]
+    if unknown:
+        raise ActionError(f"the shard plan names tasks unknown to {s.data.path}: "
+                          f"{unknown[:5]} ({len(unknown)} in all)")
+    tasks = [index[t] for t in assigned]
+    policy = loop.model(ctx, PolicyChoice.read(ctx).policy, where_phase=0)
+    group_size = s.rollout.group_size if split is Split.TRAIN else s.rollout.eval_group_size
+    out_dir = layout.rank_dir(loop.run_dir, ctx.iteration, split, loop.rank)
+    run_seed = loop.config.run.seed
+    engines = loop.engines
     k = s.rollout.checkpoint_every_groups
     writer = RankCheckpointWriter(out_dir, ctx.rank, k, iteration=ctx.iteration)
     done = writer.load_completed_task_ids()
     todo = [t for t in tasks if t.task_id not in done]
-    temperature = s.rollout.temperature if split == "train" else s.rollout.eval_temperature
+    temperature = s.rollout.temperature if split is Split.TRAIN else s.rollout.eval_temperature
     rewards: dict[str, Callable[[str, str], float]] = {}
     failed = 0
     first_error = ""
@@ -89,7 +138,8 @@ def roll_out_shard(
     last_report = started
     generated = 0
     if done:
-        log.info("rank %d %s rollout: %d of %d tasks already saved, %d to go", ctx.rank, split,
+        log.info("rank %d %s rollout: %d of %d tasks already saved, %d to go", ctx.rank,
+                 split.value,
                  len(done & {t.task_id for t in tasks}), len(tasks), len(todo))
     if todo:
         engines.ensure(ctx, policy)
@@ -103,7 +153,7 @@ def roll_out_shard(
             results = client.generate_groups(
                 prompts, n=group_size, max_tokens=s.rollout.max_tokens,
                 temperature=temperature, top_p=s.rollout.top_p,
-                seed=seed_of(batch[0].task_id))
+                seed=group_seed(run_seed, ctx.iteration, split, batch[0].task_id))
             for task, group in zip(batch, results, strict=True):
                 name = s.data.reward or default_reward_for(task.data_source)
                 reward = rewards.setdefault(name, get_reward(name))
@@ -114,14 +164,15 @@ def roll_out_shard(
             generated += len(batch) * group_size
             now = time.monotonic()
             if now - last_report >= s.rollout.progress_interval_s or start + k >= len(todo):
-                log.info("rank %d %s rollout: %d/%d tasks, %.1f samples/s", ctx.rank, split,
+                log.info("rank %d %s rollout: %d/%d tasks, %.1f samples/s", ctx.rank,
+                         split.value,
                          len(tasks) - len(todo) + min(start + k, len(todo)), len(tasks),
                          generated / max(now - started, 1e-9))
                 last_report = now
     manifest = writer.finalize()
     if tasks and failed > s.rollout.max_failed_fraction * len(tasks):
         raise ActionError(
-            f"{failed} of {len(tasks)} {split} groups failed on rank {ctx.rank} (limit "
+            f"{failed} of {len(tasks)} {split.value} groups failed on rank {ctx.rank} (limit "
             f"rollout.max_failed_fraction={s.rollout.max_failed_fraction}); first: {first_error}")
     elapsed = time.monotonic() - started
     return {"tasks": len(tasks), "samples": manifest.num_samples, "failed_groups": failed,

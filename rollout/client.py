@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import tenacity
 
-from rollout.engine import EngineError
+from rollout.engine_config import EngineError
 
 log = logging.getLogger(__name__)
 

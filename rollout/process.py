@@ -376,24 +376,21 @@ def wait_gpu_released(
     poll_s: float = 0.5,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
-) -> None:
-    """Return once none of `pids` holds accelerator memory; raise GpuNotReleased on timeout.
+) -> dict[int, int]:
+    """Wait until none of `pids` holds accelerator memory; {} then, else (on timeout)
+    the pids still holding it with their MiB, for the caller to report.
 
     With no NVML and no nvidia-smi there is nothing to watch: returns at once.
     Inside a container NVML may report host pids, which never match ours; the
     check then passes vacuously (the tree was already verified gone by stop()).
     """
-    from rollout.engine import GpuNotReleased  # engine.py imports this module
-
     watched = set(pids)
     q = query if query is not None else default_gpu_query()
     if q is None or not watched:
-        return
+        return {}
     deadline = clock() + timeout_s
     while True:
         holders = {p: m for p, m in q().items() if p in watched}
-        if not holders:
-            return
-        if clock() >= deadline:
-            raise GpuNotReleased(holders, timeout_s)
+        if not holders or clock() >= deadline:
+            return holders
         sleep(poll_s)

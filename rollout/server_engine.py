@@ -273,11 +273,11 @@ class ServerEngine:
                 f"{self.config.kill_timeout_s:g}s (stuck in the kernel, e.g. on a GPU driver "
                 "call): inspect them with ps, the node may need a reset"
             )
-        try:
-            proc_mod.wait_gpu_released(report.tree_pids, self.config.gpu_release_timeout_s)
-        except GpuNotReleased:
+        holders = proc_mod.wait_gpu_released(report.tree_pids,
+                                             self.config.gpu_release_timeout_s)
+        if holders:
             self._set_state(EngineState.FAILED)
-            raise
+            raise GpuNotReleased(holders, self.config.gpu_release_timeout_s)
         self._port = None if self.config.port == 0 else self._port
         self._set_state(EngineState.STOPPED)
 

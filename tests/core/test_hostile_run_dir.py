@@ -211,13 +211,13 @@ def test_a_release_naming_a_model_outside_the_run_directory_is_refused(
     actions = build(resolve_config({"run": {"actions": "rl"}}), rank=1, num_nodes=2, run_dir=run)
     try:
         for forged in ("../outside", str(sentinel), "checkpoints/../../outside"):
-            ctx = StepContext(rank=1, num_nodes=2, iteration=3, phase=Phase.ROLLOUT, run_dir=run,
-                              run_id=RUN_ID, config=actions.config, weights=(1.0, 1.0),
-                              host="h", address="127.0.0.1", runtime=Runtime(),
-                              releases={0: {"policy": forged}})
-            with pytest.raises(UnsafeFileError, match=r"iterations/000003/phase-00/release\.json:"
-                               r" payload policy .* must be a plain relative path"):
-                actions.training.model_in_release(ctx, Phase.SYNC, "policy")
+            ctx = StepContext(rank=1, num_nodes=2, iteration=3, phase=Phase.RESTART_ENGINE,
+                              run_dir=run, run_id=RUN_ID, config=actions.loop.config,
+                              weights=(1.0, 1.0), host="h", address="127.0.0.1",
+                              runtime=Runtime(), releases={11: {"checkpoint": forged}})
+            with pytest.raises(UnsafeFileError, match=r"iterations/000003/phase-11/release\.json:"
+                               r" the model it names .* must be a plain relative path"):
+                actions.run(Phase.RESTART_ENGINE, ctx)
     finally:
         actions.close()
 

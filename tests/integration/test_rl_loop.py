@@ -83,6 +83,18 @@ def test_three_nodes_run_two_full_iterations(tmp_path: Path, warm_model: Path) -
         assert train["samples"] == 48
         manifest = verify_checkpoint(run / f"checkpoints/iter-{it:06d}")
         assert manifest.iteration == it
+    # What the releases carry, typed (rl/contracts.py): the eval decision at
+    # phase 5, the master's address and held port at phase 9, the checkpoint at 11.
+    def payload(it: int, phase: int) -> dict:
+        return json.loads((run / f"iterations/{it:06d}/phase-{phase:02d}/release.json")
+                          .read_text())["payload"]
+
+    assert [payload(it, 5)["eval"] for it in (0, 1)] == [False, True]
+    assert payload(0, 9)["train_port"] > 0 and payload(0, 9)["master_addr"]
+    assert payload(0, 9)["run"] == {"10": True}
+    assert payload(1, 11)["checkpoint"] == "checkpoints/iter-000001"
+    assert payload(0, 0)["policy"] == "initial"
+    assert payload(1, 0)["policy"] == "checkpoints/iter-000000"
     # Iteration 1 trained from iteration 0's checkpoint; the optimizer steps carried on.
     job1 = json.loads((run / "iterations/000001/train/job.json").read_text())
     assert job1["model_dir"].endswith("checkpoints/iter-000000")

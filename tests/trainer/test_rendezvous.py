@@ -36,12 +36,11 @@ dist.destroy_process_group()
 
 def _command(tmp_path: Path, rank: int, port: int, listen_fd: int | None) -> list[str]:
     from rl.config import parse_sections
-    from rl.training import TrainingSteps
+    from rl.training import torchrun_command
 
-    steps = TrainingSteps(parse_sections({}), rank=rank, num_nodes=2, run_dir=tmp_path,
-                          engines=None)  # type: ignore[arg-type]
-    cmd = steps.command(master_addr="127.0.0.1", master_port=port, job=tmp_path / "job.json",
-                        run_id="0123456789ab", iteration=3, listen_fd=listen_fd)
+    cmd = torchrun_command(parse_sections({}), rank=rank, num_nodes=2, master_addr="127.0.0.1",
+                           master_port=port, job=tmp_path / "job.json", run_id="0123456789ab",
+                           iteration=3, listen_fd=listen_fd)
     assert cmd[-4:] == ["-m", "trainer.train", "--job", str(tmp_path / "job.json")]
     return [*cmd[:-4], str(tmp_path / "script.py")]
 

@@ -1,0 +1,185 @@
+"""One phase on one rank: act, arrive, wait, apply.
+
+    plan   decisions.step_action: run the action, or skip it (journal, collective flag)
+    act    actions.run(phase, ctx); its outcome becomes the arrival's status
+    arrive publish arrive-<R>.json (the barrier announces it in the heartbeat)
+    wait   worker: the master's release; master: every arrival, judged by
+           decisions.judge_arrivals, then actions.decide + the collective flags
+    apply  the release payload joins this iteration's releases
+
+Every decision is a pure function of coordinator/decisions.py; this module
+does the calls and the I/O around them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from coordinator import layout
+from coordinator.actions import Actions, StepContext
+from coordinator.barrier import Barrier
+from coordinator.config import PhaseTimeouts
+from coordinator.decisions import (
+    RunFlags,
+    StepAction,
+    abort_kind,
+    collective_flags,
+    step_action,
+)
+from coordinator.errors import (
+    Cancelled,
+    FencedError,
+    Interrupted,
+    MalformedRecordError,
+    PeerLostError,
+    PhaseFailedError,
+    StorageError,
+    WaitTimeout,
+    storage_error,
+)
+from coordinator.journal import JournalBook
+from coordinator.liveness import HeartbeatPublisher
+from coordinator.phases import Phase, spec
+from coordinator.records import Abort, ArrivalStatus, NodeState
+from coordinator.runtime import Runtime
+
+log = logging.getLogger("coordinator")
+
+# Raised through an action untouched: they already say what stops the daemon.
+_STOPPING = (PeerLostError, FencedError, Interrupted, WaitTimeout, StorageError,
+             MalformedRecordError)
+
+
+class PhaseStepper:
+    def __init__(
+        self, *, rank: int, host: str, run_dir: Path, actions: Actions, barrier: Barrier,
+        heartbeat: HeartbeatPublisher, runtime: Runtime, journal: JournalBook,
+        timeouts: PhaseTimeouts, phases: Sequence[Phase],
+        context: Callable[[int, Phase, dict[int, Mapping[str, Any]]], StepContext],
+    ) -> None:
+        self.rank = rank
+        self.is_master = rank == 0
+        self.host = host
+        self.run_dir = run_dir
+        self.actions = actions
+        self.barrier = barrier
+        self.heartbeat = heartbeat
+        self.runtime = runtime
+        self.journal = journal
+        self.timeouts = timeouts
+        self.phases = tuple(phases)
+        self.context = context
+
+    def step(self, iteration: int, phase: Phase,
+             releases: dict[int, Mapping[str, Any]]) -> dict[str, float]:
+        """One phase on this rank; returns its timings (action, barrier wait)."""
+        plan = self._plan(iteration, phase, releases)
+        self.runtime.check()
+        # Not published on its own: the heartbeat thread carries the new phase
+        # within one interval, and the arrival publishes it at once.  Saving
+        # this publish (two fsyncs) per phase matters with many ranks on one
+        # filesystem.
+        self.heartbeat.set(state=NodeState.RUNNING, iteration=iteration, phase=int(phase),
+                           waiting_for="")
+        ctx = self.context(iteration, phase, releases)
+        action_started = time.monotonic()
+        status, error, payload = self._act(plan, iteration, phase, ctx)
+        wait_started = time.monotonic()
+        arrival = self.barrier.arrive(iteration, phase, status=status, error=error,
+                                      done=self.journal.done_phases(iteration), payload=payload)
+        arrived_at = time.time()
+        deadline = self.timeouts.of(spec(phase).timeout)
+        if self.is_master:
+            release_payload = self._release(iteration, phase, ctx, arrival, deadline)
+        else:
+            if status is ArrivalStatus.FAILED:
+                raise PhaseFailedError(
+                    f"rank {self.rank} failed iteration {iteration} {phase.label}: {error}",
+                    rank=self.rank, iteration=iteration, phase=int(phase), cause=error or "")
+            release_payload = self.barrier.wait_release(iteration, phase,
+                                                        deadline_s=deadline).payload
+        releases[int(phase)] = release_payload
+        polls = self.barrier.last_wait.polls if self.barrier.last_wait else 0
+        # Wall times let a benchmark on one machine compute release latency
+        # (last arrival to last release) across ranks.
+        return {"action_s": wait_started - action_started,
+                "wait_s": time.monotonic() - wait_started, "polls": float(polls),
+                "arrived_at": arrived_at, "released_at": time.time()}
+
+    # -- plan and act ------------------------------------------------------------
+    def _plan(self, iteration: int, phase: Phase,
+              releases: Mapping[int, Mapping[str, Any]]) -> StepAction:
+        collective = spec(phase).collective
+        run_flag = None
+        if collective:
+            where = self.run_dir / layout.release(iteration, max(int(phase) - 1, 0))
+            run_flag = RunFlags.of(releases.get(int(phase) - 1, {}), where).runs(phase)
+        return step_action(collective=collective,
+                           journal_done=self.journal.is_done(iteration, phase),
+                           run_flag=run_flag)
+
+    def _act(self, plan: StepAction, iteration: int, phase: Phase,
+             ctx: StepContext) -> tuple[ArrivalStatus, str | None, dict[str, Any]]:
+        if plan is StepAction.SKIP_DONE:
+            log.info("rank %d iteration %d %s: already done (journal), not redone", self.rank,
+                     iteration, phase.label)
+            return ArrivalStatus.OK, None, {}
+        if plan is StepAction.SKIP_COLLECTIVE:
+            log.info("rank %d iteration %d %s: every rank completed it before, not rerun",
+                     self.rank, iteration, phase.label)
+            return ArrivalStatus.OK, None, {}
+        log.debug("rank %d iteration %d %s: action", self.rank, iteration, phase.label)
+        try:
+            payload = dict(self.actions.run(phase, ctx))
+        except Cancelled:
+            self.runtime.check()
+            raise
+        except _STOPPING:
+            raise
+        except Exception as exc:
+            # The group is stopping (a peer was lost, a signal came): the
+            # action's error is a consequence, the recorded failure the cause.
+            self.runtime.check()
+            # A full or read-only shared filesystem fails this rank's writes
+            # and its heartbeat alike: say so, not a phase failure nobody can
+            # publish.
+            storage = storage_error(exc)
+            if storage is not None:
+                raise storage from exc
+            log.exception("rank %d iteration %d %s failed", self.rank, iteration, phase.label)
+            return ArrivalStatus.FAILED, f"{type(exc).__name__}: {exc}", {}
+        self.journal.mark_done(iteration, phase)
+        return ArrivalStatus.OK, None, payload
+
+    # -- the master's side of the barrier -----------------------------------------
+    def _release(self, iteration: int, phase: Phase, ctx: StepContext, arrival: Any,
+                 deadline: float) -> Mapping[str, Any]:
+        try:
+            if arrival.status is ArrivalStatus.FAILED:
+                raise PhaseFailedError(
+                    f"rank 0 (the master, host {self.host}) failed iteration {iteration} "
+                    f"{phase.label}: {arrival.error}",
+                    rank=0, iteration=iteration, phase=int(phase), cause=arrival.error or "")
+            arrivals = self.barrier.collect(iteration, phase, own=arrival, deadline_s=deadline)
+            payload = dict(self.actions.decide(phase, ctx, arrivals))
+            flags = collective_flags(self.phases, phase, arrivals)
+            if flags is not None:
+                payload["run"] = flags.run
+        except Exception as exc:
+            self._abort(iteration, phase, exc)
+            raise
+        return self.barrier.release(iteration, phase, payload).payload
+
+    def _abort(self, iteration: int, phase: Phase, exc: BaseException) -> None:
+        if isinstance(exc, Cancelled) and self.runtime.failure is not None:
+            exc = self.runtime.failure  # what cancelled the decision is the cause
+        abort = Abort(kind=abort_kind(exc), reason=str(exc), rank=getattr(exc, "rank", None),
+                      iteration=iteration, phase=int(phase))
+        try:
+            self.barrier.abort(iteration, phase, abort)
+        except Exception as err:  # shutdown path: the daemon exits with the cause anyway
+            log.error("could not publish the abort: %s", err)

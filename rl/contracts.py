@@ -1,0 +1,99 @@
+"""What the RL loop's releases carry, as typed records.
+
+A release's payload is a JSON object (docs/PROTOCOL.md, release).  The
+fields the loop puts there are declared here as frozen records, parsed and
+validated like every other record when a rank reads them back, so that a
+missing, mistyped or hostile value is refused with the release's path:
+
+    phase 0   PolicyChoice            the model this iteration samples from
+    phase 5   EvalDecision            whether this iteration evaluates
+    phase 6   EvalResult              the merged eval accuracy
+    phase 9   TrainRendezvous         the master's address and training port
+    phase 11  CheckpointAnnouncement  the checkpoint phase 12 serves
+
+(The collective `run` flags of phase 9 are the phase machine's:
+coordinator/decisions.py `RunFlags`.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from coordinator.actions import StepContext
+from coordinator.layout import release as release_key
+from coordinator.phases import Phase
+from coordinator.records import Record
+
+P = TypeVar("P", bound="Payload")
+
+# What a release names instead of a path for the run's initial model: that
+# model may live outside the run directory (model.path), and a release never
+# carries an absolute path (PROTOCOL.md, threat model).
+INITIAL_POLICY = "initial"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Payload(Record):
+    """A release's fields for one phase."""
+
+    PHASE: ClassVar[Phase]
+
+    def fields(self) -> dict[str, Any]:
+        """The payload entries, for a decision to return."""
+        return {k: v for k, v in self.to_json().items() if k not in ("schema", "version")}
+
+    @classmethod
+    def read(cls: type[P], ctx: StepContext) -> P:
+        """This phase's payload of the current iteration, as this rank received it."""
+        where = ctx.run_dir / release_key(ctx.iteration, int(cls.PHASE))
+        return cls.from_fields(dict(ctx.release(cls.PHASE)), Path(where))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicyChoice(Payload):
+    SCHEMA: ClassVar[str] = "rl/policy-choice"
+    PHASE: ClassVar[Phase] = Phase.SYNC
+    # "initial", or the newest checkpoint before this iteration, relative to the run directory
+    policy: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalDecision(Payload):
+    SCHEMA: ClassVar[str] = "rl/eval-decision"
+    PHASE: ClassVar[Phase] = Phase.EVAL_DECISION
+    eval: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalResult(Payload):
+    SCHEMA: ClassVar[str] = "rl/eval-result"
+    PHASE: ClassVar[Phase] = Phase.EVAL
+    eval_accuracy: float | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainRendezvous(Payload):
+    SCHEMA: ClassVar[str] = "rl/train-rendezvous"
+    PHASE: ClassVar[Phase] = Phase.READY_TO_TRAIN
+    master_addr: str
+    train_port: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.train_port < 65536:
+            raise ValueError(f"train_port {self.train_port} is outside 1..65535")
+        if not self.master_addr or any(c.isspace() for c in self.master_addr):
+            raise ValueError(f"master_addr {self.master_addr!r} is not an address")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointAnnouncement(Payload):
+    SCHEMA: ClassVar[str] = "rl/checkpoint-announcement"
+    PHASE: ClassVar[Phase] = Phase.PUBLISH_CHECKPOINT
+    checkpoint: str  # relative to the run directory
+
+
+def announced(ctx: StepContext, cls: type[P]) -> P | None:
+    """The payload if the phase's release carries it (a phase may have had no work)."""
+    return cls.read(ctx) if ctx.release(cls.PHASE) else None

@@ -1,0 +1,119 @@
+"""One inference engine per daemon, running on the policy it is told to serve.
+
+`ensure(ctx, model_dir)` makes the engine serve `model_dir`: a published
+checkpoint is first copied into the node-local cache and verified against its
+manifest (a tampered file is refused, naming it), then the engine is started
+on the local copy, or left alone if it already serves exactly that copy.
+The engine's process is registered with the daemon's runtime, so a lost
+peer or a failure kills it at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from coordinator.actions import StepContext
+from coordinator.errors import ActionError
+from coordinator.fsio import remove_tree
+from rl import layout
+from rl.config import RlSections
+from rollout.client import CompletionClient
+from rollout.engine import Engine, EngineState, make_engine
+
+log = logging.getLogger(__name__)
+
+
+class EngineHost:
+    def __init__(self, s: RlSections, *, rank: int, run_dir: Path) -> None:
+        self.s = s
+        self.rank = rank
+        self.run_dir = run_dir
+        self._engine: Engine | None = None
+        self._serving: Path | None = None
+        self._registered: int | None = None
+
+    def cache_root(self, run_id: str) -> Path:
+        if self.s.checkpoint.local_cache:
+            return Path(self.s.checkpoint.local_cache) / f"rank-{self.rank}"
+        return Path("/tmp/coordinator-cache") / run_id / f"rank-{self.rank}"
+
+    def local_copy(self, ctx: StepContext, model_dir: Path) -> Path:
+        """A verified node-local copy of a published checkpoint (or a user model in place)."""
+        from trainer.checkpoint import CheckpointError, copy_to_local_cache
+
+        if not (model_dir / "manifest.json").exists():
+            # A user's own model directory: served in place, there is no
+            # manifest to verify it against.
+            return model_dir
+        try:
+            return copy_to_local_cache(model_dir, self.cache_root(ctx.run_id))
+        except CheckpointError as exc:
+            raise ActionError(f"refusing checkpoint {model_dir}: {exc}") from exc
+
+    def ensure(self, ctx: StepContext, model_dir: Path) -> None:
+        local = self.local_copy(ctx, model_dir)
+        engine = self._engine
+        if engine is not None and engine.state is EngineState.READY and self._serving == local:
+            engine.check_alive()
+            return
+        if engine is not None and engine.state is EngineState.READY:
+            self.stop()
+        if self._engine is None:
+            self._engine = make_engine(
+                self.s.engine, log_dir=layout.logs(self.run_dir, self.rank),
+                port_file=layout.engine_port_file(self.run_dir, self.rank))
+        log.info("rank %d: starting the %s engine on %s", self.rank, self.s.engine.kind.value,
+                 local)
+        self._engine.start(local)
+        self._serving = local
+        self._prune_cache(local, self.cache_root(ctx.run_id))
+        if self._engine.pid is not None:
+            self._registered = self._engine.pid
+            ctx.add_child(self._engine.pid, f"{self.s.engine.kind.value} inference engine")
+        self._ctx = ctx
+
+    def _prune_cache(self, keep: Path, root: Path) -> None:
+        """Old local copies go once the engine serves a newer one: the cache holds one model.
+
+        Only copies inside our own cache root: a user's model served in place
+        lives elsewhere and is never touched.
+        """
+        if keep.parent != root or not root.is_dir():
+            return
+        for child in root.iterdir():
+            if child != keep and child.is_dir() and not child.name.startswith("."):
+                remove_tree(child)
+                log.info("rank %d: removed old cached model %s", self.rank, child)
+
+    def client(self) -> CompletionClient:
+        engine = self._engine
+        if engine is None or engine.state is not EngineState.READY:
+            raise ActionError("no inference engine is running: ensure() must come first")
+        r = self.s.rollout
+        return CompletionClient(
+            engine.base_url, engine.api_key, model=self.s.engine.served_model_name,
+            concurrency=r.concurrency, request_timeout_s=self.s.engine.request_timeout_s,
+            retries=r.request_retries, health_check=engine.check_alive,
+        )
+
+    def check_alive(self) -> None:
+        if self._engine is not None and self._engine.state is EngineState.READY:
+            self._engine.check_alive()
+
+    def stop(self) -> None:
+        """Stop the engine and wait until its accelerator memory is released."""
+        if self._engine is not None and self._engine.state is EngineState.READY:
+            self._engine.stop()
+        if self._registered is not None and getattr(self, "_ctx", None) is not None:
+            self._ctx.remove_child(self._registered)
+        self._registered = None
+        self._serving = None
+
+    def close(self) -> None:
+        if self._engine is not None:
+            try:
+                self._engine.close()
+            except Exception:  # shutdown path: log, never raise
+                log.exception("closing the engine failed")
+            self._engine = None

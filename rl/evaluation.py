@@ -1,0 +1,68 @@
+"""Phases 5 and 6: whether this iteration evaluates, and the eval rollout.
+
+    5   all      nothing to do: the master decides
+        decide   EvalDecision, from the schedule (coordinator/decisions.py should_eval)
+    6   all      roll out this rank's eval shard when phase 5 said so
+        decide   merge every rank's eval output into metrics/eval.json (EvalResult)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from coordinator import fsio
+from coordinator.actions import StepContext
+from coordinator.decisions import should_eval
+from coordinator.errors import ActionError
+from coordinator.records import Arrival
+from rl import layout
+from rl.aggregation import merge_inputs
+from rl.contracts import EvalDecision, EvalResult
+from rl.layout import Split
+from rl.loop import Loop
+from rl.rollouts import roll_out_shard
+
+log = logging.getLogger(__name__)
+
+
+def await_eval_decision(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 5 on every rank: no work; arriving says this rank is ready for the decision."""
+    return {}
+
+
+def decide_eval(loop: Loop, ctx: StepContext,
+                arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
+    """Phase 5's decision, from the run's schedule."""
+    run = loop.config.run
+    return EvalDecision(eval=should_eval(ctx.iteration, eval_interval=run.eval_interval,
+                                         eval_before_train=run.eval_before_train,
+                                         split=run.rollout_split)).fields()
+
+
+def roll_out_eval(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 6: this rank's eval shard, when phase 5 decided to evaluate."""
+    if not EvalDecision.read(ctx).eval:
+        return {}
+    return roll_out_shard(loop, ctx, Split.EVAL)
+
+
+def merge_eval(loop: Loop, ctx: StepContext,
+               arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
+    """Phase 6's decision: every rank's eval output checked and merged into metrics."""
+    from rollout.aggregate import AggregationError, merge_eval_metrics
+
+    if not EvalDecision.read(ctx).eval:
+        return {}
+    dirs, assignments = merge_inputs(loop, ctx.iteration, Split.EVAL)
+    try:
+        metrics = merge_eval_metrics(dirs, assignments, iteration=ctx.iteration,
+                                     group_size=loop.s.rollout.eval_group_size)
+    except AggregationError as exc:
+        raise ActionError(f"eval merge refused iteration {ctx.iteration}: {exc}") from exc
+    fsio.publish_bytes(layout.metrics(loop.run_dir, ctx.iteration, "eval"),
+                       metrics.to_json().encode())
+    log.info("iteration %d: eval accuracy %.3f over %d samples", ctx.iteration,
+             metrics.accuracy or 0.0, metrics.num_samples)
+    return EvalResult(eval_accuracy=metrics.accuracy).fields()

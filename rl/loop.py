@@ -1,0 +1,75 @@
+"""What one node's RL loop keeps between phases.
+
+`Loop` is handed to every phase function (rl/actions.py maps phases to
+them): the node's resolved sections, its rank, the run directory, its
+inference engine, the task index, and the training port held from phase 9
+to phase 10.  Nothing here does a phase's work.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from coordinator.actions import StepContext
+from coordinator.beneath import relative_inside
+from coordinator.config import RunConfig
+from coordinator.layout import release as release_key
+from coordinator.netaddr import Listener
+from coordinator.phases import RolloutSplit
+from rl import layout
+from rl.config import RlSections, parse_sections
+from rl.contracts import INITIAL_POLICY
+from rl.engine_host import EngineHost
+from rollout.tasks import Task, TaskSource, load_task_source
+
+log = logging.getLogger(__name__)
+
+
+class Loop:
+    def __init__(self, config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> None:
+        self.config = config
+        self.s: RlSections = parse_sections(config.sections)
+        self.rank = rank
+        self.num_nodes = num_nodes
+        self.run_dir = run_dir
+        self.engines = EngineHost(self.s, rank=rank, run_dir=run_dir)
+        self.listener: Listener | None = None  # master, phases 9-10: the training port
+        self._tasks: TaskSource | None = None
+        self._by_id: dict[str, dict[str, Task]] = {}
+
+    @property
+    def trains(self) -> bool:
+        """False with --rollout-split eval-only: no train rollout, no training."""
+        return self.config.run.rollout_split is not RolloutSplit.EVAL_ONLY
+
+    def tasks(self, split: layout.Split) -> dict[str, Task]:
+        """The split's tasks by id, loaded once per daemon."""
+        if self._tasks is None:
+            self._tasks = load_task_source(self.s.data.path, seed=self.s.data.seed)
+        if split.value not in self._by_id:
+            self._by_id[split.value] = {t.task_id: t for t in self._tasks.tasks(split.value)}
+        return self._by_id[split.value]
+
+    def initial_model(self) -> Path:
+        return Path(self.s.model.path) if self.s.model.path else layout.initial_model(self.run_dir)
+
+    def relative(self, path: Path) -> str:
+        return path.relative_to(self.run_dir).as_posix()
+
+    def model(self, ctx: StepContext, name: str, *, where_phase: int) -> Path:
+        """A model a release names: the initial model, or a directory checked to lie
+        inside the run directory (no '..', not absolute; symlinks refused when opened)."""
+        if name == INITIAL_POLICY:
+            return self.initial_model()
+        where = self.run_dir / release_key(ctx.iteration, where_phase)
+        return self.run_dir / relative_inside(name, what="the model it names", where=where)
+
+    def close_listener(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def close(self) -> None:
+        self.close_listener()
+        self.engines.close()

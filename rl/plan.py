@@ -1,0 +1,139 @@
+"""Phases 0 and 13: an iteration's plan, and the clean-up once it is complete.
+
+    0   master   build the demo model once (no --model given); pick each split's
+                 tasks for this iteration and publish the shard plans
+        decide   the policy this iteration samples from (PolicyChoice)
+    13  master   remove the previous iteration's rank files and the checkpoints
+                 beyond checkpoint.keep
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from coordinator import fsio
+from coordinator.actions import StepContext
+from coordinator.errors import ActionError
+from coordinator.records import Arrival
+from coordinator.store import read_document
+from rl import layout
+from rl.contracts import INITIAL_POLICY, PolicyChoice
+from rl.layout import Split
+from rl.loop import Loop
+from rollout.sharding import ShardPlan, throughput_weights
+
+log = logging.getLogger(__name__)
+
+
+def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 0 (master): the iteration's tasks of each split, shared among the ranks."""
+    if not ctx.is_master:
+        return {}
+    ensure_initial_model(loop)
+    weights = rank_weights(loop, ctx)
+    seed = loop.config.run.seed
+    sizes = {Split.TRAIN: loop.s.rollout.tasks_per_iteration, Split.EVAL: loop.s.rollout.eval_tasks}
+    for split in Split:
+        ids = list(loop.tasks(split))
+        if not ids:
+            if split is Split.TRAIN and loop.trains:
+                raise ActionError(f"the train split of {loop.s.data.path} has no tasks")
+            continue
+        if sizes[split] and sizes[split] < len(ids):
+            # The iteration's subset: deterministic from (seed, iteration); eval
+            # uses the same subset every time so accuracies compare.
+            salt = ctx.iteration if split is Split.TRAIN else 0
+            rng = random.Random(f"{seed}/{split.value}/{salt}")
+            ids = rng.sample(ids, sizes[split])
+        plan = ShardPlan.build(ids, weights, seed=seed, iteration=ctx.iteration)
+        fsio.publish_bytes(layout.shard_plan(loop.run_dir, ctx.iteration, split),
+                           plan.to_json().encode())
+    return {"weights": weights}
+
+
+def choose_policy(loop: Loop, ctx: StepContext,
+                  arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
+    """Phase 0's decision: the newest published checkpoint before this iteration."""
+    from trainer.checkpoint import CheckpointError, read_manifest
+
+    for k in range(ctx.iteration - 1, -1, -1):
+        try:
+            read_manifest(layout.checkpoint(loop.run_dir, k))
+        except (CheckpointError, OSError):
+            continue
+        return PolicyChoice(policy=loop.relative(layout.checkpoint(loop.run_dir, k))).fields()
+    return PolicyChoice(policy=INITIAL_POLICY).fields()
+
+
+def shard_plan(loop: Loop, iteration: int, split: Split) -> ShardPlan:
+    """The master's plan of a split, read back by any rank."""
+    path = layout.shard_plan(loop.run_dir, iteration, split)
+    plan = read_document(path, lambda raw, where: ShardPlan.from_json(raw, source=str(where)))
+    if plan is None:
+        raise ActionError(f"the master's shard plan {path} is missing: run `coordinator "
+                          f"recover --iteration {iteration}` and restart every node")
+    return plan
+
+
+def ensure_initial_model(loop: Loop) -> None:
+    """Build the demo model once when no --model was given."""
+    if loop.s.model.path:
+        if not (loop.initial_model() / "config.json").exists():
+            raise ActionError(f"model.path {loop.s.model.path} has no config.json: give a "
+                              "local Hugging Face model directory")
+        return
+    target = loop.initial_model()
+    if (target / "manifest.json").exists():
+        return
+    log.info("building the tiny demo model in %s (warm start: %d steps)", target,
+             loop.s.model.warmstart_steps)
+    from trainer.warmstart import build_initial_model  # torch: only when needed
+
+    report = build_initial_model(target, seed=loop.s.model.init_seed,
+                                 warmstart_steps=loop.s.model.warmstart_steps)
+    log.info("tiny model ready: %s", report)
+
+
+def rank_weights(loop: Loop, ctx: StepContext) -> list[float]:
+    """The run's weights; with 'auto', from the previous iteration's throughput."""
+    if ctx.weights != "auto":
+        return list(ctx.weights)
+    if ctx.iteration == 0:
+        return throughput_weights({}, loop.num_nodes)
+    previous = layout.metrics(loop.run_dir, ctx.iteration - 1, "rollout")
+    speeds: dict[int, float] = {}
+    try:
+        data = read_document(previous, lambda raw, _path: json.loads(raw))
+        if not isinstance(data, dict):
+            raise ValueError(f"{previous} is not a metrics object")
+        speeds = {int(r): float(v) for r, v in data.get("samples_per_second", {}).items()}
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("rank weights 'auto': no throughput from %s (%s); equal weights",
+                    previous, exc)
+    return throughput_weights(speeds, loop.num_nodes)
+
+
+def prune(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 13 (master): the previous iteration's rank files (unless
+    rollout.keep_rank_files) and checkpoints beyond checkpoint.keep."""
+    if not ctx.is_master:
+        return {}
+    if ctx.iteration > 0 and not loop.s.rollout.keep_rank_files:
+        for split in Split:
+            fsio.remove_tree(layout.split_dir(loop.run_dir, ctx.iteration - 1, split))
+    keep = loop.s.checkpoint.keep
+    for k in range(ctx.iteration - keep, -1, -1):
+        path = layout.checkpoint(loop.run_dir, k)
+        if not fsio.remove_tree(path):
+            break  # older ones were pruned before
+        log.info("pruned %s (checkpoint.keep=%d)", path, keep)
+    root = layout.checkpoints(loop.run_dir)
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith(".superseded-"):
+                fsio.remove_tree(child)
+    return {}
