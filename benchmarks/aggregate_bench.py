@@ -44,8 +44,9 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from rollout.aggregate import aggregate_iteration  # noqa: E402
+from rollout.chunk_format import FinishReason, TrajectorySample  # noqa: E402
 from rollout.train_batch import load_train_batch  # noqa: E402
-from rollout.trajectory import FinishReason, RankCheckpointWriter, TrajectorySample  # noqa: E402
+from rollout.trajectory import RankCheckpointWriter  # noqa: E402
 
 MIB: Final = 1 << 20
 BLOCK: Final = 16 * MIB  # raw I/O block: large enough to reach the device's streaming speed

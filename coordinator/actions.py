@@ -30,6 +30,7 @@ from coordinator.errors import UsageError
 from coordinator.phases import Phase
 from coordinator.records import Arrival
 from coordinator.runtime import Runtime
+from coordinator.weights import Weights
 
 
 @dataclass(kw_only=True)
@@ -43,7 +44,7 @@ class StepContext:
     run_dir: Path
     run_id: str
     config: RunConfig
-    weights: tuple[float, ...] | str
+    weights: Weights
     host: str
     address: str
     runtime: Runtime

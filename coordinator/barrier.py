@@ -97,15 +97,20 @@ class Barrier:
     # -- every rank -------------------------------------------------------
     def arrive(
         self, iteration: int, phase: int, *, status: ArrivalStatus, error: str | None,
-        done: tuple[int, ...], payload: Mapping[str, Any],
+        done: tuple[int, ...], payload: Mapping[str, Any], awaits_verdict: bool = False,
     ) -> Arrival:
+        """Publish this rank's arrival; a failed one also marks the heartbeat FAILED,
+        unless the rank `awaits_verdict` (a collective step, whose failure the
+        master attributes before anyone stops: coordinator/stepper.py)."""
         record = Arrival(
             run_id=self.m.run_id, generation=self.m.generation, session=self.m.session,
             rank=self.m.rank, token=self.m.token, iteration=iteration, phase=phase,
             status=status, error=error, done=done, payload=dict(payload),
         )
         publish_record(self.store, layout.arrival(iteration, phase, self.m.rank), record)
-        state = NodeState.WAITING if status is ArrivalStatus.OK else NodeState.FAILED
+        state = NodeState.WAITING
+        if status is ArrivalStatus.FAILED:
+            state = NodeState.STEP_FAILED if awaits_verdict else NodeState.FAILED
         changes = {"arrived": (iteration, phase), "state": state, "error": error}
         if self.m.is_master and status is ArrivalStatus.OK:
             self.heartbeat.set(**changes)  # nobody polls for the master's arrival
@@ -243,11 +248,15 @@ class Barrier:
             deadline_s=deadline_s, backoff=backoff,
             progress_interval_s=self.progress_interval_s, describe=describe, clock=self.clock,
             wake=self.waker.event if self.waker else None, check=self.runtime.check,
-            on_progress=lambda t: self.heartbeat.update(waiting_for=t), logger=log,
+            on_progress=self._report_progress, logger=log,
         )
         self.last_wait = wait
         with fsio.STATS.tagged("poll"):
             return wait.until(probe)
+
+    def _report_progress(self, text: str) -> None:
+        """What a long wait waits for goes into the heartbeat, for `status`."""
+        self.heartbeat.update(waiting_for=text)
 
     def _announced(self, hb: Heartbeat | None, rank: int, field: str, at: tuple[int, int]) -> bool:
         if hb is None or hb.token != self.m.members[rank]:

@@ -52,104 +52,125 @@ def decoder(hint: Any) -> Decoder:
     """
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        args = typing.get_args(hint)
-        nullable = type(None) in args
-        options = [decoder(arg) for arg in args if arg is not type(None)]
-
-        def union(value: Any, name: str, path: Path) -> Any:
-            if value is None and nullable:
-                return None
-            errors = []
-            for option in options:
-                try:
-                    return option(value, name, path)
-                except MalformedRecordError as exc:
-                    errors.append(exc.problem)
-            raise MalformedRecordError(path, "; ".join(errors))
-
-        return union
+        return _union(hint)
     if hint is Any:
         return lambda value, name, path: value
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        members = {m.value: m for m in hint}
-        allowed = ", ".join(repr(v) for v in members)
-
-        def member(value: Any, name: str, path: Path) -> Any:
-            try:
-                return members[value]
-            except (KeyError, TypeError):
-                raise MalformedRecordError(
-                    path, f"field {name!r} is {value!r}, expected one of {allowed}"
-                ) from None
-
-        return member
+        return _member(hint)
     if isinstance(hint, type) and _is_record(hint):
-        def nested(value: Any, name: str, path: Path) -> Any:
-            if not isinstance(value, dict):
-                raise MalformedRecordError(path, f"field {name!r} must be an object")
-            return hint.from_fields(value, path)
-
-        return nested
+        return _nested(hint)
     if origin is tuple:
-        args = typing.get_args(hint)
-        if len(args) == 2 and args[1] is Ellipsis:
-            item = decoder(args[0])
+        return _tuple(hint)
+    if origin is dict or hint is dict:
+        return _mapping(hint)
+    if hint in _SCALARS:
+        return _SCALARS[hint]
+    raise TypeError(f"records.py cannot decode type {hint!r}")
 
-            def sequence(value: Any, name: str, path: Path) -> Any:
-                if not isinstance(value, list):
-                    raise MalformedRecordError(path, f"field {name!r} must be a list, got {value!r}")
-                return tuple(item(v, name, path) for v in value)
 
-            return sequence
-        items = [decoder(a) for a in args]
+def _union(hint: Any) -> Decoder:
+    args = typing.get_args(hint)
+    nullable = type(None) in args
+    options = [decoder(arg) for arg in args if arg is not type(None)]
 
-        def fixed(value: Any, name: str, path: Path) -> Any:
+    def union(value: Any, name: str, path: Path) -> Any:
+        if value is None and nullable:
+            return None
+        errors = []
+        for option in options:
+            try:
+                return option(value, name, path)
+            except MalformedRecordError as exc:
+                errors.append(exc.problem)
+        raise MalformedRecordError(path, "; ".join(errors))
+
+    return union
+
+
+def _member(hint: type[enum.Enum]) -> Decoder:
+    members = {m.value: m for m in hint}
+    allowed = ", ".join(repr(v) for v in members)
+
+    def member(value: Any, name: str, path: Path) -> Any:
+        try:
+            return members[value]
+        except (KeyError, TypeError):
+            raise MalformedRecordError(
+                path, f"field {name!r} is {value!r}, expected one of {allowed}"
+            ) from None
+
+    return member
+
+
+def _nested(hint: Any) -> Decoder:
+    def nested(value: Any, name: str, path: Path) -> Any:
+        if not isinstance(value, dict):
+            raise MalformedRecordError(path, f"field {name!r} must be an object")
+        return hint.from_fields(value, path)
+
+    return nested
+
+
+def _tuple(hint: Any) -> Decoder:
+    args = typing.get_args(hint)
+    if len(args) == 2 and args[1] is Ellipsis:
+        item = decoder(args[0])
+
+        def sequence(value: Any, name: str, path: Path) -> Any:
             if not isinstance(value, list):
                 raise MalformedRecordError(path, f"field {name!r} must be a list, got {value!r}")
-            if len(value) != len(items):
-                raise MalformedRecordError(path, f"field {name!r} must have {len(items)} items")
-            return tuple(d(v, name, path) for v, d in zip(value, items, strict=True))
+            return tuple(item(v, name, path) for v in value)
 
-        return fixed
-    if origin is dict or hint is dict:
-        args = typing.get_args(hint)
-        entry = decoder(args[1]) if args else None
+        return sequence
+    items = [decoder(a) for a in args]
 
-        def mapping(value: Any, name: str, path: Path) -> Any:
-            if not isinstance(value, dict):
-                raise MalformedRecordError(path, f"field {name!r} must be an object")
-            if entry is None:
-                return dict(value)
-            return {str(k): entry(v, name, path) for k, v in value.items()}
+    def fixed(value: Any, name: str, path: Path) -> Any:
+        if not isinstance(value, list):
+            raise MalformedRecordError(path, f"field {name!r} must be a list, got {value!r}")
+        if len(value) != len(items):
+            raise MalformedRecordError(path, f"field {name!r} must have {len(items)} items")
+        return tuple(d(v, name, path) for v, d in zip(value, items, strict=True))
 
-        return mapping
-    if hint is bool:
-        def boolean(value: Any, name: str, path: Path) -> Any:
-            if not isinstance(value, bool):
-                raise MalformedRecordError(path, f"field {name!r} must be true or false")
-            return value
+    return fixed
 
-        return boolean
-    if hint is int:
-        def integer(value: Any, name: str, path: Path) -> Any:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise MalformedRecordError(path, f"field {name!r} must be an integer, got {value!r}")
-            return value
 
-        return integer
-    if hint is float:
-        def number(value: Any, name: str, path: Path) -> Any:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or not math.isfinite(value):
-                raise MalformedRecordError(path, f"field {name!r} must be a finite number")
-            return float(value)
+def _mapping(hint: Any) -> Decoder:
+    args = typing.get_args(hint)
+    entry = decoder(args[1]) if args else None
 
-        return number
-    if hint is str:
-        def string(value: Any, name: str, path: Path) -> Any:
-            if not isinstance(value, str):
-                raise MalformedRecordError(path, f"field {name!r} must be a string, got {value!r}")
-            return value
+    def mapping(value: Any, name: str, path: Path) -> Any:
+        if not isinstance(value, dict):
+            raise MalformedRecordError(path, f"field {name!r} must be an object")
+        if entry is None:
+            return dict(value)
+        return {str(k): entry(v, name, path) for k, v in value.items()}
 
-        return string
-    raise TypeError(f"records.py cannot decode type {hint!r}")
+    return mapping
+
+
+def _boolean(value: Any, name: str, path: Path) -> Any:
+    if not isinstance(value, bool):
+        raise MalformedRecordError(path, f"field {name!r} must be true or false")
+    return value
+
+
+def _integer(value: Any, name: str, path: Path) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MalformedRecordError(path, f"field {name!r} must be an integer, got {value!r}")
+    return value
+
+
+def _number(value: Any, name: str, path: Path) -> Any:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value):
+        raise MalformedRecordError(path, f"field {name!r} must be a finite number")
+    return float(value)
+
+
+def _string(value: Any, name: str, path: Path) -> Any:
+    if not isinstance(value, str):
+        raise MalformedRecordError(path, f"field {name!r} must be a string, got {value!r}")
+    return value
+
+
+_SCALARS: dict[Any, Decoder] = {bool: _boolean, int: _integer, float: _number, str: _string}

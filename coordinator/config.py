@@ -294,7 +294,7 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             except UsageError as exc:
                 last = exc
         raise last or UsageError(f"{name}={value!r} has the wrong type")
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_mapping(hint, value, name)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         try:
@@ -325,6 +325,6 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise UsageError(f"{name}={value!r} must be a list")
-        args = typing.get_args(hint)
-        return tuple(_coerce(v, args[0], name) for v in value)
+        item = typing.get_args(hint)[0]
+        return tuple(_coerce(v, item, name) for v in value)
     return value

@@ -2,10 +2,13 @@
 
     start ─► resolve run (master: run.json) ─► claim rank ─► heartbeat
           ─► join (workers: find the master; master: wait for all, publish session)
-          ─► for each iteration, for each phase:
+          ─► for each iteration, for each phase (coordinator/stepper.py):
                  action (skipped if the journal says done) ─► journal
                  ─► arrive ─► master: collect, decide, release | worker: wait release
           ─► finished (claim removed, heartbeat says finished)
+
+The decisions along the way are pure functions (coordinator/decisions.py);
+this module owns the daemon's lifecycle and its threads.
 
     wait                        | waits for                     | released by
     ----------------------------+-------------------------------+---------------------------
@@ -211,7 +214,8 @@ class Daemon:
             self.waker = Waker(local=fs_type in LOCAL_FILESYSTEMS)
             # A wait that polls only at the ceiling must still stop at once
             # when a peer is lost or a signal arrives.
-            self.runtime.on_fail(lambda _error, event=self.waker.event: event.set())
+            wake = self.waker.event
+            self.runtime.on_fail(lambda _error: wake.set())
             log.info("file-change wake-ups: %s on %s (%s): %s", self.waker.backend.value,
                      self.plan.log_path, fs_type or "unknown filesystem",
                      "polls are a safety net at the ceiling" if self.waker.local
@@ -261,8 +265,11 @@ class Daemon:
         assert self.heartbeat is not None
         self.session = session
         members = {int(r): t for r, t in session.members.items()}
-        tracker = PeerTracker(lease_s=self.coord.lease_s, run_id=self.manifest.run_id,
-                              generation=self.manifest.generation)
+        tracker = PeerTracker(
+            lease_s=self.coord.lease_s, run_id=self.manifest.run_id,
+            generation=self.manifest.generation,
+            attribute_s=self.coord.lease_s + self.coord.heartbeat_interval_s
+            if self.is_master else None)
         watched = [r for r in members if r != self.rank] if self.is_master else [0]
         now = self.clock.now()
         for r in watched:
@@ -295,7 +302,8 @@ class Daemon:
             rank=self.rank, host=self.host, run_dir=self.plan.log_path, actions=self.actions,
             barrier=self.barrier, heartbeat=self.heartbeat, runtime=self.runtime,
             journal=self.journal, timeouts=self.coord.phase_timeouts_s, phases=self.phases,
-            context=self._context,
+            context=self._context, monitor=self.monitor, lease_s=self.coord.lease_s,
+            beat_s=self.coord.heartbeat_interval_s,
         )
         for iteration in range(self.session.start_iteration, self.session.end_iteration):
             releases: dict[int, Mapping[str, Any]] = {}
@@ -320,7 +328,7 @@ class Daemon:
         return StepContext(
             rank=self.rank, num_nodes=self.manifest.num_nodes, iteration=iteration, phase=phase,
             run_dir=self.plan.log_path, run_id=self.manifest.run_id, config=self.config,
-            weights=self.manifest.weights, host=self.host, address=self.address,
+            weights=self.manifest.rank_weights, host=self.host, address=self.address,
             runtime=self.runtime, releases=releases,
         )
 

@@ -159,11 +159,17 @@ def rank_failed(rank: int, host: str, iteration: int, phase: int,
 class PeerTracker:
     """Lease bookkeeping for the peers a daemon needs; pure given `now`."""
 
-    def __init__(self, *, lease_s: float, run_id: str, generation: int) -> None:
+    def __init__(self, *, lease_s: float, run_id: str, generation: int,
+                 attribute_s: float | None = None) -> None:
         self.lease_s = lease_s
         self.run_id = run_id
         self.generation = generation
         self.peers: dict[int, PeerView] = {}
+        # Master: how long a peer's failed collective step waits for the others to
+        # prove alive (or one to be lost) before it is blamed; None on workers,
+        # who wait for the master's verdict instead.
+        self.attribute_s = attribute_s
+        self.blame_since: float | None = None
 
     def expect(self, rank: int, *, token: str, host: str, now: float) -> None:
         self.peers[rank] = PeerView(rank=rank, token=token, host=host, changed_at=now)
@@ -218,6 +224,31 @@ class PeerTracker:
             )
         return None
 
+    def first_verdict(self, now: float) -> PeerLostError | PhaseFailedError | None:
+        """The verdict to act on: a lost, left, failed or restarted peer first; then
+        a peer whose collective step failed, once every other peer has beaten since
+        it was seen (or the attribution time is over): a peer that died took the
+        collective step down on the survivors, and it is the one to name."""
+        for rank in self.peers:
+            verdict = self.verdict(rank, now)
+            if verdict is not None:
+                return verdict
+        failing = [v for v in self.peers.values() if v.last is not None
+                   and v.last.token == v.token and v.last.state is NodeState.STEP_FAILED]
+        if not failing or self.attribute_s is None:
+            self.blame_since = None
+            return None
+        if self.blame_since is None:
+            self.blame_since = now
+            return None
+        everyone_beat = all(v.changed_at > self.blame_since for v in self.peers.values())
+        if everyone_beat or now - self.blame_since > self.attribute_s:
+            first = failing[0]
+            hb = first.last
+            assert hb is not None
+            return rank_failed(first.rank, first.host, hb.iteration, hb.phase, hb.error)
+        return None
+
     def master_abort(self, rank: int) -> Abort | None:
         hb = self.peers[rank].last
         return hb.abort if hb is not None and hb.token == self.peers[rank].token else None
@@ -265,6 +296,11 @@ class Monitor:
         with self._lock:
             self.tracker.observe(rank, hb, self.clock())
 
+    def all_beat_since(self, since: float) -> bool:
+        """Whether every watched peer's heartbeat advanced after `since` (this clock)."""
+        with self._lock:
+            return all(view.changed_at > since for view in self.tracker.peers.values())
+
     def sweep(self, ranks: Mapping[int, Any] | None = None) -> None:
         for rank in list(ranks or self.tracker.peers):
             hb = read_record(self.store, layout.heartbeat(rank), Heartbeat, retry_s=self.retry_s)
@@ -279,11 +315,9 @@ class Monitor:
                 if abort is not None:
                     self.runtime.fail(abort_error(abort))
                     return
-            for rank in self.tracker.peers:
-                verdict = self.tracker.verdict(rank, now)
-                if verdict is not None:
-                    self.runtime.fail(verdict)
-                    return
+            verdict = self.tracker.first_verdict(now)
+            if verdict is not None:
+                self.runtime.fail(verdict)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

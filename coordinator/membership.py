@@ -24,11 +24,10 @@ import psutil
 from coordinator import layout, netaddr
 from coordinator.errors import FencedError, PeerLostError, RankHeldError
 from coordinator.polling import Backoff, Clock, Wait
-from coordinator.records import Claim, Heartbeat, Manifest, NodeState, Session
+from coordinator.records import LIVE_STATES, Claim, Heartbeat, Manifest, Session
 from coordinator.store import Store, publish_record, read_record
 
 log = logging.getLogger(__name__)
-LIVE_STATES = (NodeState.STARTING, NodeState.RUNNING, NodeState.WAITING)
 
 
 def hostname() -> str:

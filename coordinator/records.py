@@ -20,6 +20,8 @@ from typing import Any, ClassVar, Final, TypeVar
 
 from coordinator import codec
 from coordinator.errors import ExitCode, MalformedRecordError
+from coordinator.weights import Weights
+from coordinator.weights import check as check_weights
 
 VERSION: Final = 1
 RUN_ID: Final = re.compile(r"[0-9a-f]{8,64}")
@@ -33,15 +35,25 @@ class NodeState(str, enum.Enum):
     """A daemon's lifecycle, as its heartbeat reports it.
 
     starting -> running <-> waiting -> finished
+                   |-> step-failed -> (the master's verdict) -> failed | left
                    \\-> failed | left   (from any state)
+
+    step-failed: this rank's action failed in a collective phase; it lives on
+    and waits for the master to decide whether a lost peer caused it.
     """
 
     STARTING = "starting"
     RUNNING = "running"
     WAITING = "waiting"
+    STEP_FAILED = "step-failed"
     FINISHED = "finished"
     LEFT = "left"
     FAILED = "failed"
+
+
+# A daemon in one of these states is running (its heartbeat should advance).
+LIVE_STATES: Final = (NodeState.STARTING, NodeState.RUNNING, NodeState.WAITING,
+                      NodeState.STEP_FAILED)
 
 
 class AbortKind(str, enum.Enum):
@@ -103,7 +115,7 @@ class Record:
                 path, f"version {obj.get('version')!r} is not supported (this build reads {VERSION})"
             )
         values = {}
-        for name, decode in _fields(cls):
+        for name, decode in _fields(cls):  # type: ignore[arg-type]  # classes hash
             if name not in obj:
                 raise MalformedRecordError(path, f"field {name!r} is missing")
             values[name] = decode(obj[name], name, path)
@@ -191,14 +203,17 @@ class Manifest(Record):
     config_hash: str
     created: float
 
+    @property
+    def rank_weights(self) -> Weights:
+        return "auto" if isinstance(self.weights, str) else self.weights
+
     def __post_init__(self) -> None:
         check_run_id(self.run_id)  # the only run id that becomes a path (archive/<run_id>)
         check_generation(self.generation)
         if not 1 <= self.num_nodes <= MAX_RANKS:
             raise ValueError(f"num_nodes {self.num_nodes} is outside 1..{MAX_RANKS}")
-        if isinstance(self.weights, tuple) and (
-                len(self.weights) != self.num_nodes or any(w < 0 for w in self.weights)):
-            raise ValueError(f"weights {list(self.weights)} must be {self.num_nodes} numbers >= 0")
+        if isinstance(self.weights, tuple):
+            check_weights(self.weights, num_nodes=self.num_nodes)
         if isinstance(self.weights, str) and self.weights != "auto":
             raise ValueError(f"weights {self.weights!r} must be a list of numbers or 'auto'")
 

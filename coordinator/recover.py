@@ -18,6 +18,7 @@ from pathlib import Path
 
 from coordinator import fsio, layout
 from coordinator.actions import kind, resolve_config
+from coordinator.config import RunConfig
 from coordinator.errors import UsageError
 from coordinator.phases import Phase
 from coordinator.records import MAX_ITERATIONS, Heartbeat, Journal, Manifest
@@ -61,6 +62,7 @@ def _furthest_iteration(store: FsStore, manifest: Manifest, limit: int) -> int:
 
 
 def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None) -> RecoveryPlan:
+    """What recovering `iteration` removes and keeps; raises before anything is removed."""
     if not 0 <= iteration < MAX_ITERATIONS:
         raise UsageError(
             f"--iteration {iteration} is outside 0..{MAX_ITERATIONS - 1}: give the iteration "
@@ -71,8 +73,31 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None)
     if manifest is None:
         raise UsageError(f"--log-path {log_path} holds no run (no run.json): nothing to recover")
     config = resolve_config(manifest.config)
-    if window_s is None:
-        window_s = config.coordination.heartbeat_interval_s + 1.0
+    furthest = _furthest_iteration(store, manifest, config.run.iterations)
+    if iteration > max(furthest, 0):
+        raise UsageError(
+            f"--iteration {iteration} was never reached by run {manifest.run_id} (it got as far as "
+            f"iteration {furthest}): give an iteration between 0 and {max(furthest, 0)}"
+        )
+    live = _live_daemons(log_path, config.coordination.heartbeat_interval_s + 1.0
+                         if window_s is None else window_s)
+    if live and not force:
+        raise UsageError(
+            f"refusing to recover while daemons still heartbeat: {', '.join(live)}; stop them "
+            "first (they exit by themselves within the lease once a peer is lost), or pass "
+            "--force to fence them off"
+        )
+    remove = _protocol_records(store, log_path, iteration, manifest.num_nodes)
+    outputs, kept = _unfinished_outputs(store, log_path, config, manifest, iteration,
+                                        max(furthest, iteration))
+    return RecoveryPlan(log_path=log_path, iteration=iteration,
+                        generation=manifest.generation + 1,
+                        remove=tuple(dict.fromkeys(remove + outputs)), kept_outputs=kept,
+                        live=live)
+
+
+def _live_daemons(log_path: Path, window_s: float) -> tuple[str, ...]:
+    """Ranks whose heartbeat counter advanced over `window_s` on this host's clock."""
     if not 0 < window_s <= 600:
         # Liveness is only ever judged from heartbeat counters seen advancing
         # on this host's clock; without a window there is nothing to see, and
@@ -80,24 +105,17 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None)
         raise UsageError(
             f"--window {window_s:g} must be above 0 (and at most 600) seconds: recover watches "
             "every heartbeat for that long to see which daemons still run, e.g. --window 3")
-    furthest = _furthest_iteration(store, manifest, config.run.iterations)
-    if iteration > max(furthest, 0):
-        raise UsageError(
-            f"--iteration {iteration} was never reached by run {manifest.run_id} (it got as far as "
-            f"iteration {furthest}): give an iteration between 0 and {max(furthest, 0)}"
-        )
     report = collect(log_path, window_s=window_s)
     if report.problems:
         raise report.problems[0]
-    live = tuple(f"rank {r.rank} (pid {r.pid} on {r.host}, {r.state.value})" for r in report.live())
-    if live and not force:
-        raise UsageError(
-            f"refusing to recover while daemons still heartbeat: {', '.join(live)}; stop them "
-            "first (they exit by themselves within the lease once a peer is lost), or pass "
-            "--force to fence them off"
-        )
+    return tuple(f"rank {r.rank} (pid {r.pid} on {r.host}, {r.state.value})"
+                 for r in report.live())
+
+
+def _protocol_records(store: FsStore, root: Path, iteration: int,
+                      num_nodes: int) -> list[Path]:
+    """Arrivals and releases from `iteration` on, the session, claims, temporary files."""
     remove: list[Path] = []
-    root = log_path
     for name in store.listdir(layout.ITERATIONS):
         if not _ITERATION_DIR.match(name) or int(name) < iteration:
             continue
@@ -110,7 +128,7 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None)
                     remove.append(it_dir / phase_name / record)
     if layout.SESSION in store.listdir("."):
         remove.append(root / layout.SESSION)
-    for rank in range(manifest.num_nodes):
+    for rank in range(num_nodes):
         for name in store.listdir(layout.rank_dir(rank)):
             if name == "claim.json" or name.startswith("claim.stale-"):
                 remove.append(root / layout.rank_dir(rank) / name)
@@ -121,6 +139,13 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None)
             continue
         remove.extend(Path(dirpath) / f for f in files
                       if f.startswith(".") and f.endswith(fsio.TMP_SUFFIX))
+    return remove
+
+
+def _unfinished_outputs(store: FsStore, log_path: Path, config: RunConfig, manifest: Manifest,
+                        first: int, last: int) -> tuple[list[Path], int]:
+    """Outputs of actions no journal marks complete (to remove), and how many are kept."""
+    remove: list[Path] = []
     kept = 0
     for rank in range(manifest.num_nodes):
         actions = kind(config.run.actions).build(config, rank=rank, num_nodes=manifest.num_nodes,
@@ -128,7 +153,7 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None)
         journal = read_record(store, layout.journal(rank), Journal, retry_s=1.0)
         if journal is not None and journal.run_id != manifest.run_id:
             journal = None
-        for it in range(iteration, max(furthest, iteration) + 1):
+        for it in range(first, last + 1):
             for phase in Phase:
                 outputs = [p for p in actions.partial_outputs(it, phase, rank)
                            if os.path.lexists(p)]
@@ -137,9 +162,7 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None)
                 else:
                     remove.extend(outputs)
         actions.close()
-    return RecoveryPlan(log_path=log_path, iteration=iteration,
-                        generation=manifest.generation + 1, remove=tuple(dict.fromkeys(remove)),
-                        kept_outputs=kept, live=live)
+    return remove, kept
 
 
 def apply(recovery: RecoveryPlan) -> None:

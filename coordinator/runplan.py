@@ -37,6 +37,7 @@ from coordinator.polling import Backoff
 from coordinator.records import Manifest
 from coordinator.status import collect
 from coordinator.store import FsStore, read_record
+from coordinator.weights import Weights
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class RunRequest:
     log_path: Path
     rank: int
     num_nodes: int | None
-    weights: tuple[float, ...] | str | None
+    weights: Weights | None
     config_file: Path | None
     overrides: Mapping[str, Any]
     new_run: bool = False
@@ -65,12 +66,8 @@ def make_plan(req: RunRequest) -> RunPlan:
 def _plan_master(req: RunRequest) -> RunPlan:
     config = resolve_config(_raw_config(req))
     num_nodes = req.num_nodes or 1
+    # The CLI checked the weights against the node count (rl/cli_args.py).
     weights = req.weights if req.weights is not None else tuple(1.0 for _ in range(num_nodes))
-    if isinstance(weights, tuple) and len(weights) != num_nodes:
-        raise UsageError(
-            f"--rank-weights has {len(weights)} values but --num-nodes is {num_nodes}: give one "
-            f"weight per node, e.g. {','.join('1' for _ in range(num_nodes))}"
-        )
     store = FsStore(req.log_path)
     existing = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if existing is not None and req.new_run:
@@ -114,7 +111,7 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "
 
 
 def _resume(existing: Manifest, config: RunConfig, num_nodes: int,
-            weights: tuple[float, ...] | str, req: RunRequest) -> tuple[Manifest, Manifest | None]:
+            weights: Weights, req: RunRequest) -> tuple[Manifest, Manifest | None]:
     """The run to resume, and the run.json to republish once rank 0 is ours (or None)."""
     changes = []
     if existing.num_nodes != num_nodes:

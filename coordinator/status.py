@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Any, Final
 from coordinator import layout
 from coordinator.errors import MalformedRecordError
 from coordinator.liveness import describe_phase
-from coordinator.records import Claim, Heartbeat, Manifest, NodeState, Release, Session
+from coordinator.records import (
+    LIVE_STATES,
+    Claim,
+    Heartbeat,
+    Manifest,
+    NodeState,
+    Release,
+    Session,
+)
 from coordinator.store import FsStore, Store, read_record
 
 if TYPE_CHECKING:
@@ -31,12 +39,16 @@ if TYPE_CHECKING:
 class RankState(str, enum.Enum):
     RUNNING = "running"
     WAITING = "waiting"
+    STEP_FAILED = "step-failed"
     STARTING = "starting"
     LOST = "lost"
     LEFT = "left"
     FAILED = "failed"
     FINISHED = "finished"
     ABSENT = "absent"
+
+
+_LIVE: Final = tuple(RankState(s.value) for s in LIVE_STATES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,8 +78,7 @@ class StatusReport:
 
     def live(self) -> list[RankView]:
         return [r for r in self.ranks if r.advancing or (
-            r.advancing is None and r.state in (RankState.RUNNING, RankState.WAITING,
-                                                RankState.STARTING))]
+            r.advancing is None and r.state in _LIVE)]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -131,7 +142,7 @@ def collect(log_path: Path, *, window_s: float = 0.0, lease_s: float | None = No
                 hb.counter != before.counter
         age = max(0.0, now - hb.wall_time)
         state = RankState(hb.state.value)
-        live = state in (RankState.RUNNING, RankState.WAITING, RankState.STARTING)
+        live = state in _LIVE
         if live and (advancing is False or (advancing is None and age > lease)):
             state = RankState.LOST
         views.append(RankView(

@@ -7,6 +7,13 @@
            decisions.judge_arrivals, then actions.decide + the collective flags
     apply  the release payload joins this iteration's releases
 
+A collective step (training) fails on every node when one node dies: torchrun
+on the survivors loses its peer.  So a failure there is not reported at once:
+the failing worker waits for the master's verdict, and the master first
+gives every peer's heartbeat the time to prove it alive (at most one lease).
+If a peer is lost meanwhile, the abort names that peer (exit 3 everywhere),
+not the survivors whose training broke because of it.
+
 Every decision is a pure function of coordinator/decisions.py; this module
 does the calls and the I/O around them.
 """
@@ -42,7 +49,7 @@ from coordinator.errors import (
     storage_error,
 )
 from coordinator.journal import JournalBook
-from coordinator.liveness import HeartbeatPublisher
+from coordinator.liveness import HeartbeatPublisher, Monitor
 from coordinator.phases import Phase, spec
 from coordinator.records import Abort, ArrivalStatus, NodeState
 from coordinator.runtime import Runtime
@@ -60,6 +67,7 @@ class PhaseStepper:
         heartbeat: HeartbeatPublisher, runtime: Runtime, journal: JournalBook,
         timeouts: PhaseTimeouts, phases: Sequence[Phase],
         context: Callable[[int, Phase, dict[int, Mapping[str, Any]]], StepContext],
+        monitor: Monitor, lease_s: float, beat_s: float,
     ) -> None:
         self.rank = rank
         self.is_master = rank == 0
@@ -73,6 +81,8 @@ class PhaseStepper:
         self.timeouts = timeouts
         self.phases = tuple(phases)
         self.context = context
+        self.monitor = monitor
+        self.lease_s, self.beat_s = lease_s, beat_s
 
     def step(self, iteration: int, phase: Phase,
              releases: dict[int, Mapping[str, Any]]) -> dict[str, float]:
@@ -89,14 +99,16 @@ class PhaseStepper:
         action_started = time.monotonic()
         status, error, payload = self._act(plan, iteration, phase, ctx)
         wait_started = time.monotonic()
+        collective = spec(phase).collective
         arrival = self.barrier.arrive(iteration, phase, status=status, error=error,
-                                      done=self.journal.done_phases(iteration), payload=payload)
+                                      done=self.journal.done_phases(iteration), payload=payload,
+                                      awaits_verdict=collective)
         arrived_at = time.time()
         deadline = self.timeouts.of(spec(phase).timeout)
         if self.is_master:
             release_payload = self._release(iteration, phase, ctx, arrival, deadline)
         else:
-            if status is ArrivalStatus.FAILED:
+            if status is ArrivalStatus.FAILED and not collective:
                 raise PhaseFailedError(
                     f"rank {self.rank} failed iteration {iteration} {phase.label}: {error}",
                     rank=self.rank, iteration=iteration, phase=int(phase), cause=error or "")
@@ -170,9 +182,30 @@ class PhaseStepper:
             if flags is not None:
                 payload["run"] = flags.run
         except Exception as exc:
-            self._abort(iteration, phase, exc)
-            raise
+            cause = self._attribute(phase, exc)
+            self._abort(iteration, phase, cause)
+            if cause is exc:
+                raise
+            raise cause from exc
         return self.barrier.release(iteration, phase, payload).payload
+
+    def _attribute(self, phase: Phase, failure: BaseException) -> BaseException:
+        """The cause to report for a failure: in a collective phase, a peer lost within
+        one lease is the cause, not the failed step it took down with it."""
+        if not spec(phase).collective or not isinstance(failure, PhaseFailedError):
+            return failure
+        started = self.monitor.clock()
+        deadline = started + self.lease_s + self.beat_s
+        log.info("a collective step failed (%s); checking every peer's heartbeat before "
+                 "blaming it (at most %.1f s)", failure, deadline - started)
+        while self.monitor.clock() < deadline:
+            if isinstance(self.runtime.failure, PeerLostError):
+                return self.runtime.failure
+            if self.monitor.all_beat_since(started):
+                return failure  # every peer lives: the step itself failed
+            self.runtime.cancel.wait(0.05)
+        return self.runtime.failure if isinstance(self.runtime.failure, PeerLostError) \
+            else failure
 
     def _abort(self, iteration: int, phase: Phase, exc: BaseException) -> None:
         if isinstance(exc, Cancelled) and self.runtime.failure is not None:

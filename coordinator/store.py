@@ -1,10 +1,10 @@
 """Storage behind a small interface: publish a record, read a record.
 
 `FsStore` is the shared-filesystem backend every daemon uses; `MemoryStore`
-implements the same interface in memory so that barrier and membership logic
-can be unit-tested without files or clocks.  `read_record` adds the rules of
-docs/PROTOCOL.md on top: retry torn, stale or unreadable files within a
-deadline, then report the file as malformed with its path.
+implements the same interface in memory for unit tests of the record layer.
+`read_record` and `read_document` add the rules of docs/PROTOCOL.md on top:
+retry torn, stale or unreadable files within a deadline, then report the
+file as malformed with its path.
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ def _sha256_mapped(fd: int) -> str | None:
 
 
 def _read_all(fd: int, limit: int) -> bytes:
-    chunks, total = [], 0
+    chunks: list[bytes] = []
+    total = 0
     while True:
         chunk = os.read(fd, min(_BLOCK, limit + 1 - total))
         if not chunk:

@@ -231,7 +231,7 @@ class _Watchdog:
     """watchdog's native observer, one non-recursive watch per directory."""
 
     def __init__(self, on_renamed) -> None:  # type: ignore[no-untyped-def]
-        from watchdog.events import FileMovedEvent, FileSystemEventHandler
+        from watchdog.events import FileMovedEvent, FileSystemEvent, FileSystemEventHandler
         from watchdog.observers import Observer
 
         class _Handler(FileSystemEventHandler):
@@ -239,7 +239,7 @@ class _Watchdog:
                 on_renamed([os.fsdecode(event.dest_path)])
 
         self._handler = _Handler()
-        self._moved = [FileMovedEvent]
+        self._moved: list[type[FileSystemEvent]] = [FileMovedEvent]
         self._observer = Observer()
         self._observer.daemon = True
         self._observer.start()

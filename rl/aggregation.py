@@ -27,14 +27,15 @@ def merge_inputs(loop: Loop, iteration: int,
                  split: Split) -> tuple[dict[int, Path], dict[int, Sequence[str]]]:
     """Every rank's output directory and the task ids the plan assigned to it."""
     plan = shard_plan(loop, iteration, split)
-    assignments = {r: plan.tasks_for(r) for r in range(loop.num_nodes)}
+    assignments: dict[int, Sequence[str]] = {r: plan.tasks_for(r) for r in range(loop.num_nodes)}
     dirs = {r: layout.rank_dir(loop.run_dir, iteration, split, r) for r in range(loop.num_nodes)}
     return dirs, assignments
 
 
 def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 4 (master): the training batch and the rollout metrics."""
-    from rollout.aggregate import AggregationError, aggregate_iteration
+    from rollout.aggregate import aggregate_iteration
+    from rollout.errors import AggregationError
 
     if not ctx.is_master or not loop.trains:
         return {}

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -27,6 +27,7 @@ from rl.cli_args import (
     resolve_rank,
     set_dotted,
 )
+from rl.layout import INITIAL_MODEL
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Drive a multi-node LLM RL loop through a shared filesystem.")
@@ -65,6 +66,17 @@ def setup_logging(verbose: bool, rank: int | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def flag_overrides(items: list[str], given: dict[str, Any]) -> dict[str, Any]:
+    """Config overrides from --set items, then from the named flags (which win)."""
+    overrides = parse_set(items)
+    for flag, key in FLAG_KEYS.items():
+        value = given[flag]
+        if value is not None:
+            set_dotted(overrides, key, str(value) if isinstance(value, Path) else value,
+                       given=f"--{flag.replace('_', '-')}")
+    return overrides
+
+
 def report(exc: CoordinatorError) -> typer.Exit:
     """Print an expected failure with its fix and turn it into its exit code."""
     if isinstance(exc, UsageError):
@@ -77,6 +89,8 @@ def report(exc: CoordinatorError) -> typer.Exit:
     return typer.Exit(int(exc.exit_code))
 
 
+# The options are declared in the signature, as typer wants them (30 lines);
+# the body validates them and starts the daemon.
 @app.command()
 def run(
     log_path: Annotated[str | None, typer.Option(help="Run directory on the shared filesystem.")] = None,
@@ -126,19 +140,13 @@ def run(
                 f"one weight per node, e.g. {','.join('1' for _ in range(num_nodes))}")
         if rank == 0 and weights is not None and num_nodes is None and isinstance(weights, tuple):
             num_nodes = check_num_nodes(len(weights))
-        overrides = parse_set(set_)
-        given = {
+        overrides = flag_overrides(set_, {
             "iterations": iterations, "eval_interval": eval_interval,
             "eval_before_train": eval_before_train, "rollout_split": rollout_split,
             "rl_phase": rl_phase, "actions": actions, "seed": seed, "lease": lease,
             "heartbeat_interval": heartbeat_interval, "model": model, "data_path": data_path,
             "engine": engine, "local_cache": local_cache, "keep_checkpoints": keep_checkpoints,
-        }
-        for flag, key in FLAG_KEYS.items():
-            value = given[flag]
-            if value is not None:
-                set_dotted(overrides, key, str(value) if isinstance(value, Path) else value,
-                           given=f"--{flag.replace('_', '-')}")
+        })
         # Checked before anything is written: a wrong address must not leave a
         # run.json behind that workers would then wait on.
         address = netaddr.choose_address(node_ip=node_ip, ifname=ifname)
@@ -235,8 +243,8 @@ def demo(
     """Run the whole loop on simulated nodes of this machine with the tiny local model."""
     import time as _time
 
-    from coordinator import demo as demo_mod
-    from trainer.warmstart import build_initial_model as build
+    from rl import demo as demo_mod
+    from rl.plan import build_demo_model
 
     setup_logging(False)
     if nodes < 1:
@@ -245,10 +253,10 @@ def demo(
         raise fail_usage(f"--iterations {iterations} is below 1")
     path = (log_path or Path("runs") / f"demo-{_time.strftime('%Y%m%d-%H%M%S')}").absolute()
     path.mkdir(parents=True, exist_ok=True)
-    model = path / "model-init"
+    model = path / INITIAL_MODEL
     if not (model / "manifest.json").exists():
         typer.echo(f"building the tiny model in {model} (random init + short warm start)...")
-        report = build(model, seed=0, warmstart_steps=65)
+        report = build_demo_model(model, seed=0, warmstart_steps=65)
         typer.echo(f"  done: {report}")
     extra_args = [a for item in extra for a in ("--set", item)]
     typer.echo(f"starting {nodes} nodes; run directory {path}")

@@ -8,7 +8,6 @@ that into exit code 2.  Nothing here touches the run directory except
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -16,9 +15,10 @@ from typing import Any
 
 import typer
 
-from coordinator import fsio
+from coordinator import fsio, weights
 from coordinator.errors import ExitCode, UsageError
 from coordinator.records import MAX_RANKS
+from coordinator.weights import Weights
 
 RANK_ENV_VARS = ("RANK", "NODE_RANK", "SLURM_PROCID")
 
@@ -28,32 +28,13 @@ def fail_usage(message: str) -> typer.Exit:
     return typer.Exit(int(ExitCode.USAGE))
 
 
-def parse_weights(text: str | None) -> tuple[float, ...] | str | None:
+def parse_weights(text: str | None) -> Weights | None:
     if text is None:
         return None
-    if text.strip() == "auto":
-        return "auto"
-    parts = [p.strip() for p in text.split(",")]
-    weights = []
-    for part in parts:
-        try:
-            value = float(part)
-        except ValueError:
-            raise UsageError(
-                f"--rank-weights {text!r}: {part!r} is not a number; give comma-separated "
-                "numbers, one per node, e.g. 2,1,1, or 'auto'"
-            ) from None
-        if not math.isfinite(value) or value < 0:
-            raise UsageError(
-                f"--rank-weights {text!r}: weight {part} is negative or not finite; weights are "
-                "shares of the work, so use numbers >= 0, e.g. 2,1,1"
-            )
-        weights.append(value)
-    if sum(weights) <= 0:
-        raise UsageError(
-            f"--rank-weights {text!r} sum to zero: at least one node must get work, e.g. 1,1,1"
-        )
-    return tuple(weights)
+    try:
+        return weights.parse(text)
+    except ValueError as exc:
+        raise UsageError(f"--rank-weights {text!r}: {exc}") from None
 
 
 def check_num_nodes(num_nodes: int | None) -> int | None:

@@ -22,6 +22,7 @@ from typing import Any, Final
 from coordinator.config import from_mapping, to_plain
 from coordinator.errors import UsageError
 from rollout.engine import EngineConfig
+from trainer.config import ConfigError, TrainConfig
 
 SECTIONS: Final = ("model", "data", "rollout", "engine", "train", "torchrun", "checkpoint")
 
@@ -113,7 +114,9 @@ class TorchrunSection:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSection:
-    local_cache: str = ""  # "" means /tmp/coordinator-cache/<run id>/rank-<R>
+    # Node-local; the run's checkpoints go to <local_cache>/<run id>/, shared by the
+    # daemons of one node under a node-local lock ("" means /tmp/coordinator-cache).
+    local_cache: str = ""
     keep: int = 2  # published checkpoints kept (the initial model is never removed)
 
     def __post_init__(self) -> None:
@@ -130,7 +133,7 @@ class RlSections:
     data: DataSection
     rollout: RolloutSection
     engine: EngineConfig
-    train: Any  # trainer.config.TrainConfig (imported lazily: it pulls in torch)
+    train: TrainConfig
     torchrun: TorchrunSection
     checkpoint: CheckpointSection
 
@@ -142,8 +145,6 @@ def parse_sections(raw: Mapping[str, Any]) -> RlSections:
             f"config section [{unknown[0]}] is unknown to run.actions='rl': known sections are "
             f"[run], [coordination], {', '.join(f'[{s}]' for s in SECTIONS)}"
         )
-    from trainer.config import ConfigError, TrainConfig
-
     try:
         train = TrainConfig.from_dict(dict(raw.get("train", {})))
     except ConfigError as exc:

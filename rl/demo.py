@@ -21,7 +21,9 @@ from typing import Any
 
 from coordinator import layout
 from coordinator.liveness import describe_phase
+from coordinator.status import plain
 from coordinator.store import read_document
+from rl import layout as rl_layout
 
 DEMO_CONFIG = """\
 # Written by `coordinator demo`; every key not listed takes its default.
@@ -67,10 +69,9 @@ def iteration_rows(log_path: Path, iterations: int, num_nodes: int) -> list[dict
     """Reward, eval accuracy and per-phase seconds (slowest rank) per iteration."""
     rows = []
     for it in range(iterations):
-        base = log_path / layout.iteration_dir(it)
-        rollout = _read_json(base / "metrics" / "rollout.json") or {}
-        evaluation = _read_json(base / "metrics" / "eval.json") or {}
-        train = _read_json(base / "metrics" / "train.json") or {}
+        rollout = _read_json(rl_layout.metrics(log_path, it, "rollout")) or {}
+        evaluation = _read_json(rl_layout.metrics(log_path, it, "eval")) or {}
+        train = _read_json(rl_layout.metrics(log_path, it, "train")) or {}
         phase_s: dict[int, float] = {}
         for rank in range(num_nodes):
             t = _read_json(log_path / layout.timings(it, rank)) or {}
@@ -169,7 +170,6 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
              model: Path, extra_args: list[str]) -> DemoResult:
     from rich.console import Console
     from rich.live import Live
-    from rich.text import Text
 
     log_path.mkdir(parents=True, exist_ok=True)
     config = log_path / "demo-config.toml"
@@ -197,7 +197,7 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
                     lines.append(f"last train reward: {done[-1]['reward_mean']:.3f} "
                                  f"(iteration {done[-1]['iteration']})")
                 lines.append(f"elapsed {time.monotonic() - started:.0f} s; logs in {logs}")
-                live.update(Text("\n".join(lines)))
+                live.update(plain("\n".join(lines)))  # heartbeat text is not markup
                 time.sleep(0.5)
     except KeyboardInterrupt:
         for p in procs.values():

@@ -18,10 +18,13 @@ from coordinator.errors import ActionError
 from coordinator.fsio import remove_tree
 from rl import layout
 from rl.config import RlSections
+from rl.locks import node_lock
 from rollout.client import CompletionClient
 from rollout.engine import Engine, EngineState, make_engine
 
 log = logging.getLogger(__name__)
+# A checkpoint copy on one node takes seconds to minutes; an hour means stuck.
+CACHE_LOCK_TIMEOUT_S = 3600.0
 
 
 class EngineHost:
@@ -34,9 +37,9 @@ class EngineHost:
         self._registered: int | None = None
 
     def cache_root(self, run_id: str) -> Path:
-        if self.s.checkpoint.local_cache:
-            return Path(self.s.checkpoint.local_cache) / f"rank-{self.rank}"
-        return Path("/tmp/coordinator-cache") / run_id / f"rank-{self.rank}"
+        """This node's cache of the run's checkpoints, shared by its daemons."""
+        base = Path(self.s.checkpoint.local_cache or "/tmp/coordinator-cache")
+        return base / run_id
 
     def local_copy(self, ctx: StepContext, model_dir: Path) -> Path:
         """A verified node-local copy of a published checkpoint (or a user model in place)."""
@@ -46,10 +49,13 @@ class EngineHost:
             # A user's own model directory: served in place, there is no
             # manifest to verify it against.
             return model_dir
-        try:
-            return copy_to_local_cache(model_dir, self.cache_root(ctx.run_id))
-        except CheckpointError as exc:
-            raise ActionError(f"refusing checkpoint {model_dir}: {exc}") from exc
+        root = self.cache_root(ctx.run_id)
+        # Daemons of this node share the cache: one copies, the others reuse.
+        with node_lock(root, timeout_s=CACHE_LOCK_TIMEOUT_S, what="copying a checkpoint"):
+            try:
+                return copy_to_local_cache(model_dir, root)
+            except CheckpointError as exc:
+                raise ActionError(f"refusing checkpoint {model_dir}: {exc}") from exc
 
     def ensure(self, ctx: StepContext, model_dir: Path) -> None:
         local = self.local_copy(ctx, model_dir)
@@ -76,15 +82,17 @@ class EngineHost:
     def _prune_cache(self, keep: Path, root: Path) -> None:
         """Old local copies go once the engine serves a newer one: the cache holds one model.
 
-        Only copies inside our own cache root: a user's model served in place
-        lives elsewhere and is never touched.
+        Only copies inside the cache root: a user's model served in place lives
+        elsewhere and is never touched.  The node's daemons move to a new policy
+        together (phase 12), and the lock keeps a copy being made from going.
         """
         if keep.parent != root or not root.is_dir():
             return
-        for child in root.iterdir():
-            if child != keep and child.is_dir() and not child.name.startswith("."):
-                remove_tree(child)
-                log.info("rank %d: removed old cached model %s", self.rank, child)
+        with node_lock(root, timeout_s=CACHE_LOCK_TIMEOUT_S, what="copying a checkpoint"):
+            for child in root.iterdir():
+                if child != keep and child.is_dir() and not child.name.startswith("."):
+                    remove_tree(child)
+                    log.info("rank %d: removed old cached model %s", self.rank, child)
 
     def client(self) -> CompletionClient:
         engine = self._engine

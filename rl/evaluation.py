@@ -51,7 +51,8 @@ def roll_out_eval(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
 def merge_eval(loop: Loop, ctx: StepContext,
                arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
     """Phase 6's decision: every rank's eval output checked and merged into metrics."""
-    from rollout.aggregate import AggregationError, merge_eval_metrics
+    from rollout.aggregate import merge_eval_metrics
+    from rollout.errors import AggregationError
 
     if not EvalDecision.read(ctx).eval:
         return {}

@@ -13,6 +13,7 @@ import json
 import logging
 import random
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from coordinator import fsio
@@ -23,10 +24,13 @@ from coordinator.store import read_document
 from rl import layout
 from rl.contracts import INITIAL_POLICY, PolicyChoice
 from rl.layout import Split
+from rl.locks import node_lock
 from rl.loop import Loop
 from rollout.sharding import ShardPlan, throughput_weights
 
 log = logging.getLogger(__name__)
+# The demo model builds in seconds on a CPU; ten minutes means a stuck builder.
+DEMO_MODEL_LOCK_TIMEOUT_S = 600.0
 
 
 def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
@@ -51,7 +55,7 @@ def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
             ids = rng.sample(ids, sizes[split])
         plan = ShardPlan.build(ids, weights, seed=seed, iteration=ctx.iteration)
         fsio.publish_bytes(layout.shard_plan(loop.run_dir, ctx.iteration, split),
-                           plan.to_json().encode())
+                           plan.to_bytes())
     return {"weights": weights}
 
 
@@ -72,7 +76,7 @@ def choose_policy(loop: Loop, ctx: StepContext,
 def shard_plan(loop: Loop, iteration: int, split: Split) -> ShardPlan:
     """The master's plan of a split, read back by any rank."""
     path = layout.shard_plan(loop.run_dir, iteration, split)
-    plan = read_document(path, lambda raw, where: ShardPlan.from_json(raw, source=str(where)))
+    plan = read_document(path, lambda raw, where: ShardPlan.from_bytes(raw, where))
     if plan is None:
         raise ActionError(f"the master's shard plan {path} is missing: run `coordinator "
                           f"recover --iteration {iteration}` and restart every node")
@@ -86,16 +90,23 @@ def ensure_initial_model(loop: Loop) -> None:
             raise ActionError(f"model.path {loop.s.model.path} has no config.json: give a "
                               "local Hugging Face model directory")
         return
-    target = loop.initial_model()
-    if (target / "manifest.json").exists():
-        return
-    log.info("building the tiny demo model in %s (warm start: %d steps)", target,
-             loop.s.model.warmstart_steps)
-    from trainer.warmstart import build_initial_model  # torch: only when needed
+    build_demo_model(loop.initial_model(), seed=loop.s.model.init_seed,
+                     warmstart_steps=loop.s.model.warmstart_steps)
 
-    report = build_initial_model(target, seed=loop.s.model.init_seed,
-                                 warmstart_steps=loop.s.model.warmstart_steps)
-    log.info("tiny model ready: %s", report)
+
+def build_demo_model(target: Path, *, seed: int, warmstart_steps: int) -> dict[str, Any]:
+    """The tiny demo model at `target`, built once: processes of this node that ask
+    for it at the same time wait for the first one and reuse its model."""
+    with node_lock(target, timeout_s=DEMO_MODEL_LOCK_TIMEOUT_S, what="building the demo model"):
+        if (target / "manifest.json").exists():
+            return {}
+        log.info("building the tiny demo model in %s (warm start: %d steps)", target,
+                 warmstart_steps)
+        from trainer.warmstart import build_initial_model  # torch: only when needed
+
+        report = build_initial_model(target, seed=seed, warmstart_steps=warmstart_steps)
+        log.info("tiny model ready: %s", report)
+        return report
 
 
 def rank_weights(loop: Loop, ctx: StepContext) -> list[float]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,11 @@ from rl.contracts import PolicyChoice
 from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
+from rollout.chunk_format import FinishReason, TrajectorySample
 from rollout.client import GroupResult
 from rollout.rewards import default_reward_for, get_reward
 from rollout.tasks import Task
-from rollout.trajectory import FinishReason, RankCheckpointWriter, TrajectorySample
+from rollout.trajectory import RankCheckpointWriter
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,8 @@ def _samples(task: Task, group: GroupResult, group_size: int,
             response_token_ids=list(sample.token_ids),
             response_logprobs=list(sample.logprobs), response_text=sample.text,
             reward=float(reward(sample.text, task.ground_truth)),
-            finish_reason=sample.finish_reason if sample.finish_reason in ("stop", "length")
-            else FinishReason.STOP,
+            finish_reason=FinishReason(sample.finish_reason)
+            if sample.finish_reason in ("stop", "length") else FinishReason.STOP,
         ))
     return out
 
@@ -114,66 +115,75 @@ def group_seed(run_seed: int, iteration: int, split: Split, task_id: str) -> int
 def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, Any]:
     """Generate, reward and checkpoint this rank's shard of `split` in this iteration."""
     s = loop.s
+    tasks = _assigned_tasks(loop, ctx, split)
+    group_size = s.rollout.group_size if split is Split.TRAIN else s.rollout.eval_group_size
+    writer = RankCheckpointWriter(layout.rank_dir(loop.run_dir, ctx.iteration, split, loop.rank),
+                                  ctx.rank, s.rollout.checkpoint_every_groups,
+                                  iteration=ctx.iteration)
+    done = writer.load_completed_task_ids()
+    todo = [t for t in tasks if t.task_id not in done]
+    if done:
+        log.info("rank %d %s rollout: %d of %d tasks already saved, %d to go", ctx.rank,
+                 split.value, len(done & {t.task_id for t in tasks}), len(tasks), len(todo))
+    started = time.monotonic()
+    failed: list[str] = []
+    generated = _generate(loop, ctx, split, tasks, todo, writer, group_size, failed) if todo \
+        else 0
+    manifest = writer.finalize()
+    if tasks and len(failed) > s.rollout.max_failed_fraction * len(tasks):
+        raise ActionError(
+            f"{len(failed)} of {len(tasks)} {split.value} groups failed on rank {ctx.rank} "
+            f"(limit rollout.max_failed_fraction={s.rollout.max_failed_fraction}); first: "
+            f"{failed[0]}")
+    elapsed = time.monotonic() - started
+    return {"tasks": len(tasks), "samples": manifest.num_samples, "failed_groups": len(failed),
+            "samples_per_second": generated / elapsed if generated and elapsed > 0 else None}
+
+
+def _assigned_tasks(loop: Loop, ctx: StepContext, split: Split) -> list[Task]:
     assigned = list(shard_plan(loop, ctx.iteration, split).tasks_for(loop.rank))
     index = loop.tasks(split)
     unknown = [t for t in assigned if t not in index]
     if unknown:
-        raise ActionError(f"the shard plan names tasks unknown to {s.data.path}: "
+        raise ActionError(f"the shard plan names tasks unknown to {loop.s.data.path}: "
                           f"{unknown[:5]} ({len(unknown)} in all)")
-    tasks = [index[t] for t in assigned]
-    policy = loop.model(ctx, PolicyChoice.read(ctx).policy, where_phase=0)
-    group_size = s.rollout.group_size if split is Split.TRAIN else s.rollout.eval_group_size
-    out_dir = layout.rank_dir(loop.run_dir, ctx.iteration, split, loop.rank)
-    run_seed = loop.config.run.seed
-    engines = loop.engines
+    return [index[t] for t in assigned]
+
+
+def _generate(loop: Loop, ctx: StepContext, split: Split, tasks: Sequence[Task],
+              todo: Sequence[Task], writer: RankCheckpointWriter, group_size: int,
+              failed: list[str]) -> int:
+    """Generate the groups still to do, K at a time, each batch checkpointed; the
+    number of samples generated.  Failed groups are recorded (and listed in `failed`)."""
+    s = loop.s
     k = s.rollout.checkpoint_every_groups
-    writer = RankCheckpointWriter(out_dir, ctx.rank, k, iteration=ctx.iteration)
-    done = writer.load_completed_task_ids()
-    todo = [t for t in tasks if t.task_id not in done]
     temperature = s.rollout.temperature if split is Split.TRAIN else s.rollout.eval_temperature
+    policy = loop.model(ctx, PolicyChoice.read(ctx).policy, where_phase=0)
+    loop.engines.ensure(ctx, policy)
+    client = loop.engines.client()
+    local = loop.engines.local_copy(ctx, policy)
     rewards: dict[str, Callable[[str, str], float]] = {}
-    failed = 0
-    first_error = ""
-    started = time.monotonic()
-    last_report = started
+    started = last_report = time.monotonic()
     generated = 0
-    if done:
-        log.info("rank %d %s rollout: %d of %d tasks already saved, %d to go", ctx.rank,
-                 split.value,
-                 len(done & {t.task_id for t in tasks}), len(tasks), len(todo))
-    if todo:
-        engines.ensure(ctx, policy)
-        client = engines.client()
-        local = engines.local_copy(ctx, policy)
-        for start in range(0, len(todo), k):
-            ctx.check_cancel()
-            engines.check_alive()
-            batch = todo[start:start + k]
-            prompts = [RENDERER.render(t, local) for t in batch]
-            results = client.generate_groups(
-                prompts, n=group_size, max_tokens=s.rollout.max_tokens,
-                temperature=temperature, top_p=s.rollout.top_p,
-                seed=group_seed(run_seed, ctx.iteration, split, batch[0].task_id))
-            for task, group in zip(batch, results, strict=True):
-                name = s.data.reward or default_reward_for(task.data_source)
-                reward = rewards.setdefault(name, get_reward(name))
-                if not group.ok:
-                    failed += 1
-                    first_error = first_error or f"{task.task_id}: {group.error}"
-                writer.add_group(_samples(task, group, group_size, reward))
-            generated += len(batch) * group_size
-            now = time.monotonic()
-            if now - last_report >= s.rollout.progress_interval_s or start + k >= len(todo):
-                log.info("rank %d %s rollout: %d/%d tasks, %.1f samples/s", ctx.rank,
-                         split.value,
-                         len(tasks) - len(todo) + min(start + k, len(todo)), len(tasks),
-                         generated / max(now - started, 1e-9))
-                last_report = now
-    manifest = writer.finalize()
-    if tasks and failed > s.rollout.max_failed_fraction * len(tasks):
-        raise ActionError(
-            f"{failed} of {len(tasks)} {split.value} groups failed on rank {ctx.rank} (limit "
-            f"rollout.max_failed_fraction={s.rollout.max_failed_fraction}); first: {first_error}")
-    elapsed = time.monotonic() - started
-    return {"tasks": len(tasks), "samples": manifest.num_samples, "failed_groups": failed,
-            "samples_per_second": generated / elapsed if generated and elapsed > 0 else None}
+    for start in range(0, len(todo), k):
+        ctx.check_cancel()
+        loop.engines.check_alive()
+        batch = todo[start:start + k]
+        results = client.generate_groups(
+            [RENDERER.render(t, local) for t in batch], n=group_size,
+            max_tokens=s.rollout.max_tokens, temperature=temperature, top_p=s.rollout.top_p,
+            seed=group_seed(loop.config.run.seed, ctx.iteration, split, batch[0].task_id))
+        for task, group in zip(batch, results, strict=True):
+            name = s.data.reward or default_reward_for(task.data_source)
+            reward = rewards.setdefault(name, get_reward(name))
+            if not group.ok:
+                failed.append(f"{task.task_id}: {group.error}")
+            writer.add_group(_samples(task, group, group_size, reward))
+        generated += len(batch) * group_size
+        now = time.monotonic()
+        if now - last_report >= s.rollout.progress_interval_s or start + k >= len(todo):
+            log.info("rank %d %s rollout: %d/%d tasks, %.1f samples/s", ctx.rank, split.value,
+                     len(tasks) - len(todo) + min(start + k, len(todo)), len(tasks),
+                     generated / max(now - started, 1e-9))
+            last_report = now
+    return generated

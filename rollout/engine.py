@@ -16,7 +16,6 @@ the other's module, and importing this one loads neither torch nor vllm.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -46,7 +45,6 @@ __all__ = [
     "EngineStateError",
     "GpuNotReleased",
     "ServerEngine",
-    "default_python",
     "make_engine",
 ]
 
@@ -68,10 +66,6 @@ class Engine(Protocol):
     def stop(self) -> None: ...
     def close(self) -> None: ...
     def check_alive(self) -> None: ...
-
-
-def default_python() -> str:
-    return sys.executable
 
 
 def make_engine(cfg: EngineConfig, *, log_dir: Path, port_file: Path | None = None) -> Engine:

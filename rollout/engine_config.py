@@ -167,6 +167,12 @@ class EngineConfig:
                     f"tensor_parallel_size={self.tensor_parallel_size} needs that many GPUs but "
                     f"cuda_visible_devices={self.cuda_visible_devices!r} shows {len(ids)}"
                 )
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in self.env))
+        self._check_local()
+
+    def _check_local(self) -> None:
+        """The hf engine's device and sizes, the timeouts, the log tail."""
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device={self.device!r} is not cpu, cuda or cuda:N")
         if self.log_tail_lines < 1:
@@ -189,8 +195,6 @@ class EngineConfig:
             raise ValueError(
                 f"ready_poll_s={self.ready_poll_s} must be below ready_timeout_s={self.ready_timeout_s}"
             )
-        object.__setattr__(self, "extra_args", tuple(self.extra_args))
-        object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in self.env))
 
     @property
     def connect_host(self) -> str:

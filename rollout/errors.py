@@ -4,6 +4,10 @@ Every error names the offending value, the rule it broke and the fix, and
 carries the facts (path, rank, row) as attributes so callers can act on them
 without parsing messages.  Subclasses also derive from the built-in that fits,
 so `except ValueError` keeps working for callers that predate this package.
+
+A file on disk that does not match its schema (rank manifest, shard plan,
+chunk, training batch) is reported with coordinator's MalformedRecordError,
+the one type every daemon already maps to the CORRUPT exit code.
 """
 
 from __future__ import annotations
@@ -47,14 +51,6 @@ class UnknownRewardError(RolloutError, LookupError):
 
 class ShardingError(RolloutError, ValueError):
     """Weights or task ids cannot be split into a valid shard plan."""
-
-
-class MalformedRecordError(RolloutError, ValueError):
-    """A JSON record or torch file on disk does not match its schema."""
-
-    def __init__(self, message: str, *, path: Path | None = None) -> None:
-        super().__init__(message)
-        self.path = path
 
 
 class CheckpointError(RolloutError):

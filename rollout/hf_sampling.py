@@ -26,7 +26,7 @@ bind at once and import the slow runtime afterwards.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -40,6 +40,18 @@ DTYPES: Final = {
     "bfloat16": "bfloat16",
 }
 
+
+
+@dataclass
+class _Row:
+    """One row of a batch being sampled: what it generated and why it ended."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    finish: str | None = None
+    stop_reason: Any = None
+    text: str | None = None  # cut at a stop string; None: decode the tokens
 
 class BadRequest(ValueError):
     """The request is invalid; the message goes back to the client with a 400."""
@@ -232,23 +244,11 @@ class Generator:
     def _sample(
         self, prompts: list[list[int]], req: CompletionRequest, gen: Any
     ) -> list[dict[str, Any]]:
+        """Decode `req.max_tokens` steps for every row at once, with the KV cache."""
         torch = self.torch
-        rows = len(prompts)
-        width = max(len(p) for p in prompts)
-        # Left padding: every row's next token is at the last column.
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[r, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = self._left_pad(prompts)
         k = req.logprobs or 0
-        toks: list[list[int]] = [[] for _ in range(rows)]
-        lps: list[list[float]] = [[] for _ in range(rows)]
-        tops: list[list[tuple[list[int], list[float]]]] = [[] for _ in range(rows)]
-        finish: list[str | None] = [None] * rows
-        stop_reason: list[Any] = [None] * rows
-        texts: list[str | None] = [None] * rows
+        rows = [_Row() for _ in prompts]
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids.to(self.device),
@@ -263,28 +263,17 @@ class Generator:
                 chosen = logp.gather(1, nxt[:, None])[:, 0]
                 # k = 0 still returns (empty) tensors: one code path for both.
                 top_v, top_i = logp.topk(k, dim=-1)
-                for r in range(rows):
-                    if finish[r] is not None:
-                        continue
-                    t = int(nxt[r])
-                    toks[r].append(t)
-                    lps[r].append(float(chosen[r]))
-                    tops[r].append((top_i[r].tolist(), top_v[r].tolist()))
-                    if t in self.eos_ids:
-                        finish[r] = "stop"
-                    elif req.stop:
-                        text = self._decode(toks[r])
-                        hits = [(text.find(s), s) for s in req.stop if s in text]
-                        if hits:
-                            at, s = min(hits)
-                            finish[r], stop_reason[r], texts[r] = "stop", s, text[:at]
-                if all(f is not None for f in finish) or step + 1 == req.max_tokens:
+                for r, row in enumerate(rows):
+                    if row.finish is None:
+                        self._extend(row, int(nxt[r]), float(chosen[r]),
+                                     (top_i[r].tolist(), top_v[r].tolist()), req)
+                if all(row.finish is not None for row in rows) or step + 1 == req.max_tokens:
                     break
                 feed = torch.tensor(
-                    [[t[-1] if finish[r] is None else self.pad_id] for r, t in enumerate(toks)],
+                    [[row.tokens[-1] if row.finish is None else self.pad_id] for row in rows],
                     dtype=torch.long,
                 )
-                mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long)], dim=1)
+                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
                 positions = positions[:, -1:] + 1
                 out = self.model(
                     input_ids=feed.to(self.device),
@@ -293,20 +282,44 @@ class Generator:
                     past_key_values=out.past_key_values,
                     use_cache=True,
                 )
-        results = []
-        for r in range(rows):
-            cut = texts[r]
-            results.append(
-                {
-                    "token_ids": toks[r],
-                    "token_logprobs": lps[r],
-                    "top": tops[r],
-                    "finish_reason": finish[r] or "length",
-                    "stop_reason": stop_reason[r],
-                    "text": cut if cut is not None else self._decode(toks[r]),
-                }
-            )
-        return results
+        return [
+            {
+                "token_ids": row.tokens,
+                "token_logprobs": row.logprobs,
+                "top": row.top,
+                "finish_reason": row.finish or "length",
+                "stop_reason": row.stop_reason,
+                "text": row.text if row.text is not None else self._decode(row.tokens),
+            }
+            for row in rows
+        ]
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[Any, Any, Any]:
+        """ids, attention mask and positions; left padding puts every row's next token
+        in the last column."""
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[r, width - len(p) :] = 1
+        return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def _extend(self, row: _Row, token: int, logprob: float,
+                top: tuple[list[int], list[float]], req: CompletionRequest) -> None:
+        """One sampled token into a row; a row ends on EOS or a stop string."""
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        row.top.append(top)
+        if token in self.eos_ids:
+            row.finish = "stop"
+        elif req.stop:
+            text = self._decode(row.tokens)
+            hits = [(text.find(s), s) for s in req.stop if s in text]
+            if hits:
+                at, s = min(hits)
+                row.finish, row.stop_reason, row.text = "stop", s, text[:at]
 
     def _pick(self, logits: Any, req: CompletionRequest, gen: Any) -> Any:
         torch = self.torch

@@ -7,25 +7,25 @@
 
 Only a chunk listed here counts; its checksum is what makes a truncated or
 altered file detectable.  The rank and iteration inside fence against a
-directory left over from another rank or an older iteration.  Parsing is
-strict: unknown fields are ignored, anything else wrong is malformed.
+directory left over from another rank or an older iteration.  Both classes are
+coordinator records (coordinator/records.py): decoding is strict by type,
+unknown fields are ignored, and anything else wrong is a MalformedRecordError
+naming the file.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
+from coordinator.records import Record
 from coordinator.store import read_document
-from rollout.errors import MalformedRecordError
 
 MANIFEST_NAME: Final = "manifest.json"
 MANIFEST_SCHEMA: Final = "coordinator/rank-manifest"
-MANIFEST_VERSION: Final = 1
 # A plain file name, never a path: a manifest must not be able to point the
 # reader outside its rank directory.
 CHUNK_NAME: Final = re.compile(r"chunk-(\d{6})\.pt")
@@ -43,7 +43,12 @@ def _int(value: Any, what: str, minimum: int = 0) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ChunkEntry:
+class ChunkEntry(Record):
+    """One published chunk file as its manifest lists it."""
+
+    # Only ever nested in a RankManifest, where it is written without schema
+    # and version; the name identifies the type in errors and tests.
+    SCHEMA: ClassVar[str] = "coordinator/rank-manifest/chunk"
     file: str
     sha256: str
     size: int
@@ -63,12 +68,15 @@ class ChunkEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RankManifest:
+class RankManifest(Record):
+    """The chunks one rank published for one iteration, and whether it is done."""
+
+    SCHEMA: ClassVar[str] = MANIFEST_SCHEMA
     rank: int
     iteration: int
     complete: bool = False
     rollout_seconds: float = 0.0
-    chunks: tuple[ChunkEntry, ...] = field(default_factory=tuple)
+    chunks: tuple[ChunkEntry, ...] = ()
 
     def __post_init__(self) -> None:
         _int(self.rank, "rank")
@@ -94,73 +102,6 @@ class RankManifest:
         """All listed task ids, in chunk order; repeats kept, for the caller to judge."""
         return [t for c in self.chunks for t in c.task_ids]
 
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "schema": MANIFEST_SCHEMA,
-                "version": MANIFEST_VERSION,
-                "rank": self.rank,
-                "iteration": self.iteration,
-                "complete": self.complete,
-                "rollout_seconds": self.rollout_seconds,
-                "chunks": [
-                    {
-                        "file": c.file,
-                        "sha256": c.sha256,
-                        "size": c.size,
-                        "num_samples": c.num_samples,
-                        "task_ids": list(c.task_ids),
-                    }
-                    for c in self.chunks
-                ],
-            },
-            allow_nan=False,
-            indent=1,
-        )
-
-    @classmethod
-    def from_json(cls, text: str | bytes, *, source: Path) -> RankManifest:
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise MalformedRecordError(
-                f"manifest {source} is not valid JSON: {exc}", path=source
-            ) from exc
-        try:
-            if not isinstance(data, dict):
-                raise ValueError(f"top level is a JSON {type(data).__name__}, not an object")
-            if data.get("schema") != MANIFEST_SCHEMA or data.get("version") != MANIFEST_VERSION:
-                raise ValueError(
-                    f"schema {data.get('schema')!r} version {data.get('version')!r}, expected "
-                    f"{MANIFEST_SCHEMA!r} version {MANIFEST_VERSION}"
-                )
-            chunks = data.get("chunks")
-            if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
-                raise ValueError("'chunks' must be a list of objects")
-            for c in chunks:
-                if not isinstance(c.get("task_ids"), list):
-                    raise ValueError(f"task_ids of chunk {c.get('file')!r} must be a list")
-            return cls(
-                rank=data.get("rank"),  # type: ignore[arg-type]
-                iteration=data.get("iteration"),  # type: ignore[arg-type]
-                complete=data.get("complete"),  # type: ignore[arg-type]
-                rollout_seconds=data.get("rollout_seconds"),  # type: ignore[arg-type]
-                chunks=tuple(
-                    ChunkEntry(
-                        file=c.get("file"),
-                        sha256=c.get("sha256"),
-                        size=c.get("size"),
-                        num_samples=c.get("num_samples"),
-                        task_ids=tuple(c["task_ids"]),
-                    )
-                    for c in chunks
-                ),
-            )
-        except ValueError as exc:
-            raise MalformedRecordError(
-                f"manifest {source} is malformed: {exc}", path=source
-            ) from exc
-
 
 def read_manifest(directory: Path, *, retry_s: float = 5.0) -> RankManifest | None:
     """The manifest in a rank directory, None if there is none yet.
@@ -168,6 +109,4 @@ def read_manifest(directory: Path, *, retry_s: float = 5.0) -> RankManifest | No
     Read like every record (coordinator.store.read_document): a torn or stale
     read is retried until `retry_s`, then the manifest is reported malformed.
     """
-    return read_document(directory / MANIFEST_NAME,
-                         lambda data, path: RankManifest.from_json(data, source=path),
-                         retry_s=retry_s)
+    return read_document(directory / MANIFEST_NAME, RankManifest.from_bytes, retry_s=retry_s)

@@ -15,18 +15,18 @@ share, with every task placed exactly once.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Final
+from typing import ClassVar, Final
 
-from rollout.errors import MalformedRecordError, ShardingError
+from coordinator.records import Record
+from coordinator.weights import check as check_weights
+from rollout.errors import ShardingError
 
 SHARD_PLAN_SCHEMA: Final = "coordinator/shard-plan"
-SHARD_PLAN_VERSION: Final = 1
 # A measured-slow rank keeps at least this fraction of the fastest rank's
 # weight, so it still gets tasks and its throughput is measured again; a rank
 # at zero could never show that it has recovered.
@@ -34,27 +34,11 @@ MIN_RELATIVE_WEIGHT: Final = 0.05
 
 
 def validate_weights(weights: Sequence[float]) -> tuple[float, ...]:
-    """Weights as floats, or a ShardingError naming the bad value and the fix."""
-    if len(weights) == 0:
-        raise ShardingError("no rank weights given: give one weight per rank, e.g. 1,1")
-    out = []
-    for rank, weight in enumerate(weights):
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            raise ShardingError(f"weight of rank {rank} is {weight!r}: give a number")
-        if not math.isfinite(weight):
-            raise ShardingError(
-                f"weight of rank {rank} is {weight}: weights must be finite, e.g. 1,1"
-            )
-        if weight < 0:
-            raise ShardingError(
-                f"weight of rank {rank} is {weight}, below 0: use 0 to give a rank no tasks"
-            )
-        out.append(float(weight))
-    if sum(out) <= 0:
-        raise ShardingError(
-            f"weights {out} sum to 0: at least one rank needs a positive weight, e.g. 1,1"
-        )
-    return tuple(out)
+    """Weights as floats by the run's one rule (coordinator/weights.py), as a ShardingError."""
+    try:
+        return check_weights(weights)
+    except ValueError as exc:
+        raise ShardingError(f"rank weights {list(weights)!r}: {exc}") from None
 
 
 def apportion(total: int, weights: Sequence[float]) -> list[int]:
@@ -98,9 +82,15 @@ def shard_tasks(
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShardPlan:
-    """Which rank rolls out which tasks in one iteration; published by the master."""
+class ShardPlan(Record):
+    """Which rank rolls out which tasks in one iteration; published by the master.
 
+    A coordinator record (coordinator/records.py): written with to_bytes(),
+    read with from_bytes(data, path), which reports a ShardingError of the
+    decoded plan as a MalformedRecordError naming the file.
+    """
+
+    SCHEMA: ClassVar[str] = SHARD_PLAN_SCHEMA
     iteration: int
     seed: int
     weights: tuple[float, ...]
@@ -152,49 +142,6 @@ class ShardPlan:
     def as_mapping(self) -> dict[int, tuple[str, ...]]:
         """rank -> task ids, the shape aggregate_iteration takes."""
         return dict(enumerate(self.assignments))
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "schema": SHARD_PLAN_SCHEMA,
-                "version": SHARD_PLAN_VERSION,
-                "iteration": self.iteration,
-                "seed": self.seed,
-                "weights": list(self.weights),
-                "assignments": [list(a) for a in self.assignments],
-            },
-            allow_nan=False,
-        )
-
-    @classmethod
-    def from_json(cls, text: str | bytes, *, source: str = "shard plan") -> ShardPlan:
-        """Parse strictly; unknown fields are ignored, anything else wrong is malformed."""
-        try:
-            data: Any = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise MalformedRecordError(f"{source} is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise MalformedRecordError(f"{source} is a JSON {type(data).__name__}, not an object")
-        if data.get("schema") != SHARD_PLAN_SCHEMA or data.get("version") != SHARD_PLAN_VERSION:
-            raise MalformedRecordError(
-                f"{source} has schema {data.get('schema')!r} version {data.get('version')!r}: "
-                f"expected {SHARD_PLAN_SCHEMA!r} version {SHARD_PLAN_VERSION}"
-            )
-        assignments = data.get("assignments")
-        weights = data.get("weights")
-        if not isinstance(assignments, list) or not all(isinstance(a, list) for a in assignments):
-            raise MalformedRecordError(f"{source}: 'assignments' must be a list of lists of ids")
-        if not isinstance(weights, list):
-            raise MalformedRecordError(f"{source}: 'weights' must be a list of numbers")
-        try:
-            return cls(
-                iteration=data.get("iteration"),  # type: ignore[arg-type]
-                seed=data.get("seed"),  # type: ignore[arg-type]
-                weights=tuple(weights),
-                assignments=tuple(tuple(a) for a in assignments),
-            )
-        except ShardingError as exc:
-            raise MalformedRecordError(f"{source}: {exc}") from exc
 
 
 def throughput_weights(samples_per_second: Mapping[int, float], num_ranks: int) -> list[float]:

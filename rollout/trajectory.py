@@ -1,4 +1,4 @@
-"""Rollout samples and the per-rank checkpoint files that hold them.
+"""The rank's checkpoint writer: its rollout saved as it goes, redone at most K groups.
 
 A rank rolls out its shard group by group (one group = the n samples of one
 task) and checkpoints as it goes, so a killed rank redoes at most K groups:
@@ -15,33 +15,31 @@ task) and checkpoints as it goes, so a killed rank redoes at most K groups:
 The chunk is published before the manifest that names it, so a manifest never
 points at a missing file unless something outside the writer removed it.
 
-Chunk files are torch.save'd dicts of tensors and plain containers only, so
-they load with weights_only=True.  Token ids and logprobs are stored flat
-(int32/float32 tensors plus int64 offsets) rather than as lists of lists:
-loading big tensors runs at disk speed, while unpickling millions of Python
-ints under weights_only runs at about a million per second.
+The samples and the chunk file format are in rollout/chunk_format.py; their
+names are re-exported here, where the rollout loop, the benchmarks and the
+tests have always imported them.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import io
 import logging
-import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Final
 
 import torch
 
-from coordinator.errors import IntegrityError, UnsafeFileError
-from coordinator.errors import MalformedRecordError as CoordinatorMalformed
+from coordinator.errors import IntegrityError, MalformedRecordError, UnsafeFileError
 from coordinator.fsio import ensure_dir, publish_bytes
 from coordinator.verified import read_verified
-from rollout.errors import CheckpointError, MalformedRecordError
+from rollout.chunk_format import (
+    TrajectorySample,
+    encode_chunk,
+)
+from rollout.errors import CheckpointError
 from rollout.manifest import (
     CHUNK_NAME,
     MANIFEST_NAME,
@@ -52,260 +50,6 @@ from rollout.manifest import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class FinishReason(str, enum.Enum):
-    """Why generation of a sample ended."""
-
-    STOP = "stop"  # end-of-sequence or a stop string
-    LENGTH = "length"  # hit max_tokens
-    ABORT = "abort"  # the engine cancelled the request
-    ERROR = "error"  # the sample failed; see TrajectorySample.error
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrajectorySample:
-    """One generated response to one task, with what the trainer needs from it.
-
-    A failed sample (engine error, timeout) is recorded rather than dropped, so
-    that its group still counts as done; `error` says what went wrong, and the
-    aggregate leaves it out of the training batch.
-    """
-
-    task_id: str
-    sample_index: int
-    prompt_token_ids: Sequence[int]
-    response_token_ids: Sequence[int]
-    response_logprobs: Sequence[float]
-    response_text: str
-    reward: float
-    finish_reason: FinishReason
-    failed: bool = False
-    error: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.task_id, str) or not self.task_id:
-            raise ValueError(f"task_id={self.task_id!r}: give the task's non-empty id")
-        if type(self.sample_index) is not int or self.sample_index < 0:
-            raise ValueError(f"sample_index={self.sample_index!r}: give an integer >= 0")
-        object.__setattr__(self, "finish_reason", FinishReason(self.finish_reason))
-        for name in ("prompt_token_ids", "response_token_ids"):
-            ids = getattr(self, name)
-            if not isinstance(ids, list | tuple) or not all(type(t) is int for t in ids):
-                raise ValueError(
-                    f"{name} of {self.task_id}#{self.sample_index}: give a list of ints"
-                )
-        if len(self.response_logprobs) != len(self.response_token_ids):
-            raise ValueError(
-                f"{self.task_id}#{self.sample_index} has {len(self.response_token_ids)} response "
-                f"tokens but {len(self.response_logprobs)} logprobs: give one logprob per token"
-            )
-        if not isinstance(self.response_text, str):
-            raise ValueError(f"response_text of {self.task_id}#{self.sample_index} is not a str")
-        if isinstance(self.reward, bool) or not isinstance(self.reward, int | float):
-            raise ValueError(f"reward={self.reward!r} of {self.task_id}: give a number")
-        if not math.isfinite(self.reward):
-            raise ValueError(f"reward={self.reward!r} of {self.task_id}: give a finite number")
-        if not isinstance(self.failed, bool) or not isinstance(self.error, str):
-            raise ValueError("failed must be a bool and error a str")
-        if self.failed != bool(self.error):
-            raise ValueError(
-                f"{self.task_id}#{self.sample_index}: failed={self.failed} with error="
-                f"{self.error!r}: a failed sample needs an error message, a good one none"
-            )
-
-
-# --- Chunk files -------------------------------------------------------------
-
-CHUNK_SCHEMA: Final = "coordinator/rollout-chunk"
-CHUNK_VERSION: Final = 1
-_TENSORS: Final = {  # name -> dtype; 1-D each
-    "sample_group": torch.int64,
-    "sample_index": torch.int64,
-    "prompt_tokens": torch.int32,
-    "prompt_offsets": torch.int64,
-    "response_tokens": torch.int32,
-    "response_offsets": torch.int64,
-    "response_logprobs": torch.float32,
-    "rewards": torch.float32,
-    "failed": torch.bool,
-}
-_STRING_LISTS: Final = ("task_ids", "finish_reasons", "response_texts", "errors")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Chunk:
-    """A decoded, validated chunk: groups of samples in flat tensors.
-
-    Sample s belongs to group sample_group[s] (task task_ids[that]); its
-    response tokens are response_tokens[response_offsets[s]:response_offsets[s+1]].
-    """
-
-    rank: int
-    iteration: int
-    task_ids: tuple[str, ...]
-    tensors: dict[str, torch.Tensor]
-    finish_reasons: tuple[str, ...]
-    response_texts: tuple[str, ...]
-    errors: tuple[str, ...]
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.tensors["sample_group"].numel())
-
-    def samples(self) -> Iterator[TrajectorySample]:
-        """Samples back as records (slow; for inspection and tests)."""
-        t = {k: v.tolist() for k, v in self.tensors.items()}
-        po, ro = t["prompt_offsets"], t["response_offsets"]
-        for s in range(self.num_samples):
-            yield TrajectorySample(
-                task_id=self.task_ids[t["sample_group"][s]],
-                sample_index=t["sample_index"][s],
-                prompt_token_ids=t["prompt_tokens"][po[s] : po[s + 1]],
-                response_token_ids=t["response_tokens"][ro[s] : ro[s + 1]],
-                response_logprobs=t["response_logprobs"][ro[s] : ro[s + 1]],
-                response_text=self.response_texts[s],
-                reward=t["rewards"][s],
-                finish_reason=FinishReason(self.finish_reasons[s]),
-                failed=t["failed"][s],
-                error=self.errors[s],
-            )
-
-
-def encode_chunk(
-    groups: Sequence[Sequence[TrajectorySample]], *, rank: int, iteration: int
-) -> dict[str, Any]:
-    """The torch.save payload for these groups: tensors and plain containers only."""
-    samples = [s for g in groups for s in g]
-
-    def offsets(lengths: list[int]) -> torch.Tensor:
-        out = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-        return out
-
-    def flat(rows: list[Sequence[Any]], dtype: torch.dtype) -> torch.Tensor:
-        values = [v for row in rows for v in row]
-        return torch.tensor(values, dtype=dtype)
-
-    try:
-        prompt_tokens = flat([s.prompt_token_ids for s in samples], torch.int32)
-        response_tokens = flat([s.response_token_ids for s in samples], torch.int32)
-    except RuntimeError as exc:  # torch refuses ids that overflow int32
-        raise ValueError(f"token id does not fit in int32: {exc}") from exc
-    logprobs = flat([s.response_logprobs for s in samples], torch.float32)
-    if not bool(torch.isfinite(logprobs).all()):
-        raise ValueError("a response logprob is NaN or infinite: clamp -inf before recording")
-    return {
-        "schema": CHUNK_SCHEMA,
-        "version": CHUNK_VERSION,
-        "rank": rank,
-        "iteration": iteration,
-        "task_ids": [g[0].task_id for g in groups],
-        "sample_group": torch.tensor(
-            [gi for gi, g in enumerate(groups) for _ in g], dtype=torch.int64
-        ),
-        "sample_index": torch.tensor([s.sample_index for s in samples], dtype=torch.int64),
-        "prompt_tokens": prompt_tokens,
-        "prompt_offsets": offsets([len(s.prompt_token_ids) for s in samples]),
-        "response_tokens": response_tokens,
-        "response_offsets": offsets([len(s.response_token_ids) for s in samples]),
-        "response_logprobs": logprobs,
-        "rewards": torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
-        "failed": torch.tensor([s.failed for s in samples], dtype=torch.bool),
-        "finish_reasons": [s.finish_reason.value for s in samples],
-        "response_texts": [s.response_text for s in samples],
-        "errors": [s.error for s in samples],
-    }
-
-
-def decode_chunk(obj: Any, *, path: Path) -> Chunk:
-    """Validate a loaded chunk payload; anything off is MalformedRecordError naming path."""
-
-    def bad(problem: str) -> MalformedRecordError:
-        return MalformedRecordError(f"chunk {path} is malformed: {problem}", path=path)
-
-    if not isinstance(obj, dict):
-        raise bad(f"top level is a {type(obj).__name__}, expected a dict")
-    if obj.get("schema") != CHUNK_SCHEMA or obj.get("version") != CHUNK_VERSION:
-        raise bad(f"schema {obj.get('schema')!r} version {obj.get('version')!r}")
-    for key in ("rank", "iteration"):
-        if type(obj.get(key)) is not int:
-            raise bad(f"{key} is {obj.get(key)!r}, expected an int")
-    tensors = {}
-    for name, dtype in _TENSORS.items():
-        t = obj.get(name)
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
-            raise bad(f"{name} must be a 1-D {dtype} tensor")
-        tensors[name] = t
-    lists = {}
-    for name in _STRING_LISTS:
-        value = obj.get(name)
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise bad(f"{name} must be a list of str")
-        lists[name] = tuple(value)
-    num_groups, num_samples = len(lists["task_ids"]), tensors["sample_group"].numel()
-    for name in ("sample_index", "rewards", "failed"):
-        if tensors[name].numel() != num_samples:
-            raise bad(f"{name} has {tensors[name].numel()} entries for {num_samples} samples")
-    for name in ("finish_reasons", "response_texts", "errors"):
-        if len(lists[name]) != num_samples:
-            raise bad(f"{name} has {len(lists[name])} entries for {num_samples} samples")
-    group = tensors["sample_group"]
-    if num_samples and (
-        int(group.min()) < 0 or int(group.max()) >= num_groups or bool((group.diff() < 0).any())
-    ):
-        raise bad(f"sample_group must be sorted indices into {num_groups} task ids")
-    for kind, values in (("prompt", "prompt_tokens"), ("response", "response_tokens")):
-        off = tensors[f"{kind}_offsets"]
-        if (
-            off.numel() != num_samples + 1
-            or int(off[0]) != 0
-            or int(off[-1]) != tensors[values].numel()
-            or bool((off.diff() < 0).any())
-        ):
-            raise bad(f"{kind}_offsets do not delimit {values} into {num_samples} samples")
-    if tensors["response_logprobs"].numel() != tensors["response_tokens"].numel():
-        raise bad("response_logprobs and response_tokens differ in length")
-    return Chunk(
-        rank=obj["rank"],
-        iteration=obj["iteration"],
-        task_ids=lists["task_ids"],
-        tensors=tensors,
-        finish_reasons=lists["finish_reasons"],
-        response_texts=lists["response_texts"],
-        errors=lists["errors"],
-    )
-
-
-def read_verified_chunk(path: Path, entry: ChunkEntry, *, retry_s: float = 5.0) -> Chunk:
-    """The chunk at `path` if it is the file `entry` lists; decoded and validated.
-
-    Size and SHA-256 are checked on the same descriptor torch.load then reads
-    (coordinator/verified.py), so a rename over the path in between cannot
-    swap in unverified content.  Where the filesystem can map files the
-    tensors stay mapped (MAP_PRIVATE, zero-copy: hashing from the page cache
-    and not copying is about twice as fast as read() + torch.load); where it
-    cannot (FUSE direct_io), the bytes are read once and loaded from memory.
-    Mapping relies on published chunks being immutable (writers only create
-    new files by rename).
-
-    IntegrityError: the file is altered or truncated (its groups may be
-    redone).  OSError: an I/O error, its path named (never taken as damage).
-    """
-    with read_verified(path, size=entry.size, sha256=entry.sha256, retry_s=retry_s) as file:
-        try:
-            obj = torch.load(file.source(), weights_only=True, mmap=file.mapped,
-                             map_location="cpu")
-        except Exception as exc:  # UnpicklingError for forbidden globals, RuntimeError for bad zips
-            raise MalformedRecordError(
-                f"chunk {path} was refused by torch.load(weights_only=True): "
-                f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}",
-                path=path,
-            ) from exc
-    return decode_chunk(obj, path=path)
-
-
-# --- The rank's writer -------------------------------------------------------
 
 
 class RankCheckpointWriter:
@@ -463,7 +207,7 @@ class RankCheckpointWriter:
             complete=complete,
             rollout_seconds=self._manifest.rollout_seconds + max(0.0, now - self._session_start),
         )
-        publish_bytes(self.directory / MANIFEST_NAME, manifest.to_json().encode())
+        publish_bytes(self.directory / MANIFEST_NAME, manifest.to_bytes())
         self._manifest = manifest
         self._session_start = now
 
@@ -471,7 +215,7 @@ class RankCheckpointWriter:
         path = self.directory / MANIFEST_NAME
         try:
             found = read_manifest(self.directory)
-        except (MalformedRecordError, CoordinatorMalformed) as exc:
+        except MalformedRecordError as exc:
             # Still unparsable after read_manifest's retries (which outlast a
             # torn read from a stale client cache): damage.  Starting over
             # costs one redo and trusts nothing damaged.

@@ -9,8 +9,13 @@ reported with the name of the file instead of being loaded.
 
     write files -> manifest.json -> fsync all -> rename tmp -> final -> fsync parent
 
-`latest_checkpoint` picks by the iteration written in the manifest, never by
-mtime: clocks differ between nodes and a copy refreshes mtimes.
+The manifest is a coordinator record (coordinator/records.py), on disk:
+
+    {"schema": "coordinator/checkpoint-manifest", "version": 1, "iteration": 3,
+     "files": {"model.safetensors": {"sha256": "<64 hex>", "size": 81920}, ...}}
+
+Every failure a caller should act on is a `CheckpointError` (rollout.errors,
+the one class for unusable checkpoints) carrying the offending path.
 """
 
 from __future__ import annotations
@@ -19,120 +24,101 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
-from coordinator.errors import MalformedRecordError as CoordinatorMalformed
-from coordinator.fsio import ensure_dir, open_regular, publish_bytes, remove_tree, rename
-from coordinator.fsio import fsync_dir as _fsync_dir
+from coordinator.errors import MalformedRecordError
+from coordinator.fsio import (
+    DIR_MODE,
+    FILE_MODE,
+    ensure_dir,
+    fsync_dir,
+    open_regular,
+    remove_tree,
+    rename,
+)
+from coordinator.records import Record
 from coordinator.store import read_document
 from coordinator.verified import copy_verified, file_digest, read_verified
-from trainer.config import TrainerError
+from rollout.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME: Final = "manifest.json"
 MANIFEST_SCHEMA: Final = "coordinator/checkpoint-manifest"
-MANIFEST_VERSION: Final = 1
-_FILE_MODE: Final = 0o644
-_DIR_MODE: Final = 0o755
+_SHA256: Final = re.compile(r"[0-9a-f]{64}")
+# Files that hold weights; everything else in a checkpoint (config, tokenizer,
+# generation config, chat template) is carried over verbatim by training.
+_WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 
-class CheckpointError(TrainerError, ValueError):
-    """A checkpoint is missing, incomplete, altered or conflicts with another.
+def _check_file_name(name: str) -> None:
+    """A manifest's file name is a plain relative path inside the checkpoint.
 
-    A ValueError, so that the run directory's reader retries a manifest that
-    looked torn (coordinator.store.read_document) before reporting it.
+    Names come from disk and may be hostile: none may point outside the
+    directory, use Windows separators, or stand for the manifest itself.
     """
-
-    def __init__(self, message: str, *, path: Path | None = None) -> None:
-        super().__init__(message)
-        self.path = path
-
-
-def _fsync_file(path: Path) -> None:
-    fd = open_regular(path)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    path = Path(name)
+    if (
+        not name
+        or path.is_absolute()
+        or ".." in path.parts
+        or name == MANIFEST_NAME
+        or "\\" in name
+    ):
+        raise ValueError(
+            f"file name {name!r} is not a plain relative path inside the checkpoint "
+            f"(no '..', no leading '/', no '\\', not {MANIFEST_NAME})"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
-class FileEntry:
-    name: str  # relative path with "/" separators
+class FileEntry(Record):
+    """One file of a checkpoint as its manifest lists it (under its name)."""
+
+    # Only ever nested in a Manifest, where it is written without schema and
+    # version; the name identifies the type in errors and tests.
+    SCHEMA: ClassVar[str] = "coordinator/checkpoint-manifest/file"
     sha256: str
     size: int
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.sha256, str) or not _SHA256.fullmatch(self.sha256):
+            raise ValueError(f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
+        if type(self.size) is not int or self.size < 0:
+            raise ValueError(f"size {self.size!r} is not an integer >= 0")
+
 
 @dataclass(frozen=True, kw_only=True)
-class Manifest:
+class Manifest(Record):
     """What a complete checkpoint holds: its iteration and every file's hash and size."""
 
+    SCHEMA: ClassVar[str] = MANIFEST_SCHEMA
     iteration: int
-    files: tuple[FileEntry, ...]
+    files: dict[str, FileEntry]  # relative path with "/" separators -> entry
 
-    def to_json(self) -> str:
-        data = {
-            "schema": MANIFEST_SCHEMA,
-            "version": MANIFEST_VERSION,
-            "iteration": self.iteration,
-            "files": {f.name: {"sha256": f.sha256, "size": f.size} for f in self.files},
-        }
-        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+    def __post_init__(self) -> None:
+        if type(self.iteration) is not int or self.iteration < 0:
+            raise ValueError(f"iteration {self.iteration!r} is not an integer >= 0")
+        if not self.files:
+            raise ValueError("files is empty: a checkpoint lists at least one file")
+        for name in self.files:
+            _check_file_name(name)
+
+    def to_bytes(self) -> bytes:
+        # Keys sorted: the bytes are the checkpoint's content id (`digest`) and
+        # must not depend on the order the files were listed in.  Indented so
+        # that an operator can read the manifest.
+        return (json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n").encode()
 
     @property
     def digest(self) -> str:
-        """A short content id: equal digests mean equal checkpoints."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
-
-    @classmethod
-    def parse(cls, text: bytes, *, source: Path) -> Manifest:
-        def bad(rule: str) -> CheckpointError:
-            return CheckpointError(f"{source}: malformed manifest: {rule}", path=source)
-
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad(f"not JSON ({exc})") from exc
-        if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA:
-            raise bad(f"schema must be {MANIFEST_SCHEMA!r}")
-        if data.get("version") != MANIFEST_VERSION:
-            raise bad(f"version {data.get('version')!r} is not {MANIFEST_VERSION}")
-        iteration = data.get("iteration")
-        if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
-            raise bad(f"iteration {iteration!r} must be an integer >= 0")
-        files = data.get("files")
-        if not isinstance(files, dict) or not files:
-            raise bad("files must be a non-empty object")
-        entries = []
-        for name, info in sorted(files.items()):
-            parts = Path(name).parts
-            # Names come from disk and may be hostile: never let one point outside.
-            if (
-                not name
-                or Path(name).is_absolute()
-                or ".." in parts
-                or name == MANIFEST_NAME
-                or "\\" in name
-            ):
-                raise bad(f"file name {name!r} is not a plain relative path")
-            if not isinstance(info, dict):
-                raise bad(f"entry for {name!r} must be an object")
-            sha, size = info.get("sha256"), info.get("size")
-            if (
-                not isinstance(sha, str)
-                or len(sha) != 64
-                or any(c not in "0123456789abcdef" for c in sha)
-            ):
-                raise bad(f"sha256 of {name!r} is not 64 hex digits")
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise bad(f"size of {name!r} must be an integer >= 0")
-            entries.append(FileEntry(name=name, sha256=sha, size=size))
-        return cls(iteration=iteration, files=tuple(entries))
+        """A short content id: equal manifests, equal digests."""
+        return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
 
 
 def _list_files(root: Path) -> list[str]:
@@ -150,20 +136,30 @@ def _list_files(root: Path) -> list[str]:
 
 
 def _build_manifest(root: Path, iteration: int) -> Manifest:
-    entries = []
+    files = {}
     for rel in _list_files(root):
         size, sha256 = file_digest(root / rel)  # the size of what was read, not a cached stat
-        entries.append(FileEntry(name=rel, sha256=sha256, size=size))
-    return Manifest(iteration=iteration, files=tuple(entries))
+        files[rel] = FileEntry(sha256=sha256, size=size)
+    try:
+        return Manifest(iteration=iteration, files=files)
+    except ValueError as exc:  # nothing written, or a name no reader would accept
+        raise CheckpointError(f"cannot publish {root}: {exc}", path=root) from exc
 
 
 def read_manifest(directory: Path) -> Manifest:
-    """A checkpoint's manifest, read like every record of the run directory."""
+    """A checkpoint's manifest, read like every record of the run directory.
+
+    A manifest that does not parse is retried by the reader (it may be a torn
+    read), then reported as a CheckpointError naming the manifest's path.
+    """
     path = directory / MANIFEST_NAME
     try:
-        manifest = read_document(path, lambda raw, where: Manifest.parse(raw, source=where))
-    except CoordinatorMalformed as exc:  # a symlink, FIFO or giant where the manifest belongs
-        raise CheckpointError(str(exc), path=path) from exc
+        manifest = read_document(path, Manifest.from_bytes)
+    except MalformedRecordError as exc:  # malformed, or a symlink/FIFO/giant in its place
+        raise CheckpointError(
+            f"{exc}: {directory} is not a usable checkpoint; publish it again or remove it",
+            path=path,
+        ) from exc
     if manifest is None:
         raise CheckpointError(
             f"{path} is missing: {directory} is not a published checkpoint", path=path
@@ -176,21 +172,22 @@ def verify_checkpoint(directory: Path) -> Manifest:
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint {directory} does not exist", path=directory)
     manifest = read_manifest(directory)
-    expected = {f.name: f for f in manifest.files}
     present = set(_list_files(directory))
-    for name in sorted(present - expected.keys()):
+    extra = sorted(present - manifest.files.keys())
+    if extra:
+        path = directory / extra[0]
         raise CheckpointError(
-            f"{directory / name}: extra file not in the manifest of {directory}: "
+            f"{path}: extra file not in the manifest of {directory}: "
             "the checkpoint was modified after publishing",
-            path=directory / name,
+            path=path,
         )
-    for name, entry in expected.items():
+    for name, entry in sorted(manifest.files.items()):
         path = directory / name
         if name not in present:
             raise CheckpointError(f"{path}: file listed in the manifest is missing", path=path)
         try:
             read_verified(path, size=entry.size, sha256=entry.sha256, allow_map=False).close()
-        except CoordinatorMalformed as exc:
+        except MalformedRecordError as exc:
             raise CheckpointError(str(exc), path=path) from exc
     return manifest
 
@@ -216,11 +213,11 @@ def _finalise_dir(tmp: Path, manifest: Manifest, final_dir: Path) -> Manifest:
             ) from None
         remove_tree(tmp)
         return existing
-    _fsync_dir(final_dir.parent)
+    fsync_dir(final_dir.parent)
     return manifest
 
 
-def _tmp_sibling(final_dir: Path) -> Path:
+def tmp_sibling(final_dir: Path) -> Path:
     """A new hidden directory beside `final_dir` (made beneath the run directory
     without following symlinks, mode 0755)."""
     tmp = final_dir.parent / f".{final_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -230,24 +227,27 @@ def _tmp_sibling(final_dir: Path) -> Path:
 
 def _seal(tmp: Path, manifest: Manifest) -> None:
     """Write the manifest, restrict modes, and fsync every file and the dir."""
-    (tmp / MANIFEST_NAME).write_text(manifest.to_json())
+    (tmp / MANIFEST_NAME).write_bytes(manifest.to_bytes())
     fsync_tree(tmp)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = open_regular(path)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_tree(tmp: Path) -> None:
     """Restrict modes and fsync every file and directory under tmp, then tmp."""
     for path in tmp.rglob("*"):
-        os.chmod(path, _DIR_MODE if path.is_dir() else _FILE_MODE)
+        os.chmod(path, DIR_MODE if path.is_dir() else FILE_MODE)
         if path.is_file():
             _fsync_file(path)
     for path in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
-        _fsync_dir(path)
-    _fsync_dir(tmp)
-
-
-# Files that hold weights; everything else in a checkpoint (config, tokenizer,
-# generation config, chat template) is carried over verbatim by training.
-_WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+        fsync_dir(path)
+    fsync_dir(tmp)
 
 
 def write_model_files(
@@ -312,7 +312,7 @@ def publish_checkpoint(
     """
     if iteration < 0:
         raise CheckpointError(f"iteration={iteration} must be >= 0", path=final_dir)
-    tmp = _tmp_sibling(final_dir)
+    tmp = tmp_sibling(final_dir)
     try:
         write_model_files(
             model, tokenizer, tmp, state_dict=state_dict, carry_files_from=carry_files_from
@@ -338,165 +338,17 @@ def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:
         except CheckpointError as exc:
             log.warning("cached copy %s is damaged (%s): copying again", dest, exc)
         remove_tree(dest)
-    tmp = _tmp_sibling(dest)
+    tmp = tmp_sibling(dest)
     try:
-        for entry in manifest.files:
-            target = tmp / entry.name
+        for name, entry in sorted(manifest.files.items()):
+            target = tmp / name
             ensure_dir(target.parent)
             try:
-                copy_verified(src_dir / entry.name, target, size=entry.size,
-                              sha256=entry.sha256)
-            except CoordinatorMalformed as exc:
-                raise CheckpointError(f"{exc}; retry", path=src_dir / entry.name) from exc
+                copy_verified(src_dir / name, target, size=entry.size, sha256=entry.sha256)
+            except MalformedRecordError as exc:
+                raise CheckpointError(f"{exc}; retry", path=src_dir / name) from exc
         _seal(tmp, manifest)
         _finalise_dir(tmp, manifest, dest)
         return dest
     finally:
         remove_tree(tmp)
-
-
-def latest_checkpoint(root: Path, *, verify: bool = True) -> Path | None:
-    """The published checkpoint under root with the highest manifest iteration.
-
-    Hidden (temporary) dirs and dirs without a readable manifest are skipped;
-    with verify=True a damaged newest checkpoint is skipped for the next one.
-    """
-    if not root.is_dir():
-        return None
-    candidates: list[tuple[int, str, Path]] = []
-    for child in root.iterdir():
-        if child.name.startswith(".") or not child.is_dir() or child.is_symlink():
-            continue
-        try:
-            candidates.append((read_manifest(child).iteration, child.name, child))
-        except (CheckpointError, OSError) as exc:
-            log.warning("skipping %s: %s", child, exc)
-    for _, _, path in sorted(candidates, reverse=True):
-        if not verify:
-            return path
-        try:
-            verify_checkpoint(path)
-            return path
-        except (CheckpointError, OSError) as exc:
-            log.warning("skipping damaged checkpoint %s: %s", path, exc)
-    return None
-
-
-# ---------------------------------------------------------------- optimizer state
-#
-# One file per rank, optim_dir/rank-R.pt.  When a new state is saved the
-# previous iteration's file is kept as rank-R.prev.pt: if the iteration is then
-# retried (its checkpoint never got published), the retry restores the state
-# from *before* the failed attempt instead of applying its moments twice.
-
-OPTIM_SCHEMA: Final = "coordinator/optimizer-state"
-OPTIM_VERSION: Final = 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerState:
-    iteration: int  # the iteration whose update produced this state
-    rank: int
-    world_size: int
-    strategy: str
-    step: int  # optimizer steps taken so far, over all iterations
-    optimizer: dict[str, Any]  # torch.optim.Optimizer.state_dict()
-
-
-def optimizer_state_path(optim_dir: Path, rank: int, *, previous: bool = False) -> Path:
-    return optim_dir / (f"rank-{rank}.prev.pt" if previous else f"rank-{rank}.pt")
-
-
-def _load_optimizer_file(path: Path) -> OptimizerState:
-    import torch
-
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # any unpickling failure means a corrupt or foreign file
-        raise CheckpointError(f"{path}: unreadable optimizer state ({exc})", path=path) from exc
-    if not isinstance(data, dict) or data.get("schema") != OPTIM_SCHEMA:
-        raise CheckpointError(
-            f"{path}: not an optimizer state (schema {OPTIM_SCHEMA!r})", path=path
-        )
-    if data.get("version") != OPTIM_VERSION:
-        raise CheckpointError(
-            f"{path}: version {data.get('version')!r} is not {OPTIM_VERSION}", path=path
-        )
-    for key in ("iteration", "rank", "world_size", "step"):
-        value = data.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise CheckpointError(
-                f"{path}: field {key}={value!r} must be an integer >= 0", path=path
-            )
-    optimizer = data.get("optimizer")
-    if not isinstance(optimizer, dict) or set(optimizer) != {"state", "param_groups"}:
-        raise CheckpointError(f"{path}: field optimizer is not an optimizer state_dict", path=path)
-    return OptimizerState(
-        iteration=data["iteration"],
-        rank=data["rank"],
-        world_size=data["world_size"],
-        strategy=str(data.get("strategy")),
-        step=data["step"],
-        optimizer=optimizer,
-    )
-
-
-def save_optimizer_state(state: OptimizerState, optim_dir: Path) -> Path:
-    """Publish this rank's state atomically, keeping the previous iteration's as .prev."""
-    import io
-
-    import torch
-
-    path = optimizer_state_path(optim_dir, state.rank)
-    if path.exists():
-        try:
-            older = _load_optimizer_file(path)
-        except CheckpointError as exc:
-            log.warning("replacing unreadable %s: %s", path, exc)
-        else:
-            if older.iteration < state.iteration:
-                os.replace(path, optimizer_state_path(optim_dir, state.rank, previous=True))
-    buffer = io.BytesIO()
-    torch.save(
-        {
-            "schema": OPTIM_SCHEMA,
-            "version": OPTIM_VERSION,
-            "iteration": state.iteration,
-            "rank": state.rank,
-            "world_size": state.world_size,
-            "strategy": state.strategy,
-            "step": state.step,
-            "optimizer": state.optimizer,
-        },
-        buffer,
-    )
-    publish_bytes(path, buffer.getvalue())
-    return path
-
-
-def load_optimizer_state(
-    optim_dir: Path, *, rank: int, before_iteration: int
-) -> OptimizerState | None:
-    """This rank's newest saved state from an iteration before `before_iteration`, if any.
-
-    Unreadable files are logged and skipped: losing Adam's moments costs a
-    little progress, refusing to train would stall the run.
-    """
-    best: OptimizerState | None = None
-    for previous in (False, True):
-        path = optimizer_state_path(optim_dir, rank, previous=previous)
-        if not path.exists():
-            continue
-        try:
-            state = _load_optimizer_file(path)
-        except CheckpointError as exc:
-            log.warning("ignoring optimizer state: %s", exc)
-            continue
-        if state.rank != rank:
-            log.warning("ignoring %s: it belongs to rank %d", path, state.rank)
-            continue
-        if state.iteration < before_iteration and (
-            best is None or state.iteration > best.iteration
-        ):
-            best = state
-    return best

@@ -30,7 +30,11 @@ JOB_VERSION: Final = 1
 
 
 class TrainerError(Exception):
-    """Root of every error the trainer package raises on purpose."""
+    """Root of the trainer package's own errors.
+
+    An unusable checkpoint is a rollout.errors.CheckpointError instead, the one
+    class every package uses for it; `python -m trainer.train` reports both.
+    """
 
 
 class ConfigError(TrainerError, ValueError):

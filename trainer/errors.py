@@ -1,7 +1,7 @@
 """The training run's error, shared by the modules `python -m trainer.train` uses.
 
-Its own module so that distributed setup, model loading, optimizer-state glue
-and the update loop can all raise it without importing one another.
+Its own module so that distributed setup, model loading and the update loop
+can all raise it without importing one another.
 """
 
 from __future__ import annotations

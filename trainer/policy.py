@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rollout.train_batch import TrainBatch
+from rollout.batch_format import TrainBatch
 from trainer import grpo
-from trainer.checkpoint import verify_checkpoint
+from trainer.checkpoint import MANIFEST_NAME, verify_checkpoint
 from trainer.config import Strategy
 from trainer.distributed import DistContext, unwrap
 from trainer.errors import TrainError
@@ -31,7 +31,7 @@ from trainer.grpo import shard
 def load_model(model_dir: Path, ctx: DistContext) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if (model_dir / "manifest.json").exists():
+    if (model_dir / MANIFEST_NAME).exists():
         verify_checkpoint(model_dir)
     elif not model_dir.is_dir():
         raise TrainError(f"model_dir {model_dir} does not exist")

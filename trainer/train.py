@@ -20,10 +20,11 @@ Every rank runs the same number of forward/backward passes (a rank short of
 samples runs a zero-weight copy of a real one), because DDP and FSDP2 issue
 collectives inside them and unequal counts would hang.
 
-The parts live in their own modules: `trainer.distributed` (process group,
-model wrapping, grad sync), `trainer.policy` (model loading and forwards),
-`trainer.update` (one optimizer step), `trainer.optim_state` (Adam state
-across iterations); this module orchestrates them and publishes the results.
+The parts live in their own modules: `trainer.batch` (the batch, checked),
+`trainer.distributed` (process group, model wrapping, grad sync),
+`trainer.policy` (model loading and forwards), `trainer.update` (one
+optimizer step), `trainer.optim_state` (Adam state across iterations); this
+module orchestrates them and publishes the results.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -46,8 +48,10 @@ import torch.distributed as dist
 from coordinator import beneath
 from coordinator.beneath import RUN_DIR_ENV
 from coordinator.fsio import publish_bytes
-from rollout.train_batch import TrainBatch, TrainBatchError, load_train_batch
+from rollout.batch_format import TrainBatch
+from rollout.errors import CheckpointError
 from trainer import grpo
+from trainer.batch import check_vocab, load_batch
 from trainer.checkpoint import publish_checkpoint
 from trainer.config import TrainerError, TrainJob
 from trainer.distributed import (
@@ -59,7 +63,6 @@ from trainer.distributed import (
     unwrap,
     wrap_model,
 )
-from trainer.errors import TrainError
 from trainer.grpo import plan_steps, shard
 from trainer.lifeline import die_with_parent
 from trainer.optim_state import restore_optimizer, save_optimizer
@@ -77,36 +80,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# ---------------------------------------------------------------- the batch
-
-
-def load_batch(job: TrainJob) -> TrainBatch:
-    path = job.batch_path
-    try:
-        return load_train_batch(path, size=job.batch_bytes, sha256=job.batch_sha256)
-    except FileNotFoundError:
-        raise TrainError(
-            f"batch file {path} does not exist: the rollout phase must write it"
-        ) from None
-    except TrainBatchError as exc:
-        raise TrainError(str(exc)) from exc
-
-
-def check_vocab(batch: TrainBatch, vocab: int, source: Path) -> None:
-    for name in ("prompt", "response"):
-        flat, offsets = getattr(batch, f"{name}_tokens"), getattr(batch, f"{name}_offsets")
-        bad = ((flat < 0) | (flat >= vocab)).nonzero()
-        if bad.numel():
-            pos = int(bad[0, 0])
-            sample = int(torch.searchsorted(offsets, torch.tensor(pos), right=True)) - 1
-            raise TrainError(
-                f"{source}: sample {sample} ({batch.task_ids[sample]}) has {name} token id "
-                f"{int(flat[pos])} outside the model's vocabulary 0..{vocab - 1}: the batch "
-                "was made with another tokenizer"
-            )
-
-
 # ---------------------------------------------------------------- the iteration
+
+
+@dataclass
+class Progress:
+    """What the iteration's optimizer steps add up to, summed over ranks."""
+
+    totals: Sums = field(default_factory=Sums)
+    losses: list[float] = field(default_factory=list)  # per step
+    grad_norms: list[float] = field(default_factory=list)  # per step
 
 
 def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
@@ -115,11 +98,6 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
     config = job.config
     seed_everything(config.seed * 1_000_003 + job.iteration)
     batch = load_batch(job)
-    if batch.iteration != job.iteration:
-        raise TrainError(
-            f"{job.batch_path} holds the batch of iteration {batch.iteration}, but this is "
-            f"iteration {job.iteration}: a stale batch; aggregate iteration {job.iteration} again"
-        )
     lens = [len(r) for r in batch.response_ids]
     log.info(
         "batch %s: %d samples, %d response tokens", job.batch_path, batch.num_samples, sum(lens)
@@ -139,17 +117,58 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
     )
     start_step = restore_optimizer(optimizer, job, ctx)
 
-    own = shard(batch.num_samples, ctx.world_size, ctx.rank)
     if batch.num_samples == 0:
         # Every group failed: publish the unchanged model so the run moves on.
         log.warning("batch %s is empty: publishing the model unchanged", job.batch_path)
         steps: list[grpo.Step] = []
     else:
         steps = plan_steps(lens, world=ctx.world_size, config=config, iteration=job.iteration)
+    inputs, mismatch = fixed_inputs(job, ctx, wrapped, batch, lens, bool(steps), pad_id)
+    progress = Progress()
+    for number, step in enumerate(steps, start=1):
+        local, grad_norm = optimizer_step(
+            wrapped, optimizer, step, inputs, ctx, config, start_step + number
+        )
+        sums = local.reduced(ctx)
+        progress.totals.merge(sums)
+        progress.losses.append(sums.loss)
+        progress.grad_norms.append(grad_norm)
+        log.info(
+            "step %d/%d loss %.5f grad_norm %.4f lr %.3g",
+            number,
+            len(steps),
+            sums.loss,
+            grad_norm,
+            optimizer.param_groups[0]["lr"],
+        )
+    metrics = iteration_metrics(job, ctx, inputs, lens, progress, mismatch, start_step)
+    finish(job, ctx, wrapped, optimizer, metrics, started)
+    return metrics
+
+
+def fixed_inputs(
+    job: TrainJob,
+    ctx: DistContext,
+    wrapped: Any,
+    batch: TrainBatch,
+    lens: list[int],
+    training: bool,
+    pad_id: int,
+) -> tuple[Inputs, tuple[float, float]]:
+    """What every optimizer step reads, computed once before the first.
+
+    Returns the `Inputs` and the (sum, max) over ranks of the absolute gap
+    between the engine's log-probs and the recomputed old ones.  Without
+    steps to take (`training` false) no forward runs.
+    """
+    config = job.config
+    own = shard(batch.num_samples, ctx.world_size, ctx.rank)
     # The PPO "old" policy is the current weights, recomputed here: the
     # engine's log-probs differ by kernels and precision and are only compared.
     old = (
-        policy_logprobs(wrapped, batch, own, ctx, config.micro_batch_size, pad_id) if steps else {}
+        policy_logprobs(wrapped, batch, own, ctx, config.micro_batch_size, pad_id)
+        if training
+        else {}
     )
     offsets = batch.response_offsets.tolist()
     engine = {i: batch.response_logprobs[offsets[i] : offsets[i + 1]] for i in own}
@@ -161,7 +180,7 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
         dist.ReduceOp.MAX if ctx.is_distributed else None,
     )[0]
     ref = None
-    if config.kl_coef > 0 and steps:
+    if config.kl_coef > 0 and training:
         assert job.ref_model_dir is not None  # TrainJob enforces it
         ref_model, _ = load_model(job.ref_model_dir, ctx)
         ref_model.eval()
@@ -173,34 +192,29 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
         mismatch_sum / max(1, sum(lens)),
         mismatch_max,
     )
-
     advantages = (
         grpo.group_advantages(batch.rewards, batch.group_index, eps=config.adv_eps)
         if batch.num_samples
         else torch.zeros(0)
     )
     inputs = Inputs(batch=batch, advantages=advantages, old=old, ref=ref, own=own, pad_id=pad_id)
-    totals, step_losses, grad_norms = Sums(), [], []
-    for number, step in enumerate(steps, start=1):
-        local, grad_norm = optimizer_step(
-            wrapped, optimizer, step, inputs, ctx, config, start_step + number
-        )
-        sums = local.reduced(ctx)
-        step_losses.append(sums.loss)
-        grad_norms.append(grad_norm)
-        for name in ("loss", "policy", "kl", "clipped", "ratio", "tokens"):
-            setattr(totals, name, getattr(totals, name) + getattr(sums, name))
-        log.info(
-            "step %d/%d loss %.5f grad_norm %.4f lr %.3g",
-            number,
-            len(steps),
-            step_losses[-1],
-            grad_norm,
-            optimizer.param_groups[0]["lr"],
-        )
+    return inputs, (mismatch_sum, mismatch_max)
 
+
+def iteration_metrics(
+    job: TrainJob,
+    ctx: DistContext,
+    inputs: Inputs,
+    lens: list[int],
+    progress: Progress,
+    mismatch: tuple[float, float],
+    start_step: int,
+) -> dict[str, Any]:
+    """The metrics file's content, before `finish` adds the checkpoint's digest."""
+    batch, advantages, totals = inputs.batch, inputs.advantages, progress.totals
+    steps = len(progress.losses)
     seen = max(totals.tokens, 1.0)
-    metrics: dict[str, Any] = {
+    return {
         "schema": METRICS_SCHEMA,
         "version": METRICS_VERSION,
         "iteration": job.iteration,
@@ -208,25 +222,23 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
         "strategy": ctx.strategy.value,
         "samples": batch.num_samples,
         "tokens": sum(lens),
-        "steps": len(steps),
-        "loss": totals.loss / len(steps) if steps else 0.0,
-        "loss_per_step": step_losses,
+        "steps": steps,
+        "loss": totals.loss / steps if steps else 0.0,
+        "loss_per_step": progress.losses,
         "kl": totals.kl / seen,
-        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
-        "grad_norm_per_step": grad_norms,
+        "grad_norm": sum(progress.grad_norms) / steps if steps else 0.0,
+        "grad_norm_per_step": progress.grad_norms,
         "clip_fraction": totals.clipped / seen,
         "ratio_mean": totals.ratio / seen if totals.tokens else 1.0,
-        "lr": config.lr_at(start_step + max(len(steps), 1)),
+        "lr": job.config.lr_at(start_step + max(steps, 1)),
         "reward_mean": float(batch.rewards.mean()) if batch.num_samples else 0.0,
         "advantage_mean": float(advantages.mean()) if batch.num_samples else 0.0,
         "advantage_abs_mean": float(advantages.abs().mean()) if batch.num_samples else 0.0,
-        "logprob_mismatch_mean_abs": mismatch_sum / max(1, sum(lens)),
-        "logprob_mismatch_max_abs": mismatch_max,
+        "logprob_mismatch_mean_abs": mismatch[0] / max(1, sum(lens)),
+        "logprob_mismatch_max_abs": mismatch[1],
         "optimizer_step_start": start_step,
-        "optimizer_step_end": start_step + len(steps),
+        "optimizer_step_end": start_step + steps,
     }
-    finish(job, ctx, wrapped, optimizer, metrics, started)
-    return metrics
 
 
 def finish(
@@ -326,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(rank, world, "?")
     try:
         _train(args.job, rank, world)
-    except TrainerError as exc:
+    except (TrainerError, CheckpointError) as exc:  # a bad job, batch or checkpoint: exit 2
         log.error("failed: %s", exc)
         print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -11,13 +11,13 @@ collectives inside them and unequal counts would hang.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from rollout.train_batch import TrainBatch
+from rollout.batch_format import TrainBatch
 from trainer import grpo
 from trainer.config import LossAgg, TrainConfig
 from trainer.distributed import DistContext, all_reduce, grad_sync
@@ -30,7 +30,6 @@ class Sums:
     """Token sums over the iteration, added over ranks before they become means."""
 
     loss: float = 0.0  # the objective as optimised (already normalised)
-    policy: float = 0.0
     kl: float = 0.0
     clipped: float = 0.0
     ratio: float = 0.0
@@ -38,18 +37,17 @@ class Sums:
 
     def add(self, terms: grpo.LossTerms) -> None:
         self.loss += float(terms.loss.detach())
-        self.policy += float(terms.policy_sum)
         self.kl += float(terms.kl_sum)
         self.clipped += float(terms.clipped_tokens)
         self.ratio += float(terms.ratio_sum)
         self.tokens += float(terms.tokens)
 
+    def merge(self, other: Sums) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
     def reduced(self, ctx: DistContext) -> Sums:
-        return Sums(
-            *all_reduce(
-                [self.loss, self.policy, self.kl, self.clipped, self.ratio, self.tokens], ctx
-            )
-        )
+        return Sums(*all_reduce([getattr(self, f.name) for f in fields(self)], ctx))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,35 +80,8 @@ def optimizer_step(
         # A rank short of samples runs a zero-weight copy of a real one: DDP
         # and FSDP2 need every rank in every backward's collectives.
         idx = list(chunk) if real else [inputs.own[0] if inputs.own else 0]
-        packed = pack(inputs.batch, idx, inputs.pad_id)
         with grad_sync(wrapped, ctx, enabled=m == len(mine) - 1):
-            logits = forward_logits(wrapped, packed, ctx)
-            logp = grpo.token_logprobs(logits, packed.input_ids.to(ctx.device))
-            if real:
-                old = grpo.place_response_values([inputs.old[i] for i in idx], packed)
-            else:
-                old = logp.detach().cpu()
-            ref = None
-            if inputs.ref is not None and real:
-                ref = grpo.place_response_values([inputs.ref[i] for i in idx], packed).to(
-                    ctx.device
-                )
-            if config.loss_agg == LossAgg.TOKEN_MEAN:
-                weights, normalizer = None, max(step.tokens, 1)
-            else:
-                weights = torch.tensor([1.0 / max(r, 1) for r in packed.response_lens])
-                normalizer = max(step.samples, 1)
-            terms = grpo.grpo_loss(
-                logp,
-                old.to(ctx.device),
-                inputs.advantages[idx].to(ctx.device),
-                packed.response_mask.to(ctx.device),
-                clip_eps=config.clip_eps,
-                normalizer=normalizer,
-                ref_logp=ref,
-                kl_coef=config.kl_coef,
-                sample_weights=None if weights is None else weights.to(ctx.device),
-            )
+            terms = micro_batch_loss(wrapped, step, inputs, idx, real, ctx, config)
             # DDP and FSDP2 average gradients over ranks, while the normaliser
             # already counts every rank's tokens/samples: scale the average back to a sum.
             (terms.loss * (float(ctx.world_size) if real else 0.0)).backward()
@@ -125,3 +96,45 @@ def optimizer_step(
         group["lr"] = config.lr_at(total_steps)
     optimizer.step()
     return sums, grad_norm
+
+
+def micro_batch_loss(
+    wrapped: Any,
+    step: grpo.Step,
+    inputs: Inputs,
+    idx: list[int],
+    real: bool,
+    ctx: DistContext,
+    config: TrainConfig,
+) -> grpo.LossTerms:
+    """The GRPO loss of the samples `idx`, normalised over the whole step.
+
+    A stand-in micro-batch (`real` false) is its own "old" policy and has no
+    reference values: its loss only keeps this rank in the collectives.
+    """
+    packed = pack(inputs.batch, idx, inputs.pad_id)
+    logits = forward_logits(wrapped, packed, ctx)
+    logp = grpo.token_logprobs(logits, packed.input_ids.to(ctx.device))
+    if real:
+        old = grpo.place_response_values([inputs.old[i] for i in idx], packed)
+    else:
+        old = logp.detach().cpu()
+    ref = None
+    if inputs.ref is not None and real:
+        ref = grpo.place_response_values([inputs.ref[i] for i in idx], packed).to(ctx.device)
+    if config.loss_agg == LossAgg.TOKEN_MEAN:
+        weights, normalizer = None, max(step.tokens, 1)
+    else:
+        weights = torch.tensor([1.0 / max(r, 1) for r in packed.response_lens])
+        normalizer = max(step.samples, 1)
+    return grpo.grpo_loss(
+        logp,
+        old.to(ctx.device),
+        inputs.advantages[idx].to(ctx.device),
+        packed.response_mask.to(ctx.device),
+        clip_eps=config.clip_eps,
+        normalizer=normalizer,
+        ref_logp=ref,
+        kl_coef=config.kl_coef,
+        sample_weights=None if weights is None else weights.to(ctx.device),
+    )

@@ -29,10 +29,10 @@ from rollout.tasks import BuiltinReverseTasks, Task
 from trainer import grpo
 from trainer.checkpoint import (
     MANIFEST_NAME,
-    _tmp_sibling,
     fsync_tree,
     read_manifest,
     seal_directory,
+    tmp_sibling,
     write_model_files,
 )
 
@@ -201,7 +201,7 @@ def warm_start(model_dir: Path, *, steps: int = DEFAULT_STEPS, seed: int = 0) ->
         accuracy = sampled_accuracy(model, tokenizer, source.tasks("eval"), seed=seed)
 
     iteration = read_manifest(model_dir).iteration if (model_dir / MANIFEST_NAME).exists() else None
-    tmp = _tmp_sibling(model_dir)
+    tmp = tmp_sibling(model_dir)
     try:
         write_model_files(model, None, tmp, carry_files_from=model_dir)
         if iteration is not None:

@@ -26,7 +26,7 @@ def invoke(*args: str) -> tuple[int, str]:
 @pytest.mark.parametrize(("args", "message"), [
     (["--num-nodes", "3", "--rank-weights", "1,1"],
      "--rank-weights has 2 values but --num-nodes is 3: give one weight per node, e.g. 1,1,1"),
-    (["--num-nodes", "3", "--rank-weights", "1,-1,1"], "weight -1 is negative"),
+    (["--num-nodes", "3", "--rank-weights", "1,-1,1"], "the weight of rank 1, -1.0, is negative"),
     (["--num-nodes", "2", "--rank-weights", "0,0"], "sum to zero: at least one node must get work"),
     (["--num-nodes", "2", "--rank-weights", "1,x"], "'x' is not a number"),
     (["--num-nodes", "0"], "--num-nodes 0 is below 1"),

@@ -88,7 +88,7 @@ def test_run_flags_are_parsed_strictly_from_a_release() -> None:
     assert RunFlags.of({"run": {"10": False}, "master_addr": "x"}, where).runs(Phase.TRAIN) \
         is False
     assert RunFlags.of({}, where).runs(Phase.TRAIN) is None
-    with pytest.raises(MalformedRecordError, match="phase-09/release.json"):
+    with pytest.raises(MalformedRecordError, match=r"phase-09/release\.json"):
         RunFlags.of({"run": {"10": "yes"}}, where)
 
 

@@ -60,3 +60,49 @@ def test_records_of_another_run_or_an_older_generation_are_no_sign_of_life() -> 
     t.observe(1, heartbeat(counter=7, run_id="old"), now=5.0)
     t.observe(1, heartbeat(counter=8, generation=1), now=10.0)
     assert isinstance(t.verdict(1, now=16.0), PeerLostError)
+
+
+def master_tracker() -> PeerTracker:
+    t = PeerTracker(lease_s=15.0, run_id="r", generation=0, attribute_s=16.0)
+    for rank in (1, 2):
+        t.expect(rank, token=f"t{rank}", host=f"gpu-0{rank}", now=0.0)
+    return t
+
+
+def test_a_peer_lost_while_another_reports_a_failed_collective_step_is_the_one_blamed() -> None:
+    t = master_tracker()
+    # Rank 2 dies at t=1; at t=3 rank 1's training breaks because of it.
+    t.observe(2, heartbeat(rank=2, token="t2", counter=1, iteration=1, phase=10), now=1.0)
+    for second in range(3, 16):
+        t.observe(1, heartbeat(rank=1, token="t1", counter=second, iteration=1, phase=10,
+                               state=NodeState.STEP_FAILED, error="torchrun exit 1"),
+                  now=float(second))
+        assert t.first_verdict(now=float(second)) is None  # rank 2 has not beaten since
+    verdict = t.first_verdict(now=16.5)
+    assert isinstance(verdict, PeerLostError) and verdict.rank == 2
+
+
+def test_a_failed_collective_step_is_blamed_once_every_peer_has_beaten_since() -> None:
+    t = master_tracker()
+    t.observe(1, heartbeat(rank=1, token="t1", counter=1, iteration=1, phase=10,
+                           state=NodeState.STEP_FAILED, error="CUDA out of memory"), now=2.0)
+    t.observe(2, heartbeat(rank=2, token="t2", counter=1, iteration=1, phase=10), now=2.0)
+    assert t.first_verdict(now=2.0) is None  # the attribution starts
+    t.observe(1, heartbeat(rank=1, token="t1", counter=2, state=NodeState.STEP_FAILED,
+                           error="CUDA out of memory"), now=2.5)
+    assert t.first_verdict(now=2.5) is None  # rank 2 has not beaten since
+    t.observe(2, heartbeat(rank=2, token="t2", counter=2, iteration=1, phase=10), now=2.6)
+    verdict = t.first_verdict(now=2.6)
+    assert isinstance(verdict, PhaseFailedError) and verdict.rank == 1
+    assert "CUDA out of memory" in str(verdict)
+
+
+def test_workers_leave_the_attribution_to_the_master() -> None:
+    t = PeerTracker(lease_s=15.0, run_id="r", generation=0)  # a worker watches the master
+    t.expect(0, token="t0", host="gpu-00", now=0.0)
+    t.observe(0, heartbeat(rank=0, token="t0", counter=1, state=NodeState.STEP_FAILED,
+                           error="x"), now=1.0)
+    for second in range(2, 100):
+        t.observe(0, heartbeat(rank=0, token="t0", counter=second, state=NodeState.STEP_FAILED,
+                               error="x"), now=float(second))
+        assert t.first_verdict(now=float(second)) is None  # alive: its abort will say why

@@ -238,7 +238,8 @@ def test_chunks_on_a_direct_io_mount_verify_and_load_though_it_cannot_map_them(
     import mmap
     import os
 
-    from rollout.trajectory import RankCheckpointWriter, read_verified_chunk
+    from rollout.chunk_format import read_verified_chunk
+    from rollout.trajectory import RankCheckpointWriter
     from tests.rollout.test_trajectory import make_group
 
     with NetFs(tmp_path / "fs", mounts=2) as fs:

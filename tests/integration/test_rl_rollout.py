@@ -55,7 +55,8 @@ def test_three_ranks_roll_out_and_the_batch_holds_every_assigned_task_times_the_
     finally:
         c.close()
     it = c.log_path / "iterations" / "000000"
-    plan = ShardPlan.from_json((it / "shard-train.json").read_text(), source="plan")
+    plan_path = it / "shard-train.json"
+    plan = ShardPlan.from_bytes(plan_path.read_bytes(), plan_path)
     shares = [len(plan.tasks_for(r)) for r in range(3)]
     assert sum(shares) == 21 and shares == [11, 5, 5]  # 2:1:1 of 21, largest remainder
     batch = load_train_batch(it / "batch.pt")
@@ -85,7 +86,9 @@ def test_rank_weights_auto_follow_the_previous_iterations_throughput(tmp_path: P
     from coordinator.actions import StepContext, resolve_config
     from coordinator.phases import Phase
     from coordinator.runtime import Runtime
-    from rl.actions import RlActions, metrics_path
+    from rl import layout
+    from rl.actions import RlActions
+    from rl.plan import rank_weights
 
     config = resolve_config({"run": {"actions": "rl"}})
     actions = RlActions(config, rank=0, num_nodes=3, run_dir=tmp_path)
@@ -96,11 +99,11 @@ def test_rank_weights_auto_follow_the_previous_iterations_throughput(tmp_path: P
                            host="h", address="127.0.0.1", runtime=Runtime())
 
     try:
-        assert actions._weights(ctx(0)) == [1.0, 1.0, 1.0]  # nothing measured yet: equal
-        path = metrics_path(tmp_path, 0, "rollout")
+        assert rank_weights(actions.loop, ctx(0)) == [1.0, 1.0, 1.0]  # nothing measured: equal
+        path = layout.metrics(tmp_path, 0, "rollout")
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps({"samples_per_second": {"0": 40.0, "1": 20.0, "2": 20.0}}))
-        weights = actions._weights(ctx(1))
+        weights = rank_weights(actions.loop, ctx(1))
         assert weights[0] == pytest.approx(2 * weights[1]) and weights[1] == weights[2]
     finally:
         actions.close()

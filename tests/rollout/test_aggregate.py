@@ -10,19 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.aggregate import (
-    AggregateMetrics,
-    AggregationError,
-    TrainBatch,
-    TrainBatchError,
-    aggregate_iteration,
-    load_train_batch,
-    merge_eval_metrics,
-    save_train_batch,
-)
+from rollout.accumulator import AggregateMetrics
+from rollout.aggregate import aggregate_iteration, merge_eval_metrics
+from rollout.batch_format import TrainBatch, TrainBatchError
+from rollout.chunk_format import FinishReason, TrajectorySample, encode_chunk
+from rollout.errors import AggregationError
 from rollout.manifest import MANIFEST_NAME, ChunkEntry, RankManifest, chunk_file_name
 from rollout.sharding import ShardPlan
-from rollout.trajectory import FinishReason, RankCheckpointWriter, TrajectorySample, encode_chunk
+from rollout.train_batch import load_train_batch, save_train_batch
+from rollout.trajectory import RankCheckpointWriter
 
 
 def make_group(
@@ -110,7 +106,7 @@ def write_raw_rank(
         rollout_seconds=1.0,
         chunks=tuple(entries),
     )
-    (directory / MANIFEST_NAME).write_text(manifest.to_json())
+    (directory / MANIFEST_NAME).write_bytes(manifest.to_bytes())
 
 
 def ids(n: int) -> list[str]:
@@ -276,7 +272,8 @@ def test_a_chunk_that_would_run_code_is_refused_even_with_a_matching_checksum(
     marker = tmp_path / "code-ran"
     planted = plant_hostile_chunk(tmp_path / "r0", marker)
     with pytest.raises(
-        AggregationError, match=r"rank 0: chunk .* refused by torch.load\(weights_only=True\)"
+        AggregationError,
+        match=r"^rank 0: \S*/r0/chunk-000000\.pt: was refused by torch.load\(weights_only=True\)",
     ):
         aggregate_iteration(
             {0: tmp_path / "r0"}, {0: ["a"]}, iteration=0, group_size=2, out_path=tmp_path / "b"
@@ -291,7 +288,7 @@ def test_loading_a_hostile_train_batch_is_refused_without_running_code(tmp_path:
     marker = tmp_path / "code-ran"
     path = tmp_path / "batch.pt"
     torch.save({"schema": "coordinator/train-batch", "x": PlantedPayload(marker)}, path)
-    with pytest.raises(TrainBatchError, match=r"batch\.pt was refused by torch.load"):
+    with pytest.raises(TrainBatchError, match=r"batch\.pt: was refused by torch.load"):
         load_train_batch(path)
     assert not marker.exists()
 

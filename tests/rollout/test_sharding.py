@@ -3,13 +3,16 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.errors import MalformedRecordError, ShardingError
+from coordinator.errors import ExitCode, MalformedRecordError
+from rollout.errors import ShardingError
 from rollout.sharding import (
     MIN_RELATIVE_WEIGHT,
     ShardPlan,
@@ -78,12 +81,12 @@ def test_apportionment_gives_leftovers_to_the_largest_remainders() -> None:
 @pytest.mark.parametrize(
     ("weights", "message"),
     [
-        ([1, -1], r"weight of rank 1 is -1, below 0: use 0 to give a rank no tasks"),
-        ([0, 0], r"sum to 0: at least one rank needs a positive weight"),
-        ([1, math.nan], r"weight of rank 1 is nan: weights must be finite"),
-        ([math.inf], r"weight of rank 0 is inf: weights must be finite"),
-        ([], r"no rank weights given"),
-        ([1, "2"], r"weight of rank 1 is '2': give a number"),
+        ([1, -1], r"the weight of rank 1, -1, is negative or not finite: weights are shares"),
+        ([0, 0], r"sum to zero: at least one node must get work"),
+        ([1, math.nan], r"the weight of rank 1, nan, is negative or not finite"),
+        ([math.inf], r"the weight of rank 0, inf, is negative or not finite"),
+        ([], r"no weights: give one weight per node"),
+        ([1, "2"], r"the weight of rank 1, '2', is not a number"),
     ],
 )
 def test_bad_weights_are_refused_naming_the_value_and_the_fix(
@@ -98,40 +101,61 @@ def test_repeated_task_ids_are_refused() -> None:
         shard_tasks(["a", "b", "a"], [1], seed=0, iteration=0)
 
 
+PLAN = Path("run/iterations/000004/shard-train.json")
+
+
 def test_shard_plan_round_trips_through_versioned_json() -> None:
     plan = ShardPlan.build(ids(11), [2.0, 1.0, 0.5], seed=9, iteration=4)
-    text = plan.to_json()
-    data = json.loads(text)
-    assert data["schema"] == "coordinator/shard-plan" and data["version"] == 1
-    assert ShardPlan.from_json(text) == plan
+    data = plan.to_bytes()
+    body = json.loads(data)
+    assert body["schema"] == "coordinator/shard-plan" and body["version"] == 1
+    assert list(body) == ["schema", "version", "iteration", "seed", "weights", "assignments"]
+    assert body["weights"] == [2.0, 1.0, 0.5] and body["assignments"][1] == list(plan.tasks_for(1))
+    assert ShardPlan.from_bytes(data, PLAN) == plan
     assert plan.as_mapping()[1] == plan.tasks_for(1)
-    data["added_by_a_newer_writer"] = True  # unknown fields are ignored
-    assert ShardPlan.from_json(json.dumps(data)) == plan
+    body["added_by_a_newer_writer"] = True  # unknown fields are ignored
+    assert ShardPlan.from_bytes(json.dumps(body).encode(), PLAN) == plan
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"version": 2}, r"version 2: expected 'coordinator/shard-plan' version 1"),
-        ({"schema": "other"}, r"schema 'other'"),
-        ({"iteration": "4"}, r"iteration='4' is not an integer"),
+        ({"version": 2}, r"version 2 is not supported \(this build reads 1\)"),
+        ({"schema": "other"}, r"schema is 'other', expected 'coordinator/shard-plan'"),
+        ({"iteration": "4"}, r"field 'iteration' must be an integer, got '4'"),
+        ({"iteration": -1}, r"iteration=-1 is below 0"),
         ({"weights": [1.0]}, r"1 weights but 3 assignments"),
+        ({"weights": [1.0, -1.0, 1.0]}, r"the weight of rank 1, -1.0, is negative"),
         ({"assignments": [["a"], ["a"], []]}, r"assigns a task id twice"),
-        ({"assignments": "x"}, r"'assignments' must be a list of lists"),
+        ({"assignments": [["a"], [""], []]}, r"empty or non-string task id"),
+        ({"assignments": "x"}, r"field 'assignments' must be a list, got 'x'"),
+        ({"assignments": [["a"], [7], []]}, r"field 'assignments' must be a string, got 7"),
+        ({"seed": None}, r"field 'seed' must be an integer, got None"),
     ],
 )
-def test_malformed_shard_plans_are_refused_with_the_source_named(
+def test_malformed_shard_plans_are_refused_with_the_file_named(
     change: dict, message: str
 ) -> None:
-    data = json.loads(ShardPlan.build(ids(5), [1, 1, 1], seed=0, iteration=4).to_json())
+    data = json.loads(ShardPlan.build(ids(5), [1, 1, 1], seed=0, iteration=4).to_bytes())
     data.update(change)
-    with pytest.raises(MalformedRecordError, match=f"plan.json.*{message}"):
-        ShardPlan.from_json(json.dumps(data), source="plan.json")
+    with pytest.raises(MalformedRecordError, match=f"^{re.escape(str(PLAN))}: .*{message}") as info:
+        ShardPlan.from_bytes(json.dumps(data).encode(), PLAN)
+    assert info.value.path == PLAN and info.value.exit_code is ExitCode.CORRUPT
+
+
+def test_a_shard_plan_with_a_field_of_the_wrong_type_is_coordinators_malformed_record() -> None:
+    data = json.loads(ShardPlan.build(ids(4), [1, 1], seed=0, iteration=4).to_bytes())
+    data["weights"] = ["1", 1]
+    with pytest.raises(MalformedRecordError) as info:
+        ShardPlan.from_bytes(json.dumps(data).encode(), PLAN)
+    assert type(info.value) is MalformedRecordError  # coordinator's one type, no look-alike
+    assert info.value.path == PLAN
+    assert str(info.value) == f"{PLAN}: field 'weights' must be a finite number"
 
 
 def test_invalid_json_is_a_malformed_plan() -> None:
-    with pytest.raises(MalformedRecordError, match="not valid JSON"):
-        ShardPlan.from_json("{", source="plan.json")
+    with pytest.raises(MalformedRecordError, match=r"shard-train\.json: not valid JSON"):
+        ShardPlan.from_bytes(b"{", PLAN)
 
 
 def test_throughput_weights_are_equal_without_measurements() -> None:

@@ -10,17 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.aggregate import AggregationError, aggregate_iteration
+from coordinator.errors import ExitCode, MalformedRecordError
+from rollout.aggregate import aggregate_iteration
+from rollout.batch_format import TRAIN_BATCH_VERSION, TrainBatch, TrainBatchError
+from rollout.chunk_format import FinishReason, TrajectorySample, encode_chunk
+from rollout.errors import AggregationError
 from rollout.manifest import MANIFEST_NAME
-from rollout.train_batch import (
-    TRAIN_BATCH_VERSION,
-    TrainBatch,
-    TrainBatchError,
-    TrainBatchWriter,
-    load_train_batch,
-    save_train_batch,
-)
-from rollout.trajectory import FinishReason, RankCheckpointWriter, TrajectorySample, encode_chunk
+from rollout.train_batch import TrainBatchWriter, load_train_batch, save_train_batch
+from rollout.trajectory import RankCheckpointWriter
 
 
 def tensors(**change: object) -> dict[str, object]:
@@ -191,7 +188,7 @@ def test_a_planted_custom_class_is_refused_without_running_its_code(tmp_path: Pa
     payload["group_task_ids"] = [PlantedPayload(marker), "b"]
     torch.save(payload, tmp_path / "batch.pt")
     with pytest.raises(
-        TrainBatchError, match=r"batch\.pt was refused by torch.load\(weights_only=True\)"
+        TrainBatchError, match=r"batch\.pt: was refused by torch.load\(weights_only=True\)"
     ):
         load_train_batch(tmp_path / "batch.pt")
     assert not marker.exists()
@@ -219,7 +216,7 @@ def test_a_version_1_file_is_refused_with_a_way_out(tmp_path: Path) -> None:
     v1 = {"schema": "coordinator/train-batch", "version": 1, "iteration": 7, "prompt_ids": [[1]]}
     with pytest.raises(
         TrainBatchError,
-        match=r"batch\.pt has schema version 1 .* re-run the aggregation of iteration 7",
+        match=r"batch\.pt: has schema version 1 .* re-run the aggregation of iteration 7",
     ):
         load_train_batch(saved(tmp_path, v1))
 
@@ -229,9 +226,9 @@ def test_a_version_1_file_is_refused_with_a_way_out(tmp_path: Path) -> None:
     [
         (
             lambda p: p.update(version=3),
-            r"batch\.pt has schema 'coordinator/train-batch' version 3: expected",
+            r"batch\.pt: has schema 'coordinator/train-batch' version 3: expected",
         ),
-        (lambda p: p.pop("rewards"), r"batch\.pt lacks fields \['rewards'\]"),
+        (lambda p: p.pop("rewards"), r"batch\.pt: lacks fields \['rewards'\]"),
         (
             lambda p: p.update(response_offsets=torch.tensor([0, 2, 3, 3, 5])),
             r"batch\.pt: .*response_tokens must be",
@@ -254,9 +251,9 @@ def test_a_truncated_or_non_dict_file_is_refused_and_a_missing_one_is_not_found(
     save_train_batch(tmp_path / "good.pt", TrainBatch(**tensors()))  # type: ignore[arg-type]
     data = (tmp_path / "good.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(TrainBatchError, match=r"cut\.pt was refused by torch.load"):
+    with pytest.raises(TrainBatchError, match=r"cut\.pt: was refused by torch.load"):
         load_train_batch(tmp_path / "cut.pt")
-    with pytest.raises(TrainBatchError, match=r"batch\.pt is a list, not a dict"):
+    with pytest.raises(TrainBatchError, match=r"batch\.pt: is a list, not a dict"):
         load_train_batch(saved(tmp_path, [1, 2]))
     with pytest.raises(FileNotFoundError):
         load_train_batch(tmp_path / "absent.pt")
@@ -368,3 +365,16 @@ def test_a_chunk_with_a_negative_token_id_fails_the_aggregation_naming_rank_and_
 def test_the_version_constant_is_the_one_written(tmp_path: Path) -> None:
     save_train_batch(tmp_path / "b.pt", TrainBatch(**tensors()))  # type: ignore[arg-type]
     assert torch.load(tmp_path / "b.pt", weights_only=True)["version"] == TRAIN_BATCH_VERSION
+
+
+def test_train_batch_errors_are_coordinators_malformed_records(tmp_path: Path) -> None:
+    with pytest.raises(MalformedRecordError) as in_memory:
+        TrainBatch(**tensors(group_size=0))  # type: ignore[arg-type]
+    assert isinstance(in_memory.value, TrainBatchError)
+    assert in_memory.value.exit_code is ExitCode.CORRUPT and in_memory.value.path is None
+    assert str(in_memory.value).startswith("train batch of iteration 2: group_size=0")
+    with pytest.raises(MalformedRecordError) as on_disk:
+        load_train_batch(saved(tmp_path, [1, 2]))
+    assert isinstance(on_disk.value, TrainBatchError)
+    assert on_disk.value.path == tmp_path / "batch.pt"
+    assert str(on_disk.value) == f"{tmp_path / 'batch.pt'}: is a list, not a dict"

@@ -15,16 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.errors import CheckpointError, MalformedRecordError
-from rollout.manifest import MANIFEST_NAME, read_manifest
-from rollout.trajectory import (
+from coordinator.errors import MalformedRecordError
+from rollout.chunk_format import (
     FinishReason,
-    RankCheckpointWriter,
     TrajectorySample,
     decode_chunk,
     encode_chunk,
     read_verified_chunk,
 )
+from rollout.errors import CheckpointError
+from rollout.manifest import MANIFEST_NAME, read_manifest
+from rollout.trajectory import RankCheckpointWriter
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -211,7 +212,8 @@ _CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from rollout.trajectory import FinishReason, RankCheckpointWriter, TrajectorySample
+    from rollout.chunk_format import FinishReason, TrajectorySample
+    from rollout.trajectory import RankCheckpointWriter
 
     directory, k, n = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     writer = RankCheckpointWriter(directory, 0, k, iteration=0)
@@ -319,5 +321,7 @@ def test_decoding_refuses_structurally_inconsistent_chunks(
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     buffer.seek(0)
-    with pytest.raises(MalformedRecordError, match=message):
+    expected = rf"^c\.pt: malformed chunk: .*{message}"
+    with pytest.raises(MalformedRecordError, match=expected) as info:
         decode_chunk(torch.load(buffer, weights_only=True), path=Path("c.pt"))
+    assert info.value.path == Path("c.pt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -10,11 +11,14 @@ from typing import Any
 
 import pytest
 
+import rollout.errors
+from coordinator.errors import MalformedRecordError
 from trainer.checkpoint import (
     MANIFEST_NAME,
     CheckpointError,
+    FileEntry,
+    Manifest,
     copy_to_local_cache,
-    latest_checkpoint,
     publish_checkpoint,
     read_manifest,
     verify_checkpoint,
@@ -60,7 +64,7 @@ def test_published_checkpoint_lists_every_file_with_hash_and_size(tmp_path: Path
     publish(final, iteration=1)
     manifest = verify_checkpoint(final)
     assert manifest.iteration == 1
-    assert {f.name: f.size for f in manifest.files} == {
+    assert {name: f.size for name, f in manifest.files.items()} == {
         "config.json": 24,
         "model.safetensors": 64,
         "tokenizer.json": 14,
@@ -106,6 +110,114 @@ def test_manifest_naming_a_path_outside_the_checkpoint_is_malformed(tmp_path: Pa
         verify_checkpoint(final)
 
 
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (
+            lambda data: data["files"].update({"../x": {"sha256": "0" * 64, "size": 1}}),
+            r"file name '\.\./x' is not a plain relative path",
+        ),
+        (
+            lambda data: data["files"]["config.json"].update(size="24"),
+            r"field 'size' must be an integer, got '24'",
+        ),
+    ],
+    ids=["climbing-name", "wrong-type"],
+)
+def test_a_malformed_manifest_is_refused_naming_its_path(
+    tmp_path: Path, change: Any, problem: str
+) -> None:
+    final = tmp_path / "iter-1"
+    publish(final)
+    path = final / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=problem) as err:
+        read_manifest(final)
+    assert err.value.path == path
+    assert str(err.value).startswith(f"{path}: ")
+    assert isinstance(err.value.__cause__, MalformedRecordError)
+
+
+@pytest.mark.parametrize(
+    ("files", "problem"),
+    [
+        ({}, "files is empty"),
+        ({"/etc/passwd": {"sha256": "0" * 64, "size": 1}}, "is not a plain relative path"),
+        ({"a\\b": {"sha256": "0" * 64, "size": 1}}, "is not a plain relative path"),
+        ({"a/../../b": {"sha256": "0" * 64, "size": 1}}, "is not a plain relative path"),
+        ({MANIFEST_NAME: {"sha256": "0" * 64, "size": 1}}, "is not a plain relative path"),
+        ({"": {"sha256": "0" * 64, "size": 1}}, "is not a plain relative path"),
+        ({"w.bin": {"sha256": "0" * 63, "size": 1}}, "is not 64 lowercase hex digits"),
+        ({"w.bin": {"sha256": "A" * 64, "size": 1}}, "is not 64 lowercase hex digits"),
+        ({"w.bin": {"sha256": "0" * 64, "size": -1}}, r"size -1 is not an integer >= 0"),
+        ({"w.bin": {"sha256": "0" * 64, "size": True}}, "field 'size' must be an integer"),
+        ({"w.bin": {"sha256": "0" * 64}}, "field 'size' is missing"),
+        ({"w.bin": ["0" * 64, 1]}, "field 'files' must be an object"),
+    ],
+)
+def test_every_manifest_rule_is_enforced_on_parse(files: Any, problem: str) -> None:
+    body = {"schema": "coordinator/checkpoint-manifest", "version": 1, "iteration": 0}
+    where = Path("/run/checkpoints/iter-000000/manifest.json")
+    with pytest.raises(MalformedRecordError, match=problem) as err:
+        Manifest.from_bytes(json.dumps({**body, "files": files}).encode(), where)
+    assert err.value.path == where
+    for wrong in ({**body, "iteration": -1}, {**body, "version": 2}, {**body, "schema": "x"}):
+        with pytest.raises(MalformedRecordError):
+            Manifest.from_bytes(json.dumps({**wrong, "files": {"w.bin": {
+                "sha256": "0" * 64, "size": 1}}}).encode(), where)
+
+
+def test_the_manifest_keeps_its_on_disk_shape_and_a_stable_digest(tmp_path: Path) -> None:
+    final = tmp_path / "iter-4"
+    publish(final, iteration=4)
+    raw = (final / MANIFEST_NAME).read_bytes()
+    data = json.loads(raw)
+    assert list(data) == ["files", "iteration", "schema", "version"]  # sorted keys
+    assert (data["schema"], data["version"], data["iteration"]) == (
+        "coordinator/checkpoint-manifest", 1, 4)
+    assert sorted(data["files"]) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert all(set(entry) == {"sha256", "size"} for entry in data["files"].values())
+    assert raw == (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    manifest = read_manifest(final)
+    assert manifest.to_bytes() == raw
+    assert manifest.digest == hashlib.sha256(raw).hexdigest()[:16]
+    # Equal manifests, equal digests, whatever order the files were listed in.
+    reordered = Manifest(iteration=4, files=dict(reversed(list(manifest.files.items()))))
+    assert reordered == manifest and reordered.digest == manifest.digest
+    changed = dict(manifest.files, **{"config.json": FileEntry(sha256="0" * 64, size=24)})
+    assert Manifest(iteration=4, files=changed).digest != manifest.digest
+    assert Manifest(iteration=5, files=manifest.files).digest != manifest.digest
+
+
+def test_a_torn_manifest_is_read_again_and_a_missing_one_is_a_checkpoint_error(
+    tmp_path: Path,
+) -> None:
+    assert CheckpointError is rollout.errors.CheckpointError  # one class for the whole project
+    final = tmp_path / "iter-1"
+    publish(final)
+    path = final / MANIFEST_NAME
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])  # what a reader with a stale cached size sees
+
+    def repair() -> None:
+        (final / "fixed").write_bytes(whole)
+        os.replace(final / "fixed", path)
+
+    timer = threading.Timer(0.3, repair)
+    timer.start()
+    try:
+        assert read_manifest(final) == verify_checkpoint(final)
+    finally:
+        timer.join()
+    missing = tmp_path / "never-published"
+    missing.mkdir()
+    with pytest.raises(CheckpointError, match=r"manifest\.json is missing") as err:
+        read_manifest(missing)
+    assert err.value.path == missing / MANIFEST_NAME
+
+
 def test_the_final_name_never_shows_a_partial_checkpoint(tmp_path: Path) -> None:
     final = tmp_path / "iter-000003"
     pause, resume = threading.Event(), threading.Event()
@@ -117,16 +229,18 @@ def test_the_final_name_never_shows_a_partial_checkpoint(tmp_path: Path) -> None
     try:
         assert pause.wait(10)
         # Half written: the files go to a hidden sibling, the final name is absent
-        # and a reader choosing the latest checkpoint sees nothing.
+        # and a reader of the final name sees nothing.
         assert model.written_to is not None and model.written_to.parent == tmp_path
         assert model.written_to.name.startswith(".")
         assert not final.exists()
-        assert latest_checkpoint(tmp_path) is None
+        assert [p for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+        with pytest.raises(CheckpointError, match="does not exist"):
+            verify_checkpoint(final)
     finally:
         resume.set()
         worker.join(10)
     assert verify_checkpoint(final).iteration == 3
-    assert latest_checkpoint(tmp_path) == final
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]
 
 
 def test_a_failed_write_leaves_neither_final_nor_temporary_dir(tmp_path: Path) -> None:
@@ -179,24 +293,6 @@ def test_a_corrupt_source_is_not_cached(tmp_path: Path) -> None:
         copy_to_local_cache(src, tmp_path / "cache")
     cache = tmp_path / "cache"
     assert not cache.exists() or not any(p.name.startswith("iter-1") for p in cache.iterdir())
-
-
-def test_latest_is_chosen_by_manifest_iteration_not_mtime_or_name(tmp_path: Path) -> None:
-    publish(tmp_path / "b", iteration=2)
-    publish(tmp_path / "c", iteration=1)  # newer mtime, later name, older iteration
-    os.utime(tmp_path / "b", (0, 0))
-    (tmp_path / ".c.tmp-1-abcd").mkdir()  # an interrupted publish
-    (tmp_path / "junk").mkdir()  # no manifest
-    assert latest_checkpoint(tmp_path) == tmp_path / "b"
-
-
-def test_latest_skips_a_damaged_newest_checkpoint(tmp_path: Path) -> None:
-    publish(tmp_path / "a", iteration=1)
-    publish(tmp_path / "z", iteration=5)
-    (tmp_path / "z" / "model.safetensors").write_bytes(b"")
-    assert latest_checkpoint(tmp_path) == tmp_path / "a"
-    assert latest_checkpoint(tmp_path, verify=False) == tmp_path / "z"
-    assert latest_checkpoint(tmp_path / "missing") is None
 
 
 def test_a_real_model_round_trips_through_publish_and_verify(tmp_path: Path) -> None:

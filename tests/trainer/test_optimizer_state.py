@@ -12,11 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.train_batch import TrainBatch, save_train_batch
-from trainer.checkpoint import load_optimizer_state, optimizer_state_path
+from rollout.batch_format import TrainBatch
+from rollout.train_batch import save_train_batch
 from trainer.config import Strategy, TrainConfig, TrainJob
+from trainer.distributed import DistContext
+from trainer.optim_state import (
+    load_optimizer_state,
+    optimizer_state_path,
+    restore_optimizer,
+    save_optimizer,
+)
 from trainer.tiny_model import create_tiny_model
-from trainer.train import DistContext, restore_optimizer, save_optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 SINGLE = DistContext(

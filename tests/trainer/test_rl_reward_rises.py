@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollout.batch_format import TrainBatch
 from rollout.tasks import BuiltinReverseTasks
-from rollout.train_batch import TrainBatch, save_train_batch
+from rollout.train_batch import save_train_batch
 from trainer.config import Strategy, TrainConfig, TrainJob
 from trainer.tiny_model import create_tiny_model
 from trainer.train import DistContext, run

@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout.train_batch import TrainBatch, save_train_batch
+from rollout.batch_format import TrainBatch
+from rollout.train_batch import save_train_batch
 from trainer.checkpoint import verify_checkpoint
 from trainer.config import TrainConfig, TrainJob
 from trainer.tiny_model import create_tiny_model
@@ -223,6 +224,29 @@ def test_a_batch_from_another_tokenizer_is_refused_naming_the_sample(tmp_path: P
     assert not (tmp_path / "bad" / "checkpoint").exists()
 
 
+def test_an_altered_model_checkpoint_exits_2_naming_the_file(tmp_path: Path) -> None:
+    from trainer.warmstart import build_initial_model
+
+    model_dir = tmp_path / "model"
+    build_initial_model(model_dir, seed=0, warmstart_steps=0)  # a published checkpoint
+    write_batch(tmp_path / "batch.pt", model_dir, [2])
+    with (model_dir / "config.json").open("ab") as f:
+        f.write(b"\n")  # still valid JSON, no longer what the manifest lists
+    job = make_job(tmp_path, model_dir, "altered")
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--job", str(job)],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "trainer: error: " in proc.stderr
+    assert f"{model_dir / 'config.json'}: is " in proc.stderr
+    assert not (tmp_path / "altered" / "checkpoint").exists()
+
+
 def test_the_trainer_dies_with_its_parent(tmp_path: Path) -> None:
     import psutil
 
@@ -312,7 +336,8 @@ def test_a_job_round_trips_through_json_and_bad_fields_are_named(tmp_path: Path)
 
 def test_a_stale_batch_from_another_iteration_is_refused(tmp_path: Path) -> None:
     from trainer.config import Strategy
-    from trainer.train import DistContext, TrainError, run
+    from trainer.errors import TrainError
+    from trainer.train import DistContext, run
 
     model_dir = create_tiny_model(tmp_path / "model", seed=0)
     write_batch(tmp_path / "batch.pt", model_dir, [2])  # written for iteration 1

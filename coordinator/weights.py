@@ -1,0 +1,51 @@
+"""Rank weights: each node's share of the rollout work, checked by one rule.
+
+`--rank-weights 2,1,1` (or `auto`) is parsed once at the command line
+(`parse`); run.json records the result and the manifest's parser applies the
+same `check` to what it reads back (run.json is untrusted); the shard plan
+then splits tasks by weights that passed it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+Weights = tuple[float, ...] | Literal["auto"]
+
+
+def check(values: Sequence[object], *, num_nodes: int | None = None) -> tuple[float, ...]:
+    """The weights as floats, or ValueError naming the bad one and the fix."""
+    if num_nodes is not None and len(values) != num_nodes:
+        example = ",".join("1" for _ in range(num_nodes))
+        raise ValueError(f"{len(values)} weights for {num_nodes} nodes: give one weight per "
+                         f"node, e.g. {example}")
+    if not values:
+        raise ValueError("no weights: give one weight per node, e.g. 1,1")
+    out = []
+    for rank, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"the weight of rank {rank}, {value!r}, is not a number")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"the weight of rank {rank}, {value}, is negative or not finite: "
+                             "weights are shares of the work, numbers >= 0, e.g. 2,1,1")
+        out.append(float(value))
+    if sum(out) <= 0:
+        raise ValueError(f"the weights {out} sum to zero: at least one node must get work, "
+                         "e.g. 1,1,1")
+    return tuple(out)
+
+
+def parse(text: str) -> Weights:
+    """`--rank-weights` as typed: comma-separated numbers, or `auto`."""
+    if text.strip() == "auto":
+        return "auto"
+    values: list[float] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise ValueError(f"{part!r} is not a number; give comma-separated numbers, one per "
+                             "node, e.g. 2,1,1, or 'auto'") from None
+    return check(values)

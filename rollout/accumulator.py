@@ -1,0 +1,214 @@
+"""What the aggregation accumulates over verified chunks: metrics and the kept samples.
+
+    Accumulator.add(chunk)   per chunk of every rank, in order (pass 1):
+        running sums for AggregateMetrics (float64, so thousands of chunks
+        do not drift); with `collect`, which samples the training batch keeps
+        and the chunk's token tensors, still file-mapped
+    Accumulator.layout()     the batch's per-sample arrays, for TrainBatchWriter
+    Accumulator.write_tokens(writer)   pass 2: each kept chunk's token ranges
+    Accumulator.metrics()    the iteration's AggregateMetrics
+
+The checks that make a chunk safe to add, and the merge that drives this,
+are in rollout/aggregate.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from rollout.batch_format import TrainBatchError, min_group_samples
+from rollout.chunk_format import Chunk
+from rollout.errors import AggregationError
+from rollout.train_batch import TrainBatchWriter
+
+
+@dataclass(frozen=True, kw_only=True)
+class AggregateMetrics:
+    """One iteration's rollout statistics.
+
+    Reward, accuracy and length statistics cover the samples that did not
+    fail; `accuracy` is the fraction of those whose reward equals the maximum
+    reward, 1.0.  They are None when every sample failed.  Training-batch
+    counts are 0 for eval.
+    """
+
+    iteration: int
+    num_tasks: int
+    num_samples: int
+    num_failed: int
+    reward_mean: float | None
+    reward_std: float | None
+    accuracy: float | None
+    response_length_mean: float | None
+    response_length_max: int | None
+    samples_per_second: dict[int, float] = field(default_factory=dict)
+    num_train_samples: int = 0
+    num_dropped_groups: int = 0
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["samples_per_second"] = {str(r): v for r, v in self.samples_per_second.items()}
+        return json.dumps(data, allow_nan=False, sort_keys=True)
+
+
+@dataclass(frozen=True, eq=False)
+class _KeptTokens:
+    """A verified chunk's token tensors (still file-mapped) and the sample runs to keep."""
+
+    prompt_tokens: torch.Tensor
+    prompt_offsets: torch.Tensor
+    response_tokens: torch.Tensor
+    response_offsets: torch.Tensor
+    response_logprobs: torch.Tensor
+    runs: tuple[tuple[int, int], ...]  # [first, end) sample ranges, in order
+    rank: int
+    path: Path
+
+
+def _runs(keep: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The [first, end) ranges where keep is True: one per stretch between dropped samples."""
+    padded = torch.zeros(keep.numel() + 2, dtype=torch.int8)
+    padded[1:-1] = keep.to(torch.int8)
+    edges = padded.diff()
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    ends = torch.nonzero(edges == -1).flatten().tolist()
+    return tuple(zip(starts, ends, strict=True))
+
+
+class Accumulator:
+    """Running sums over chunks; float64 so thousands of chunks do not drift.
+
+    With `collect`, also the batch's per-sample arrays (small) and, per chunk
+    with survivors, its mapped token tensors for pass 2.
+    """
+
+    def __init__(self, group_size: int, collect: bool) -> None:
+        self.group_size = group_size
+        self.collect = collect
+        self.tasks = self.samples = self.failed = self.correct = self.dropped = 0
+        self.reward_sum = self.reward_sq = 0.0
+        self.length_sum = 0
+        self.length_max: int | None = None
+        self.kept_samples = 0
+        self.group_task_ids: list[str] = []
+        self.group_index: list[torch.Tensor] = []
+        self.prompt_lengths: list[torch.Tensor] = []
+        self.response_lengths: list[torch.Tensor] = []
+        self.rewards: list[torch.Tensor] = []
+        self.tokens: deque[_KeptTokens] = deque()
+
+    def add(self, chunk: Chunk, *, rank: int, path: Path) -> None:
+        t = chunk.tensors
+        ok = ~t["failed"]
+        rewards = t["rewards"].double()[ok]
+        lengths = t["response_offsets"].diff()[ok]
+        self.tasks += len(chunk.task_ids)
+        self.samples += chunk.num_samples
+        self.failed += int((~ok).sum())
+        self.correct += int((rewards == 1.0).sum())
+        self.reward_sum += float(rewards.sum())
+        self.reward_sq += float((rewards * rewards).sum())
+        if lengths.numel():
+            self.length_sum += int(lengths.sum())
+            self.length_max = max(self.length_max or 0, int(lengths.max()))
+        if self.collect:
+            self._collect(chunk, ok, rank=rank, path=path)
+
+    def _collect(self, chunk: Chunk, ok: torch.Tensor, *, rank: int, path: Path) -> None:
+        t = chunk.tensors
+        group = t["sample_group"]
+        survivors = torch.bincount(group[ok], minlength=len(chunk.task_ids))
+        kept_groups = survivors >= min_group_samples(self.group_size)
+        self.dropped += int((~kept_groups).sum())
+        keep = ok & kept_groups[group]
+        if not bool(keep.any()):
+            return
+        # Chunk groups are sorted, so numbering the kept ones in order keeps
+        # the batch's groups contiguous and in chunk order.
+        batch_group = kept_groups.cumsum(0) - 1 + len(self.group_task_ids)
+        self.group_index.append(batch_group[group[keep]])
+        self.group_task_ids.extend(
+            chunk.task_ids[g] for g in torch.nonzero(kept_groups).flatten().tolist()
+        )
+        self.prompt_lengths.append(t["prompt_offsets"].diff()[keep])
+        self.response_lengths.append(t["response_offsets"].diff()[keep])
+        self.rewards.append(t["rewards"][keep])
+        self.kept_samples += int(keep.sum())
+        self.tokens.append(
+            _KeptTokens(
+                prompt_tokens=t["prompt_tokens"],
+                prompt_offsets=t["prompt_offsets"],
+                response_tokens=t["response_tokens"],
+                response_offsets=t["response_offsets"],
+                response_logprobs=t["response_logprobs"],
+                runs=_runs(keep),
+                rank=rank,
+                path=path,
+            )
+        )
+
+    def layout(self) -> dict[str, torch.Tensor]:
+        """The batch's per-sample arrays, for TrainBatchWriter."""
+
+        def cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            return torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype)
+
+        def offsets(lengths: list[torch.Tensor]) -> torch.Tensor:
+            out = torch.zeros(self.kept_samples + 1, dtype=torch.int64)
+            out[1:] = cat(lengths, torch.int64).cumsum(0)
+            return out
+
+        return {
+            "group_index": cat(self.group_index, torch.int64),
+            "prompt_offsets": offsets(self.prompt_lengths),
+            "response_offsets": offsets(self.response_lengths),
+            "rewards": cat(self.rewards, torch.float32),
+        }
+
+    def write_tokens(self, writer: TrainBatchWriter) -> None:
+        """Pass 2: each kept chunk's kept token ranges, then the chunk is released."""
+        while self.tokens:
+            part = self.tokens.popleft()  # the last reference: unmapped after this loop body
+            po, ro = part.prompt_offsets, part.response_offsets
+            for first, end in part.runs:
+                p0, p1, r0, r1 = int(po[first]), int(po[end]), int(ro[first]), int(ro[end])
+                try:
+                    writer.append(
+                        samples=end - first,
+                        prompt_tokens=part.prompt_tokens[p0:p1],
+                        response_tokens=part.response_tokens[r0:r1],
+                        response_logprobs=part.response_logprobs[r0:r1],
+                    )
+                except TrainBatchError as exc:  # token values are first read here
+                    raise AggregationError(
+                        f"rank {part.rank}: chunk {part.path}, samples {first}..{end - 1}: {exc}",
+                        rank=part.rank,
+                        path=part.path,
+                    ) from exc
+            del part
+
+    def metrics(self, iteration: int, samples_per_second: dict[int, float]) -> AggregateMetrics:
+        good = self.samples - self.failed
+        mean = self.reward_sum / good if good else None
+        std = math.sqrt(max(0.0, self.reward_sq / good - mean * mean)) if mean is not None else None
+        return AggregateMetrics(
+            iteration=iteration,
+            num_tasks=self.tasks,
+            num_samples=self.samples,
+            num_failed=self.failed,
+            reward_mean=mean,
+            reward_std=std,
+            accuracy=self.correct / good if good else None,
+            response_length_mean=self.length_sum / good if good else None,
+            response_length_max=self.length_max,
+            samples_per_second=samples_per_second,
+            num_train_samples=self.kept_samples,
+            num_dropped_groups=self.dropped,
+        )
+
