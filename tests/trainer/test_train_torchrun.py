@@ -192,30 +192,22 @@ def test_two_nodes_end_with_identical_weights_and_match_a_single_process(tmp_pat
 def test_a_broken_job_exits_non_zero_with_a_clear_message(tmp_path: Path) -> None:
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"schema": "coordinator/train-job", "version": 1, "iteration": 1}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--job", str(job)],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_trainer(job)
     assert proc.returncode == 2
     assert "train job is missing field 'model_dir'" in proc.stderr
+
+
+def run_trainer(job: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m trainer.train --job JOB` alone (no torchrun), as a test runs it."""
+    return subprocess.run([sys.executable, "-m", "trainer.train", "--job", str(job)], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=60)
 
 
 def test_a_batch_from_another_tokenizer_is_refused_naming_the_sample(tmp_path: Path) -> None:
     model_dir = create_tiny_model(tmp_path / "model", seed=0)
     write_batch(tmp_path / "batch.pt", model_dir, [2], poison=50_000)
     job = make_job(tmp_path, model_dir, "bad")
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--job", str(job)],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_trainer(job)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert (
         "sample 1 (reverse/train/000000) has response token id 50000 outside the model's vocabulary"
@@ -233,14 +225,7 @@ def test_an_altered_model_checkpoint_exits_2_naming_the_file(tmp_path: Path) -> 
     with (model_dir / "config.json").open("ab") as f:
         f.write(b"\n")  # still valid JSON, no longer what the manifest lists
     job = make_job(tmp_path, model_dir, "altered")
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--job", str(job)],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_trainer(job)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "trainer: error: " in proc.stderr
     assert f"{model_dir / 'config.json'}: is " in proc.stderr
