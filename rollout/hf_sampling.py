@@ -41,7 +41,6 @@ DTYPES: Final = {
 }
 
 
-
 @dataclass
 class _Row:
     """One row of a batch being sampled: what it generated and why it ended."""
@@ -52,6 +51,7 @@ class _Row:
     finish: str | None = None
     stop_reason: Any = None
     text: str | None = None  # cut at a stop string; None: decode the tokens
+
 
 class BadRequest(ValueError):
     """The request is invalid; the message goes back to the client with a 400."""
