@@ -66,26 +66,39 @@ class DataSection:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutSection:
+    """Defaults for a 1.5-8 B instruct model on GSM8K-like tasks; the demo's tiny
+    values (6 tokens, 4 requests in flight) are in rl/demo.py's config."""
+
     group_size: int = 8  # samples per prompt (GRPO's group)
-    tasks_per_iteration: int = 128  # 0: the whole train split every iteration
-    max_tokens: int = 6
+    tasks_per_iteration: int = 256  # 0: the whole train split every iteration
+    max_tokens: int = 1024  # a reasoning answer; the engine's max_model_len bounds it too
     temperature: float = 1.0
     top_p: float = 1.0
-    eval_tasks: int = 64  # 0: the whole eval split
-    eval_group_size: int = 2
-    eval_temperature: float = 1.0
-    checkpoint_every_groups: int = 8  # a killed rank redoes at most this many groups
-    concurrency: int = 4
+    eval_tasks: int = 0  # 0: the whole eval split
+    eval_group_size: int = 1
+    eval_temperature: float = 0.0  # greedy: eval accuracy without sampling noise
+    # A killed rank redoes at most this many groups, or this many seconds of
+    # generation, whichever is less.
+    checkpoint_every_groups: int = 32
+    checkpoint_every_s: float = 60.0
+    # Requests in flight; 0 keeps each engine replica's batch full: 64 per
+    # data-parallel replica (engine.data_parallel_size).
+    concurrency: int = 0
     request_retries: int = 3
     max_failed_fraction: float = 0.1  # more failed groups than this fail the phase
     progress_interval_s: float = 5.0
     keep_rank_files: bool = False  # rank trajectory files are removed once an iteration completes
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "max_tokens", "eval_group_size", "checkpoint_every_groups",
-                     "concurrency"):
+        for name in ("group_size", "max_tokens", "eval_group_size", "checkpoint_every_groups"):
             if getattr(self, name) < 1:
                 raise UsageError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        if self.concurrency < 0:
+            raise UsageError(f"rollout.concurrency={self.concurrency} is negative: give the "
+                             "requests to keep in flight, or 0 for 64 per engine replica")
+        if not self.checkpoint_every_s > 0:
+            raise UsageError(f"rollout.checkpoint_every_s={self.checkpoint_every_s} must be a "
+                             "positive number of seconds")
         if self.group_size < 2:
             raise UsageError(
                 f"rollout.group_size={self.group_size} is below 2: GRPO normalises rewards "
@@ -97,6 +110,15 @@ class RolloutSection:
             raise UsageError(
                 f"rollout.max_failed_fraction={self.max_failed_fraction} must be within 0..1"
             )
+
+
+# Requests in flight per engine replica when rollout.concurrency is 0: enough
+# to keep a vLLM replica's continuous batch full on one GPU group.
+REQUESTS_PER_REPLICA = 64
+
+
+def requests_in_flight(rollout: RolloutSection, engine: EngineConfig) -> int:
+    return rollout.concurrency or REQUESTS_PER_REPLICA * engine.data_parallel_size
 
 
 @dataclass(frozen=True, kw_only=True)

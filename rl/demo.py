@@ -27,6 +27,7 @@ from rl import layout as rl_layout
 
 DEMO_CONFIG = """\
 # Written by `coordinator demo`; every key not listed takes its default.
+# The defaults suit a 1.5-8 B model on GPUs; these are the tiny model's.
 [run]
 actions = "rl"
 iterations = {iterations}
@@ -36,8 +37,26 @@ eval_before_train = true
 [model]
 path = "{model}"
 
+[rollout]
+tasks_per_iteration = 128
+max_tokens = 6
+eval_tasks = 64
+eval_group_size = 2
+eval_temperature = 1.0
+checkpoint_every_groups = 8
+concurrency = 4
+
 [engine]
 kind = "hf"
+ready_timeout_s = 300.0
+request_timeout_s = 60.0
+
+[train]
+lr = 3e-4
+warmup_steps = 48
+epochs = 3
+micro_batch_size = 64
+mini_batch_size = 128
 
 [coordination]
 heartbeat_interval_s = 1.0

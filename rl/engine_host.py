@@ -17,7 +17,7 @@ from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.fsio import remove_tree
 from rl import layout
-from rl.config import RlSections
+from rl.config import RlSections, requests_in_flight
 from rl.locks import node_lock
 from rollout.client import CompletionClient
 from rollout.engine import Engine, EngineState, make_engine
@@ -101,7 +101,8 @@ class EngineHost:
         r = self.s.rollout
         return CompletionClient(
             engine.base_url, engine.api_key, model=self.s.engine.served_model_name,
-            concurrency=r.concurrency, request_timeout_s=self.s.engine.request_timeout_s,
+            concurrency=requests_in_flight(r, self.s.engine),
+            request_timeout_s=self.s.engine.request_timeout_s,
             retries=r.request_retries, health_check=engine.check_alive,
         )
 

@@ -119,7 +119,7 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, A
     group_size = s.rollout.group_size if split is Split.TRAIN else s.rollout.eval_group_size
     writer = RankCheckpointWriter(layout.rank_dir(loop.run_dir, ctx.iteration, split, loop.rank),
                                   ctx.rank, s.rollout.checkpoint_every_groups,
-                                  iteration=ctx.iteration)
+                                  iteration=ctx.iteration, every_s=s.rollout.checkpoint_every_s)
     done = writer.load_completed_task_ids()
     todo = [t for t in tasks if t.task_id not in done]
     if done:
@@ -153,10 +153,11 @@ def _assigned_tasks(loop: Loop, ctx: StepContext, split: Split) -> list[Task]:
 def _generate(loop: Loop, ctx: StepContext, split: Split, tasks: Sequence[Task],
               todo: Sequence[Task], writer: RankCheckpointWriter, group_size: int,
               failed: list[str]) -> int:
-    """Generate the groups still to do, K at a time, each batch checkpointed; the
-    number of samples generated.  Failed groups are recorded (and listed in `failed`)."""
+    """Generate the groups still to do with the engine's batch kept full; each group is
+    checkpointed in task order as soon as it and those before it are done (the
+    writer publishes every K groups or S seconds).  Returns the samples generated;
+    failed groups are recorded, and listed in `failed`."""
     s = loop.s
-    k = s.rollout.checkpoint_every_groups
     temperature = s.rollout.temperature if split is Split.TRAIN else s.rollout.eval_temperature
     policy = loop.model(ctx, PolicyChoice.read(ctx).policy, where_phase=0)
     loop.engines.ensure(ctx, policy)
@@ -164,26 +165,26 @@ def _generate(loop: Loop, ctx: StepContext, split: Split, tasks: Sequence[Task],
     local = loop.engines.local_copy(ctx, policy)
     rewards: dict[str, Callable[[str, str], float]] = {}
     started = last_report = time.monotonic()
+    seeds = [group_seed(loop.config.run.seed, ctx.iteration, split, t.task_id) for t in todo]
+    results = client.iter_groups([RENDERER.render(t, local) for t in todo], n=group_size,
+                                 max_tokens=s.rollout.max_tokens, temperature=temperature,
+                                 top_p=s.rollout.top_p, seeds=seeds)
     generated = 0
-    for start in range(0, len(todo), k):
-        ctx.check_cancel()
-        loop.engines.check_alive()
-        batch = todo[start:start + k]
-        results = client.generate_groups(
-            [RENDERER.render(t, local) for t in batch], n=group_size,
-            max_tokens=s.rollout.max_tokens, temperature=temperature, top_p=s.rollout.top_p,
-            seed=group_seed(loop.config.run.seed, ctx.iteration, split, batch[0].task_id))
-        for task, group in zip(batch, results, strict=True):
+    try:
+        for done, (task, group) in enumerate(zip(todo, results, strict=True), start=1):
+            ctx.check_cancel()
             name = s.data.reward or default_reward_for(task.data_source)
             reward = rewards.setdefault(name, get_reward(name))
             if not group.ok:
                 failed.append(f"{task.task_id}: {group.error}")
             writer.add_group(_samples(task, group, group_size, reward))
-        generated += len(batch) * group_size
-        now = time.monotonic()
-        if now - last_report >= s.rollout.progress_interval_s or start + k >= len(todo):
-            log.info("rank %d %s rollout: %d/%d tasks, %.1f samples/s", ctx.rank, split.value,
-                     len(tasks) - len(todo) + min(start + k, len(todo)), len(tasks),
-                     generated / max(now - started, 1e-9))
-            last_report = now
+            generated += group_size
+            now = time.monotonic()
+            if now - last_report >= s.rollout.progress_interval_s or done == len(todo):
+                log.info("rank %d %s rollout: %d/%d tasks, %.1f samples/s", ctx.rank,
+                         split.value, len(tasks) - len(todo) + done, len(tasks),
+                         generated / max(now - started, 1e-9))
+                last_report = now
+    finally:
+        results.close()  # a cancelled rollout stops the requests still in flight
     return generated

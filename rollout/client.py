@@ -10,23 +10,28 @@ without them is a protocol error, never a guess from re-tokenised text.
 One prompt is one request (its n samples form a GRPO group), so a failure
 costs one group.  A group that still fails after the retries comes back as a
 GroupResult with its error text: nothing is dropped silently.
+
+Requests are held without a thread each: httpx's asynchronous client runs
+`concurrency` of them at once on one event loop (in a helper thread), so a
+vLLM server's batch stays full (hundreds in flight) at the cost of one
+thread.  `iter_groups` hands results back in prompt order as soon as each
+prefix is complete, so a caller checkpoints in a deterministic order while
+later requests are still running.
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
+import inspect
 import json
 import logging
 import math
 import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import httpx
 import tenacity
 
 from rollout.engine_config import EngineError
@@ -136,7 +141,7 @@ def parse_choice(choice: Any) -> Sample:
 
 
 class CompletionClient:
-    """Thread-safe; `generate_groups` runs at most `concurrency` requests at once."""
+    """`iter_groups`/`generate_groups` run at most `concurrency` requests at once."""
 
     def __init__(
         self,
@@ -149,7 +154,7 @@ class CompletionClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         backoff_max_s: float = 8.0,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], Awaitable[None] | None] = asyncio.sleep,
         health_check: Callable[[], None] | None = None,
     ) -> None:
         if concurrency < 1:
@@ -162,7 +167,7 @@ class CompletionClient:
                 f"0 <= backoff_s={backoff_s} <= backoff_max_s={backoff_max_s}"
             )
         self.base_url = base_url.rstrip("/")
-        self._api_key = api_key
+        self._headers = {"Authorization": f"Bearer {api_key}"}
         self._model = model
         self._model_lock = threading.Lock()
         self.concurrency = concurrency
@@ -177,55 +182,54 @@ class CompletionClient:
 
     # --- transport ---------------------------------------------------------
 
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None = None,
-        *,
-        timeout_s: float | None = None,
+    def _answer(self, resp: httpx.Response, url: str, parse: bool) -> Any:
+        if resp.status_code >= 400:
+            text = resp.text
+            if resp.status_code in _TRANSIENT_STATUS:
+                raise TransientError(f"HTTP {resp.status_code} from {url}: "
+                                     f"{text[:_MAX_ERROR_BODY]}")
+            raise HttpError(resp.status_code, text, url)
+        if not parse:
+            return resp.content
+        try:
+            return json.loads(resp.content)
+        except ValueError as e:  # a response cut short by a dying server
+            raise TransientError(f"unparsable JSON from {url}: {resp.content[:200]!r}") from e
+
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *,
+        params: dict[str, Any] | None = None, timeout_s: float | None = None,
         parse: bool = True,
     ) -> Any:
+        """One synchronous request (control endpoints, tests); ClientError on failure."""
         url = self.base_url + path
         timeout = timeout_s if timeout_s is not None else self.request_timeout_s
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            url,
-            data=data,
-            method=method,
-            headers={
-                "Authorization": f"Bearer {self._api_key}",
-                "Content-Type": "application/json",
-            },
-        )
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            text = e.read().decode("utf-8", errors="replace")
-            if e.code in _TRANSIENT_STATUS:
-                raise TransientError(f"HTTP {e.code} from {url}: {text[:_MAX_ERROR_BODY]}") from e
-            raise HttpError(e.code, text, url) from e
-        except TimeoutError as e:  # socket.timeout is TimeoutError
+            with httpx.Client(timeout=timeout) as http:
+                resp = http.request(method, url, json=body, params=params, headers=self._headers)
+        except httpx.TimeoutException as e:
             raise TransientError(f"no answer from {url} within {timeout:g}s") from e
-        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, TimeoutError):
-                raise TransientError(f"no answer from {url} within {timeout:g}s") from e
-            raise TransientError(f"cannot reach {url}: {reason}") from e
-        if not parse:
-            return raw
+        except httpx.TransportError as e:
+            raise TransientError(f"cannot reach {url}: {e}") from e
+        return self._answer(resp, url, parse)
+
+    async def _arequest(self, http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Any:
+        url = self.base_url + path
         try:
-            return json.loads(raw)
-        except ValueError as e:  # a response cut short by a dying server
-            raise TransientError(f"unparsable JSON from {url}: {raw[:200]!r}") from e
+            resp = await http.post(url, json=body, headers=self._headers)
+        except httpx.TimeoutException as e:
+            raise TransientError(
+                f"no answer from {url} within {self.request_timeout_s:g}s") from e
+        except httpx.TransportError as e:
+            raise TransientError(f"cannot reach {url}: {e}") from e
+        return self._answer(resp, url, parse=True)
 
     def health(self, timeout_s: float = 5.0) -> None:
         """GET /health: 200 once the server serves (vLLM's body is empty), else TransientError."""
-        self._request("GET", "/health", timeout_s=timeout_s, parse=False)
+        self.request("GET", "/health", timeout_s=timeout_s, parse=False)
 
     def models(self) -> list[str]:
-        body = self._request("GET", "/v1/models")
+        body = self.request("GET", "/v1/models")
         try:
             return [str(m["id"]) for m in body["data"]]
         except (KeyError, TypeError) as e:
@@ -243,18 +247,10 @@ class CompletionClient:
 
     # --- one request --------------------------------------------------------
 
-    def complete_one(
-        self,
-        prompt: str,
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-    ) -> list[Sample]:
-        """One attempt: n samples of `prompt`, in choice order.  Raises ClientError."""
+    def _completion_body(
+        self, prompt: str, *, n: int, max_tokens: int, temperature: float = 1.0,
+        top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -270,7 +266,10 @@ class CompletionClient:
             body["seed"] = seed
         if stop:
             body["stop"] = list(stop)
-        resp = self._request("POST", "/v1/completions", body)
+        return body
+
+    @staticmethod
+    def _samples(resp: Any, n: int) -> list[Sample]:
         choices = resp.get("choices") if isinstance(resp, dict) else None
         if not isinstance(choices, list) or len(choices) != n:
             got = len(choices) if isinstance(choices, list) else "no"
@@ -278,9 +277,18 @@ class CompletionClient:
         choices = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
         return [parse_choice(c) for c in choices]
 
+    def complete_one(self, prompt: str, *, n: int, max_tokens: int, **kw: Any) -> list[Sample]:
+        """One attempt: n samples of `prompt`, in choice order.  Raises ClientError."""
+        body = self._completion_body(prompt, n=n, max_tokens=max_tokens, **kw)
+        return self._samples(self.request("POST", "/v1/completions", body), n)
+
     # --- groups ---------------------------------------------------------------
 
-    def generate_groups(
+    def generate_groups(self, prompts: Sequence[str], **kw: Any) -> list[GroupResult]:
+        """One GroupResult per prompt, in prompt order (see `iter_groups`)."""
+        return list(self.iter_groups(prompts, **kw))
+
+    def iter_groups(
         self,
         prompts: Sequence[str],
         *,
@@ -289,42 +297,92 @@ class CompletionClient:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        seeds: Sequence[int] | None = None,
         stop: Sequence[str] | None = None,
-    ) -> list[GroupResult]:
-        """One GroupResult per prompt, in prompt order.
+    ) -> Generator[GroupResult, None, None]:
+        """GroupResults in prompt order, each as soon as it and those before it are done,
+        with up to `concurrency` requests in flight.
 
-        With a seed, group i is sampled with seed + i: identical prompts in one
-        batch still get independent samples, and a rerun gets the same ones.
+        `seeds` gives each group its own seed (a group redone after a restart then
+        samples the same way whatever else is redone with it); a single `seed`
+        gives group i seed + i, so identical prompts still get independent
+        samples.  Leaving the iteration early cancels the requests still running.
         """
         if n < 1 or max_tokens < 1:
             raise ValueError(f"n={n} and max_tokens={max_tokens} must both be >= 1")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one each")
         if not prompts:
-            return []
+            return
+        per_group = list(seeds) if seeds is not None else \
+            [None if seed is None else seed + i for i in range(len(prompts))]
+        bodies = [self._completion_body(p, n=n, max_tokens=max_tokens, temperature=temperature,
+                                        top_p=top_p, seed=per_group[i], stop=stop)
+                  for i, p in enumerate(prompts)]
+        done: dict[int, GroupResult] = {}
+        ready = threading.Condition()
+        stop_event = threading.Event()
+        runner = threading.Thread(
+            target=lambda: asyncio.run(self._run_groups(prompts, bodies, n, done, ready,
+                                                        stop_event)),
+            name="completions", daemon=True)
+        runner.start()
+        try:
+            for i in range(len(prompts)):
+                with ready:
+                    while i not in done:
+                        if not runner.is_alive() and i not in done:
+                            raise ClientError("the completions loop stopped unexpectedly")
+                        ready.wait(0.5)
+                    result = done.pop(i)
+                yield result
+        finally:
+            stop_event.set()
+            runner.join()
 
-        def run(i: int) -> GroupResult:
-            return self._group(
-                i,
-                prompts[i],
-                n=n,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=None if seed is None else seed + i,
-                stop=stop,
-            )
+    async def _run_groups(self, prompts: Sequence[str], bodies: list[dict[str, Any]], n: int,
+                          done: dict[int, GroupResult], ready: threading.Condition,
+                          stop_event: threading.Event) -> None:
+        limits = httpx.Limits(max_connections=self.concurrency,
+                              max_keepalive_connections=self.concurrency)
+        gate = asyncio.Semaphore(self.concurrency)
+        async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits) as http:
 
-        with ThreadPoolExecutor(
-            max_workers=min(self.concurrency, len(prompts)), thread_name_prefix="completion"
-        ) as pool:
-            return list(pool.map(run, range(len(prompts))))
+            async def one(i: int) -> None:
+                async with gate:
+                    result = await self._group(http, i, prompts[i], bodies[i], n)
+                with ready:
+                    done[i] = result
+                    ready.notify_all()
 
-    def _group(self, index: int, prompt: str, **kw: Any) -> GroupResult:
+            tasks: list[asyncio.Task[Any]] = [asyncio.create_task(one(i))
+                                              for i in range(len(prompts))]
+            watcher: asyncio.Task[Any] = asyncio.create_task(asyncio.to_thread(stop_event.wait))
+            pending = set(tasks)
+            while pending and not watcher.done():
+                _, pending = await asyncio.wait(
+                    pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(watcher)
+            for task in pending:  # the consumer left: whatever still runs is cancelled
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            if not watcher.done():
+                stop_event.set()
+            await watcher
+
+    async def _pause(self, seconds: float) -> None:
+        result = self._sleep(seconds)
+        if inspect.isawaitable(result):
+            await result
+
+    async def _group(self, http: httpx.AsyncClient, index: int, prompt: str,
+                     body: dict[str, Any], n: int) -> GroupResult:
         attempts = 0
 
-        def attempt() -> list[Sample]:
+        async def attempt() -> list[Sample]:
             nonlocal attempts
             attempts += 1
-            return self.complete_one(prompt, **kw)
+            return self._samples(await self._arequest(http, "/v1/completions", body), n)
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
@@ -332,23 +390,25 @@ class CompletionClient:
             if self._health_check is not None:
                 self._health_check()
 
-        retrying = tenacity.Retrying(
+        retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(self.retries + 1),
             wait=tenacity.wait_exponential(multiplier=self.backoff_s, max=self.backoff_max_s),
             retry=tenacity.retry_if_exception_type(TransientError),
-            sleep=self._sleep,
+            sleep=self._pause,
             before_sleep=before_sleep,
             reraise=True,
         )
         try:
             try:
-                samples = retrying(attempt)
+                samples: list[Sample] = await retrying(attempt)
             except TransientError:
                 # The last failure may be the server's death: let the health
                 # check name it (exit status, log) instead of "connection refused".
                 if self._health_check is not None:
                     self._health_check()
                 raise
+        except asyncio.CancelledError:
+            raise
         except Exception as e:  # a failed group is a result, never a lost prompt
             log.error("prompt %d failed after %d attempts: %s", index, attempts, e)
             return GroupResult(

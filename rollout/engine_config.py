@@ -81,6 +81,11 @@ class EngineKind(str, enum.Enum):
     VLLM = "vllm"
 
 
+class WeightUpdate(str, enum.Enum):
+    RELOAD = "reload"
+    RESTART = "restart"
+
+
 class EngineState(str, enum.Enum):
     """STOPPED → STARTING → READY → STOPPING → STOPPED; FAILED from any live state."""
 
@@ -106,7 +111,16 @@ class EngineConfig:
     extra_args: tuple[str, ...] = ()  # appended verbatim to the server command
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the server
     cuda_visible_devices: str | None = None  # None: inherit the daemon's
-    tensor_parallel_size: int = 1  # (vllm)
+    tensor_parallel_size: int = 1  # (vllm) GPUs per engine replica
+    # (vllm) engine replicas behind one server, each on tensor_parallel_size
+    # GPUs: with 8 GPUs and tp 1, dp 8 rolls out on every GPU of the node.
+    data_parallel_size: int = 1
+    # How phase 12 serves new weights: "reload" wakes the sleeping engine and
+    # loads the checkpoint in place; "restart" stops and cold-starts it.
+    weight_update: WeightUpdate = WeightUpdate.RELOAD
+    # Sleep level at phase 7: 1 keeps the weights in CPU memory, 2 drops them
+    # (the reload at phase 12 brings the new ones anyway).
+    sleep_level: int = 2
     gpu_memory_utilization: float = 0.9  # (vllm)
     use_model_generation_config: bool = False  # (vllm) see vllm_engine.py
     vllm_executable: str = "vllm"  # (vllm)
@@ -115,12 +129,12 @@ class EngineConfig:
     threads: int = 0  # (hf) torch threads; 0 = torch's default
     python_executable: str | None = None  # (hf) None: the daemon's interpreter
     prewarm: bool = False  # (hf) keep a spare server with imports done: see hf_engine.py
-    ready_timeout_s: float = 300.0
+    ready_timeout_s: float = 1200.0  # a cold vLLM start compiles and captures graphs
     ready_poll_s: float = 0.5
     stop_grace_s: float = 10.0
     kill_timeout_s: float = 10.0
     gpu_release_timeout_s: float = 60.0
-    request_timeout_s: float = 60.0
+    request_timeout_s: float = 600.0  # one request: n samples of up to max_tokens
     log_tail_lines: int = 40
 
     def __post_init__(self) -> None:
@@ -146,10 +160,19 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len={self.max_model_len} is below 1: use None for the model's own"
             )
-        if self.tensor_parallel_size < 1:
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is below 1: use 1 per GPU"
+                f"tensor_parallel_size={self.tensor_parallel_size} and data_parallel_size="
+                f"{self.data_parallel_size} must be >= 1: GPUs per replica, replicas per node"
             )
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={self.sleep_level} is not 1 (keep the weights in "
+                             "CPU memory) or 2 (drop them)")
+        try:
+            object.__setattr__(self, "weight_update", WeightUpdate(self.weight_update))
+        except ValueError:
+            raise ValueError(f"weight_update={self.weight_update!r} is not 'reload' or "
+                             "'restart'") from None
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]: "
@@ -162,9 +185,10 @@ class EngineConfig:
                     f"cuda_visible_devices={self.cuda_visible_devices!r} is not a comma-separated "
                     "list of GPU indices or UUIDs, e.g. '0,1'"
                 )
-            if self.kind is EngineKind.VLLM and len(ids) < self.tensor_parallel_size:
+            if self.kind is EngineKind.VLLM and len(ids) < self.gpus:
                 raise ValueError(
-                    f"tensor_parallel_size={self.tensor_parallel_size} needs that many GPUs but "
+                    f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
+                    f"{self.data_parallel_size} needs {self.gpus} GPUs but "
                     f"cuda_visible_devices={self.cuda_visible_devices!r} shows {len(ids)}"
                 )
         object.__setattr__(self, "extra_args", tuple(self.extra_args))
@@ -195,6 +219,11 @@ class EngineConfig:
             raise ValueError(
                 f"ready_poll_s={self.ready_poll_s} must be below ready_timeout_s={self.ready_timeout_s}"
             )
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the engine occupies: every replica's tensor-parallel group."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
     @property
     def connect_host(self) -> str:

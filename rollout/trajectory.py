@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 
 class RankCheckpointWriter:
-    """Publishes a rank's groups as checksummed chunk files every K groups.
+    """Publishes a rank's groups as checksummed chunk files every K groups, or every
+    S seconds when groups come slowly (long answers), whichever is first.
 
     One writer per rank directory at a time (the coordinator runs one rollout
     process per rank).  `clock` is injectable so tests can fix wall times.
@@ -66,17 +67,22 @@ class RankCheckpointWriter:
         every_k_groups: int,
         *,
         iteration: int,
+        every_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if type(every_k_groups) is not int or every_k_groups < 1:
             raise ValueError(
                 f"every_k_groups={every_k_groups!r} is below 1: checkpoint every 1 or more groups"
             )
+        if every_s is not None and not every_s > 0:
+            raise ValueError(f"every_s={every_s!r} must be a positive number of seconds or None")
         self.directory = Path(directory)
         self.rank = rank
         self.every_k_groups = every_k_groups
+        self.every_s = every_s
         self.iteration = iteration
         self._clock = clock
+        self._last_flush = clock()
         ensure_dir(self.directory)
         self._manifest = self._open_manifest()
         self._session_start = clock()
@@ -150,7 +156,8 @@ class RankCheckpointWriter:
             )
         self._done.add(task_id)
         self._pending.append(group)
-        if len(self._pending) >= self.every_k_groups:
+        overdue = self.every_s is not None and self._clock() - self._last_flush >= self.every_s
+        if len(self._pending) >= self.every_k_groups or overdue:
             self.flush()
 
     def flush(self) -> None:
@@ -175,6 +182,7 @@ class RankCheckpointWriter:
         self._publish_manifest(chunks=(*self._manifest.chunks, entry), complete=False)
         self._next_index += 1
         self._pending.clear()
+        self._last_flush = self._clock()
         logger.debug(
             "rank %d iteration %d: published %s (%d groups, %d bytes)",
             self.rank,

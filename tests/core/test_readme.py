@@ -25,9 +25,20 @@ def test_the_readme_opens_with_the_demo_and_test_commands_and_ci_runs_the_latter
     assert "exec scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
 
 
-def test_the_config_example_in_the_readme_is_valid() -> None:
+def test_the_cluster_example_in_the_readme_resolves_to_settings_for_a_real_model() -> None:
+    from rl.config import parse_sections, requests_in_flight
+
     block = re.search(r"```toml\n(.*?)```", README, re.S)
     assert block is not None
     config = resolve_config(tomllib.loads(block.group(1)))
-    assert config.sections["engine"]["kind"] == "vllm"
-    assert config.sections["torchrun"]["nproc_per_node"] == 8
+    s = parse_sections(config.sections)
+    assert s.engine.kind.value == "vllm" and s.torchrun.nproc_per_node == 8
+    # Every GPU that trains also rolls out, and each replica's batch is kept full.
+    assert s.engine.tensor_parallel_size * s.engine.data_parallel_size == 8
+    assert requests_in_flight(s.rollout, s.engine) == 8 * 64
+    # Answers of a reasoning model, not the demo's 6 tokens; timeouts for a real engine.
+    assert s.rollout.max_tokens == 1024 and s.rollout.group_size == 8
+    assert s.engine.request_timeout_s >= 600 and s.engine.ready_timeout_s >= 1200
+    assert s.rollout.checkpoint_every_groups == 32 and s.rollout.checkpoint_every_s == 60.0
+    assert s.engine.weight_update.value == "reload" and s.engine.sleep_level == 2
+    assert s.train.lr == 1e-6 and s.train.kl_coef == 0.001 and s.train.epochs == 1

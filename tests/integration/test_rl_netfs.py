@@ -46,6 +46,10 @@ keep_rank_files = true
 
 [train]
 mini_batch_size = 16
+micro_batch_size = 64
+lr = 3e-4
+warmup_steps = 48
+epochs = 3
 
 [coordination]
 heartbeat_interval_s = 0.5

@@ -118,7 +118,7 @@ def test_cuda_visible_devices_is_set_when_configured_and_inherited_otherwise(
 def test_tensor_parallel_size_larger_than_the_visible_gpus_is_rejected() -> None:
     with pytest.raises(
         ValueError,
-        match=r"tensor_parallel_size=4 needs that many GPUs but "
+        match=r"tensor_parallel_size=4 x data_parallel_size=1 needs 4 GPUs but "
         r"cuda_visible_devices='0,1' shows 2",
     ):
         _cfg(tensor_parallel_size=4, cuda_visible_devices="0,1")
@@ -129,7 +129,7 @@ def test_tensor_parallel_size_larger_than_the_visible_gpus_is_rejected() -> None
     [
         ("dtype", "fp8", r"dtype='fp8' is not one of"),
         ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization=1.5 is outside \(0, 1\]"),
-        ("tensor_parallel_size", 0, r"tensor_parallel_size=0 is below 1"),
+        ("tensor_parallel_size", 0, r"tensor_parallel_size=0 and data_parallel_size=1 must be >= 1"),
         ("port", 70000, r"port=70000 is outside 0..65535"),
         ("kind", "sglang", r"kind='sglang' is not an engine"),
     ],

@@ -29,7 +29,8 @@ GROUP_SIZE = 8
 MAX_NEW_TOKENS = 6
 # The demo's defaults (TrainConfig's): lr 3e-4 warmed up over 48 steps, 3
 # epochs of 8 mini-batches of 128 samples per iteration, no KL.
-CONFIG = TrainConfig(micro_batch_size=128, seed=0)
+CONFIG = TrainConfig(micro_batch_size=128, mini_batch_size=128, lr=3e-4, warmup_steps=48,
+                     epochs=3, seed=0)
 
 
 def rollout(model_dir: Path, tasks: list, iteration: int, batch_path: Path) -> float:
