@@ -2,16 +2,27 @@
 
 `ensure(ctx, model_dir)` makes the engine serve `model_dir`: a published
 checkpoint is first copied into the node-local cache and verified against its
-manifest (a tampered file is refused, naming it), then the engine is started
-on the local copy, or left alone if it already serves exactly that copy.
-The engine's process is registered with the daemon's runtime, so a lost
-peer or a failure kills it at once.
+manifest (a tampered file is refused, naming it), then served from the local
+copy:
+
+    engine READY on that copy         kept
+    engine SLEEPING (phase 7 slept)   load_weights in place (engine.weight_update
+                                      "reload"); any failed step falls back to a
+                                      restart, logged with the reason
+    otherwise                         (re)started on the copy
+
+and the served weights are checked against the checkpoint's probes
+(served_weights.py).  `release()` (phase 7) puts the engine to sleep, or stops
+it with weight_update "restart" or when the sleep fails; either way the GPU
+is free for training.  The engine's process is registered with the daemon's
+runtime, so a lost peer or a failure kills it at once.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from coordinator.actions import StepContext
 from coordinator.errors import ActionError
@@ -19,8 +30,11 @@ from coordinator.fsio import remove_tree
 from rl import layout
 from rl.config import RlSections, requests_in_flight
 from rl.locks import node_lock
+from rl.served_weights import checkpoint_probes, verify_served_weights
 from rollout.client import CompletionClient
-from rollout.engine import Engine, EngineState, make_engine
+from rollout.engine import Engine, EngineError, EngineState, make_engine
+from rollout.engine_config import WeightUpdate
+from trainer.probes import ProbeSet
 
 log = logging.getLogger(__name__)
 # A checkpoint copy on one node takes seconds to minutes; an hour means stuck.
@@ -35,6 +49,7 @@ class EngineHost:
         self._engine: Engine | None = None
         self._serving: Path | None = None
         self._registered: int | None = None
+        self._probes: ProbeSet | None = None  # of the checkpoint served before
 
     def cache_root(self, run_id: str) -> Path:
         """This node's cache of the run's checkpoints, shared by its daemons."""
@@ -57,27 +72,80 @@ class EngineHost:
             except CheckpointError as exc:
                 raise ActionError(f"refusing checkpoint {model_dir}: {exc}") from exc
 
-    def ensure(self, ctx: StepContext, model_dir: Path) -> None:
+    def ensure(self, ctx: StepContext, model_dir: Path) -> dict[str, Any]:
+        """Serve `model_dir`; returns how (kept, reloaded, started, restarted) and the check."""
         local = self.local_copy(ctx, model_dir)
         engine = self._engine
         if engine is not None and engine.state is EngineState.READY and self._serving == local:
             engine.check_alive()
-            return
-        if engine is not None and engine.state is EngineState.READY:
+            return {"engine": "kept", "engine_pid": engine.pid}
+        how = "started"
+        if engine is not None and engine.state is EngineState.SLEEPING:
+            how = self._reload(ctx, local)
+        elif engine is not None and engine.state is EngineState.READY:
             self.stop()
+            how = "restarted"
+        if how != "reloaded":
+            self._start(ctx, local)
+        engine = self._engine
+        assert engine is not None
+        verdict = verify_served_weights(engine.control(), self.s.engine, local, rank=self.rank,
+                                        host=ctx.host, previous=self._probes)
+        self._probes = checkpoint_probes(local)
+        self._serving = local
+        self._prune_cache(local, self.cache_root(ctx.run_id))
+        return {"engine": how, "engine_pid": engine.pid, **verdict.payload()}
+
+    def _reload(self, ctx: StepContext, local: Path) -> str:
+        """load_weights on the sleeping engine; "reloaded", or "restarted" after a fallback."""
+        engine = self._engine
+        assert engine is not None
+        try:
+            engine.load_weights(local)
+            return "reloaded"
+        except EngineError as exc:
+            log.warning("rank %d on %s: reloading %s in place failed, restarting the engine "
+                        "instead: %s", self.rank, ctx.host, local.name, exc)
+        try:
+            self.stop()
+        except EngineError as exc:
+            raise ActionError(f"rank {self.rank} on host {ctx.host}: after a failed reload the "
+                              f"inference engine could not be stopped either: {exc}") from exc
+        return "restarted after a failed reload"
+
+    def _start(self, ctx: StepContext, local: Path) -> None:
         if self._engine is None:
             self._engine = make_engine(
                 self.s.engine, log_dir=layout.logs(self.run_dir, self.rank),
                 port_file=layout.engine_port_file(self.run_dir, self.rank))
         log.info("rank %d: starting the %s engine on %s", self.rank, self.s.engine.kind.value,
                  local)
-        self._engine.start(local)
+        try:
+            self._engine.start(local)
+        except EngineError as exc:
+            raise ActionError(f"rank {self.rank} on host {ctx.host}: the {self.s.engine.kind.value}"
+                              f" inference engine could not start on {local}: {exc}") from exc
         self._serving = local
-        self._prune_cache(local, self.cache_root(ctx.run_id))
         if self._engine.pid is not None:
             self._registered = self._engine.pid
             ctx.add_child(self._engine.pid, f"{self.s.engine.kind.value} inference engine")
         self._ctx = ctx
+
+    def release(self, ctx: StepContext) -> dict[str, Any]:
+        """Phase 7: free the accelerator for training: sleep, or stop (restart mode, or a
+        sleep that failed)."""
+        engine = self._engine
+        if engine is None or engine.state is not EngineState.READY:
+            return {}
+        if self.s.engine.weight_update is WeightUpdate.RELOAD:
+            try:
+                engine.sleep()
+                return {"engine": "asleep", "engine_pid": engine.pid}
+            except EngineError as exc:
+                log.warning("rank %d on %s: putting the engine to sleep failed, stopping it "
+                            "instead: %s", self.rank, ctx.host, exc)
+        self.stop()
+        return {"engine": "stopped"}
 
     def _prune_cache(self, keep: Path, root: Path) -> None:
         """Old local copies go once the engine serves a newer one: the cache holds one model.
@@ -112,7 +180,7 @@ class EngineHost:
 
     def stop(self) -> None:
         """Stop the engine and wait until its accelerator memory is released."""
-        if self._engine is not None and self._engine.state is EngineState.READY:
+        if self._engine is not None and self._engine.state is not EngineState.STOPPED:
             self._engine.stop()
         if self._registered is not None and getattr(self, "_ctx", None) is not None:
             self._ctx.remove_child(self._registered)

@@ -1,8 +1,12 @@
 """Phases 7 and 12: the node's inference engine around training.
 
-    7   all   stop the engine; its accelerator memory is released before training
+    7   all   put the engine to sleep (engine.weight_update "reload") or stop it;
+              either way its accelerator memory is released before training
     12  all   serve the checkpoint phase 11 announced (or, when nothing was
-              trained, the iteration's policy), from a verified local copy
+              trained, the iteration's policy), from a verified local copy:
+              reloaded in place into the sleeping engine, restarted if that
+              fails; then the served weights are checked against the
+              checkpoint's probes.  The payload says how and which engine pid.
 """
 
 from __future__ import annotations
@@ -18,8 +22,7 @@ from rl.loop import Loop
 
 def stop_engine(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 7: free the GPU for training."""
-    loop.engines.stop()
-    return {}
+    return loop.engines.release(ctx)
 
 
 def serve_new_policy(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
@@ -31,5 +34,5 @@ def serve_new_policy(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         name, phase = checkpoint.checkpoint, Phase.PUBLISH_CHECKPOINT
     else:
         name, phase = PolicyChoice.read(ctx).policy, Phase.SYNC
-    loop.engines.ensure(ctx, loop.model(ctx, name, where_phase=int(phase)))
-    return {"serving": name}
+    how = loop.engines.ensure(ctx, loop.model(ctx, name, where_phase=int(phase)))
+    return {"serving": name, **how}

@@ -199,14 +199,15 @@ class CompletionClient:
     def request(
         self, method: str, path: str, body: dict[str, Any] | None = None, *,
         params: dict[str, Any] | None = None, timeout_s: float | None = None,
-        parse: bool = True,
+        parse: bool = True, headers: dict[str, str] | None = None,
     ) -> Any:
         """One synchronous request (control endpoints, tests); ClientError on failure."""
         url = self.base_url + path
         timeout = timeout_s if timeout_s is not None else self.request_timeout_s
         try:
             with httpx.Client(timeout=timeout) as http:
-                resp = http.request(method, url, json=body, params=params, headers=self._headers)
+                resp = http.request(method, url, json=body, params=params,
+                                    headers={**self._headers, **(headers or {})})
         except httpx.TimeoutException as e:
             raise TransientError(f"no answer from {url} within {timeout:g}s") from e
         except httpx.TransportError as e:

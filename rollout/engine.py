@@ -3,8 +3,9 @@
 The public face of the engines; import from here.  The parts live in:
 
     engine_config.py   EngineKind, EngineState, EngineConfig and the errors
-    server_engine.py   ServerEngine: start/stop/check_alive of the server
-                       process (the lifecycle diagram is there)
+    server_engine.py   ServerEngine: start/stop/sleep/load_weights of the
+                       server process (the lifecycle diagram is there)
+    engine_control.py  the HTTP calls of sleep mode, reloads and probes
     hf_engine.py       HfEngine: the CPU server of rollout.hf_server
     vllm_engine.py     VllmEngine: `vllm serve`
 
@@ -30,6 +31,7 @@ from rollout.engine_config import (
     EngineStateError,
     GpuNotReleased,
 )
+from rollout.engine_control import EngineControl, WeightUpdateError
 from rollout.server_engine import PORT_FILE_VERSION, ServerEngine
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "EngineStateError",
     "GpuNotReleased",
     "ServerEngine",
+    "WeightUpdateError",
     "make_engine",
 ]
 
@@ -66,6 +69,10 @@ class Engine(Protocol):
     def stop(self) -> None: ...
     def close(self) -> None: ...
     def check_alive(self) -> None: ...
+    def sleep(self, level: int | None = None) -> None: ...
+    def wake_up(self) -> None: ...
+    def load_weights(self, model_dir: Path) -> None: ...
+    def control(self) -> EngineControl: ...
 
 
 def make_engine(cfg: EngineConfig, *, log_dir: Path, port_file: Path | None = None) -> Engine:

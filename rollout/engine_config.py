@@ -62,18 +62,37 @@ class EngineDied(EngineError):
 class GpuNotReleased(EngineError, TimeoutError):
     """Processes still hold accelerator memory after the release deadline."""
 
-    def __init__(self, holders: Mapping[int, int], timeout_s: float) -> None:
+    def __init__(self, holders: Mapping[int, int], timeout_s: float, *,
+                 allowed_mib: int = 0) -> None:
         self.holders = dict(holders)
         self.timeout_s = timeout_s
         listing = ", ".join(f"pid {p} ({mib} MiB)" for p, mib in sorted(holders.items()))
-        super().__init__(
-            f"GPU memory still held after {timeout_s:g}s by {listing}: processes of the "
-            "stopped inference server did not release it; kill them (kill -9 PID) before "
-            "training, or raise gpu_release_timeout_s if the driver is slow to free memory"
-        )
+        if allowed_mib:
+            message = (f"GPU memory still held after {timeout_s:g}s of sleep by {listing}, "
+                       f"above sleep_gpu_residual_mib={allowed_mib}: the sleeping inference "
+                       "server kept its weights or KV cache (was it started with "
+                       "--enable-sleep-mode?); set engine.weight_update='restart', or raise "
+                       "sleep_gpu_residual_mib if training fits beside that residue")
+        else:
+            message = (f"GPU memory still held after {timeout_s:g}s by {listing}: processes "
+                       "of the stopped inference server did not release it; kill them "
+                       "(kill -9 PID) before training, or raise gpu_release_timeout_s if the "
+                       "driver is slow to free memory")
+        super().__init__(message)
 
 
 # --- configuration ---------------------------------------------------------
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class EngineKind(str, enum.Enum):
@@ -87,11 +106,12 @@ class WeightUpdate(str, enum.Enum):
 
 
 class EngineState(str, enum.Enum):
-    """STOPPED → STARTING → READY → STOPPING → STOPPED; FAILED from any live state."""
+    """STOPPED → STARTING → READY ⇄ SLEEPING; → STOPPING → STOPPED; FAILED from any live state."""
 
     STOPPED = "stopped"
     STARTING = "starting"
     READY = "ready"
+    SLEEPING = "sleeping"  # alive, weights (and KV cache) released: see server_engine.py
     STOPPING = "stopping"
     FAILED = "failed"
 
@@ -121,6 +141,13 @@ class EngineConfig:
     # Sleep level at phase 7: 1 keeps the weights in CPU memory, 2 drops them
     # (the reload at phase 12 brings the new ones anyway).
     sleep_level: int = 2
+    # A sleeping vLLM keeps its CUDA context (and, at level 1, nothing else on
+    # the GPU): more than this per process after /sleep fails the phase.
+    sleep_gpu_residual_mib: int = 4096
+    # Phase 12 compares the served log-probabilities of the checkpoint's probe
+    # sequences with the trainer's; None: a tolerance for the served dtype.
+    verify_weights: bool = True
+    probe_tolerance: float | None = None
     gpu_memory_utilization: float = 0.9  # (vllm)
     use_model_generation_config: bool = False  # (vllm) see vllm_engine.py
     vllm_executable: str = "vllm"  # (vllm)
@@ -165,6 +192,10 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} and data_parallel_size="
                 f"{self.data_parallel_size} must be >= 1: GPUs per replica, replicas per node"
             )
+        if self.sleep_gpu_residual_mib < 0 or (
+                self.probe_tolerance is not None and not self.probe_tolerance > 0):
+            raise ValueError(f"sleep_gpu_residual_mib={self.sleep_gpu_residual_mib} must be >= 0 "
+                             f"and probe_tolerance={self.probe_tolerance} > 0 (or None: by dtype)")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={self.sleep_level} is not 1 (keep the weights in "
                              "CPU memory) or 2 (drop them)")
@@ -173,6 +204,12 @@ class EngineConfig:
         except ValueError:
             raise ValueError(f"weight_update={self.weight_update!r} is not 'reload' or "
                              "'restart'") from None
+        if self.weight_update is WeightUpdate.RELOAD and not _is_loopback(self.host):
+            raise ValueError(
+                f"weight_update='reload' with host={self.host!r}: the reload needs vLLM's "
+                "development endpoints (/sleep, /collective_rpc), which vLLM does not guard "
+                "with the API key; bind host='127.0.0.1' (the daemon is on the same node) or "
+                "set weight_update='restart'")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]: "
@@ -224,6 +261,20 @@ class EngineConfig:
     def gpus(self) -> int:
         """GPUs the engine occupies: every replica's tensor-parallel group."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    def served_dtype(self, checkpoint_dtype: str | None) -> str:
+        """The dtype the engine computes in, for a checkpoint saved in `checkpoint_dtype`.
+
+        The hf server maps "auto" to float32 (hf_request.DTYPES).  vLLM's "auto"
+        keeps a bfloat16 checkpoint's dtype and casts float32 ones to half
+        precision: counted as bfloat16, the coarser of the two.
+        """
+        names = {"half": "float16", "float": "float32"}
+        if self.dtype != "auto":
+            return names.get(self.dtype, self.dtype)
+        if self.kind is EngineKind.HF:
+            return "float32"
+        return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
 
     @property
     def connect_host(self) -> str:

@@ -1,13 +1,14 @@
 """The CPU engine: rollout.hf_server run as a child process.
 
-It is restarted every RL iteration with the newest weights, so its startup
-matters.  A cold start is dominated by importing torch and transformers
-(about 3-6 s on a 2-core node), loading a small model takes well under a
-second.  With `prewarm=True` the engine therefore keeps a *spare*: right
-after stop() it spawns the next server with `--model -`, which binds its
-port, does the imports and waits for one line on stdin.  The next start()
-sends the model directory on that line, so a restart only pays for loading
-the weights.  The spare holds no accelerator memory (nothing touches CUDA
+With weight_update = "restart" it is restarted every RL iteration with the
+newest weights, so its startup matters (with "reload", the default, it sleeps
+and reloads in place like vLLM: see hf_control.py).  A cold start is
+dominated by importing torch and transformers (about 3-6 s on a 2-core
+node), loading a small model takes well under a second.  With `prewarm=True`
+the engine therefore keeps a *spare*: right after stop() it spawns the next
+server with `--model -`, which binds its port, does the imports and waits
+for one line on stdin.  The next start() sends the model directory on that
+line, so a restart only pays for loading the weights.  The spare holds no accelerator memory (nothing touches CUDA
 before the model loads) and exits on its own when its stdin closes, e.g.
 when the daemon dies; close() ends it explicitly.
 
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 
 from rollout import process as proc_mod
-from rollout.engine_config import EngineKind
+from rollout.engine_config import EngineKind, WeightUpdate
 from rollout.hf_server import API_KEY_ENV
 from rollout.server_engine import ServerEngine
 
@@ -69,6 +70,8 @@ class HfEngine(ServerEngine):
         ]
         if c.max_model_len is not None:
             argv += ["--max-model-len", str(c.max_model_len)]
+        if c.weight_update is WeightUpdate.RELOAD:
+            argv.append("--enable-sleep-mode")
         return argv + list(c.extra_args)
 
     def environment(self, api_key: str) -> dict[str, str]:

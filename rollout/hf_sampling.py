@@ -1,4 +1,4 @@
-"""Sampling for rollout.hf_server: the request, the model and the generation loop.
+"""Sampling for rollout.hf_server: the model, its weights' lifecycle and the generation loop.
 
 Responses mirror vLLM's CompletionResponse so one client parses both: each
 choice has text, index (prompt i, sample j -> i*n + j), finish_reason
@@ -6,7 +6,10 @@ choice has text, index (prompt i, sample j -> i*n + j), finish_reason
 logprobs {tokens, token_logprobs, top_logprobs, text_offset} and, with
 `return_token_ids`, prompt_token_ids and token_ids.  As in vLLM, token_ids
 include the EOS token and the token that completed a stop string; the text
-excludes both.
+excludes both.  With `echo` the prompt comes first in the text and, with
+`logprobs`, in the log-probabilities (its first token's is null); `echo` with
+`max_tokens: 0` scores a sequence without generating (vLLM generates one
+token and discards it; this server generates none, so token_ids is empty).
 
 Log-probabilities are log_softmax of the model's raw logits (before
 temperature and top-p), i.e. the policy's log-prob of each sampled token;
@@ -28,17 +31,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-MAX_TOP_LOGPROBS: Final = 20  # vLLM's default --max-logprobs
-DTYPES: Final = {
-    "auto": "float32",
-    "float": "float32",
-    "float32": "float32",
-    "half": "float16",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-}
+from rollout.hf_request import DTYPES, BadRequest, CompletionRequest
+from rollout.hf_weights import ResidentModel
+
+
+class Asleep(RuntimeError):
+    """A completion arrived while the weights sleep; the server answers 503."""
 
 
 @dataclass
@@ -52,79 +52,26 @@ class _Row:
     stop_reason: Any = None
     text: str | None = None  # cut at a stop string; None: decode the tokens
 
+    def result(self, decode: Any) -> dict[str, Any]:
+        return {
+            "token_ids": self.tokens,
+            "token_logprobs": self.logprobs,
+            "top": self.top,
+            "finish_reason": self.finish or "length",
+            "stop_reason": self.stop_reason,
+            "text": self.text if self.text is not None else decode(self.tokens),
+        }
 
-class BadRequest(ValueError):
-    """The request is invalid; the message goes back to the client with a 400."""
 
-
-@dataclass(frozen=True, kw_only=True)
-class CompletionRequest:
-    prompts: tuple[str, ...]
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None
-    stop: tuple[str, ...] = ()
-    return_token_ids: bool = False
-
-    @classmethod
-    def from_json(cls, body: Any) -> CompletionRequest:
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        prompt = body.get("prompt")
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        if (
-            not isinstance(prompts, list)
-            or not prompts
-            or not all(isinstance(p, str) for p in prompts)
-        ):
-            raise BadRequest(
-                "prompt must be a string or a non-empty list of strings "
-                "(token-id prompts are not supported by this server)"
-            )
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported: send stream=false")
-
-        def number(name: str, default: Any, kind: type) -> Any:
-            v = body.get(name, default)
-            if v is None:
-                return default
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or (kind is int and not isinstance(v, int))
-            ):
-                raise BadRequest(
-                    f"{name}={v!r} is not a{'n integer' if kind is int else ' number'}"
-                )
-            return kind(v)
-
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise BadRequest("stop must be a non-empty string or a list of them")
-        req = cls(
-            prompts=tuple(prompts),
-            n=number("n", 1, int),
-            max_tokens=number("max_tokens", 16, int),
-            temperature=number("temperature", 1.0, float),
-            top_p=number("top_p", 1.0, float),
-            seed=None if body.get("seed") is None else number("seed", 0, int),
-            logprobs=None if body.get("logprobs") is None else number("logprobs", 0, int),
-            stop=tuple(stop),
-            return_token_ids=bool(body.get("return_token_ids") or False),
-        )
-        if req.n < 1 or req.max_tokens < 1:
-            raise BadRequest(f"n={req.n} and max_tokens={req.max_tokens} must both be >= 1")
-        if req.temperature < 0 or not 0 < req.top_p <= 1:
-            raise BadRequest(
-                f"temperature={req.temperature} must be >= 0 and top_p={req.top_p} in (0, 1]"
-            )
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"logprobs={req.logprobs} is outside 0..{MAX_TOP_LOGPROBS}")
-        return req
+def _concat_blocks(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two logprobs blocks as one: the echoed prompt's, then the completion's."""
+    shift = sum(len(t) for t in first["tokens"])
+    return {
+        "tokens": first["tokens"] + second["tokens"],
+        "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
+        "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
+        "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]],
+    }
 
 
 class Generator:
@@ -156,8 +103,12 @@ class Generator:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, local_files_only=True, use_safetensors=True, **{dtype_kw: torch_dtype}
         )
-        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' stub
+        self.resident = ResidentModel(
+            model.to(self.device).eval(),  # type: ignore[arg-type]  # transformers' stub
+            device=self.device, torch=torch)
+        self.model_dir = Path(model_dir)
         cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
         limit = getattr(cfg, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(max_model_len or limit, limit)
         eos: set[int] = set()
@@ -172,6 +123,30 @@ class Generator:
         self._rng = torch.Generator().manual_seed(seed)
         self.lock = threading.Lock()
 
+    @property
+    def model(self) -> Any:
+        return self.resident.model
+
+    # The weights' lifecycle (vLLM's sleep mode), serialised with completions.
+    def sleep(self, level: int) -> None:
+        with self.lock:
+            self.resident.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        with self.lock:
+            self.resident.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        with self.lock:
+            return self.resident.sleeping
+
+    def reload_weights(self, weights_path: Path | None) -> None:
+        """vLLM's reload_weights: the new directory, or the served one again."""
+        with self.lock:
+            self.resident.reload(weights_path or self.model_dir)
+            if weights_path is not None:
+                self.model_dir = Path(weights_path)
+
     def _piece(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
@@ -182,17 +157,29 @@ class Generator:
         # One request at a time, tokenizer included: a fast tokenizer used
         # from two threads can fail with "Already borrowed".
         with self.lock:
+            if self.resident.sleeping:
+                raise Asleep("the engine is asleep (POST /sleep): wake it with POST /wake_up "
+                             "before sending completions")
             return self._complete(req)
 
-    def _complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
-        prompt_ids = [self.tokenizer(p)["input_ids"] for p in req.prompts]
-        for p, ids in zip(req.prompts, prompt_ids, strict=True):
+    def _prompt_ids(self, req: CompletionRequest) -> list[list[int]]:
+        prompt_ids = []
+        for p in req.prompts:
+            ids = list(p) if isinstance(p, tuple) else list(self.tokenizer(p)["input_ids"])
+            if any(t >= self.vocab_size for t in ids):
+                raise BadRequest(f"token id {max(ids)} is outside this model's vocabulary "
+                                 f"0..{self.vocab_size - 1}")
             if len(ids) + req.max_tokens > self.max_model_len:
                 raise BadRequest(
                     f"prompt of {len(ids)} tokens + max_tokens={req.max_tokens} exceeds this "
                     f"model's maximum context length of {self.max_model_len}: shorten the "
-                    f"prompt {p[:40]!r} or lower max_tokens"
+                    f"prompt {str(p)[:40]!r} or lower max_tokens"
                 )
+            prompt_ids.append(ids)
+        return prompt_ids
+
+    def _complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
+        prompt_ids = self._prompt_ids(req)
         rows = [(i, j) for i in range(len(req.prompts)) for j in range(req.n)]
         seed = (
             req.seed
@@ -203,7 +190,11 @@ class Generator:
         outputs: list[dict[str, Any]] = []
         for start in range(0, len(rows), self.max_batch):
             chunk = rows[start : start + self.max_batch]
-            outputs += self._sample([prompt_ids[i] for i, _ in chunk], req, gen)
+            if req.max_tokens == 0:  # echo only: nothing is generated
+                outputs += [_Row(finish="length").result(self._decode) for _ in chunk]
+            else:
+                outputs += self._sample([prompt_ids[i] for i, _ in chunk], req, gen)
+        echoed = self._echo(prompt_ids, req) if req.echo else None
         choices = []
         for index, ((i, _), out) in enumerate(zip(rows, outputs, strict=True)):
             choice = {
@@ -215,6 +206,12 @@ class Generator:
             }
             if req.logprobs is not None:
                 choice["logprobs"] = self._logprobs_block(out, req.logprobs)
+            if echoed is not None:
+                # vLLM's echo: the prompt comes first, in the text and in the logprobs.
+                text, block = echoed[i]
+                choice["text"] = text + out["text"]
+                if block is not None and choice["logprobs"] is not None:
+                    choice["logprobs"] = _concat_blocks(block, choice["logprobs"])
             if req.return_token_ids:
                 choice["prompt_token_ids"] = list(prompt_ids[i])
                 choice["token_ids"] = out["token_ids"]
@@ -227,10 +224,14 @@ class Generator:
         for piece in tokens:
             offsets.append(pos)
             pos += len(piece)
-        top = []
-        for t, lp, (ids, lps) in zip(
+        top: list[dict[str, float] | None] = []
+        for t, lp, ranked in zip(
             out["token_ids"], out["token_logprobs"], out["top"], strict=True
         ):
+            if lp is None:  # the first prompt token has no log-probability
+                top.append(None)
+                continue
+            ids, lps = ranked
             entry = {self._piece(a): b for a, b in zip(ids[:k], lps[:k], strict=True)}
             entry[self._piece(t)] = lp  # vLLM always includes the sampled token
             top.append(entry)
@@ -240,6 +241,48 @@ class Generator:
             "top_logprobs": top,
             "text_offset": offsets,
         }
+
+    def _echo(self, prompts: list[list[int]], req: CompletionRequest
+              ) -> list[tuple[str, dict[str, Any] | None]]:
+        """Each prompt's text and, with `logprobs`, its tokens' log-probabilities.
+
+        As vLLM's prompt logprobs: position 0 has none (null); position t is
+        log_softmax of the logits after tokens 0..t-1, at token t.
+        """
+        scored: list[tuple[list[float | None], list[Any]]] = []
+        if req.logprobs is not None:
+            for start in range(0, len(prompts), self.max_batch):
+                scored += self._score(prompts[start : start + self.max_batch], req.logprobs)
+        echoed = []
+        for r, ids in enumerate(prompts):
+            block = None
+            if scored:
+                lps, top = scored[r]
+                out = {"token_ids": ids, "token_logprobs": lps, "top": top}
+                block = self._logprobs_block(out, req.logprobs or 0)
+            echoed.append((self._decode(ids), block))
+        return echoed
+
+    def _score(self, prompts: list[list[int]], k: int
+               ) -> list[tuple[list[float | None], list[Any]]]:
+        torch = self.torch
+        ids, mask, positions = self._left_pad(prompts)
+        width = ids.shape[1]
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                position_ids=positions.to(self.device)).logits.float().cpu()
+        logp = torch.log_softmax(logits[:, :-1, :], dim=-1)
+        chosen = logp.gather(2, ids[:, 1:, None])[:, :, 0]
+        top_v, top_i = logp.topk(k, dim=-1)
+        scored = []
+        for r, p in enumerate(prompts):
+            first = width - len(p)  # left padding: the prompt's tokens end the row
+            span = range(first, width - 1)
+            lps: list[float | None] = [None] + [float(chosen[r, c]) for c in span]
+            top: list[Any] = [None] + [(top_i[r, c].tolist(), top_v[r, c].tolist())
+                                       for c in span]
+            scored.append((lps, top))
+        return scored
 
     def _sample(
         self, prompts: list[list[int]], req: CompletionRequest, gen: Any
@@ -282,17 +325,7 @@ class Generator:
                     past_key_values=out.past_key_values,
                     use_cache=True,
                 )
-        return [
-            {
-                "token_ids": row.tokens,
-                "token_logprobs": row.logprobs,
-                "top": row.top,
-                "finish_reason": row.finish or "length",
-                "stop_reason": row.stop_reason,
-                "text": row.text if row.text is not None else self._decode(row.tokens),
-            }
-            for row in rows
-        ]
+        return [row.result(self._decode) for row in rows]
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[Any, Any, Any]:
         """ids, attention mask and positions; left padding puts every row's next token

@@ -8,7 +8,9 @@ transformers, then reads the model directory from one line of stdin.
 
 Routes: GET /health (no key, like vLLM), GET /v1/models, POST /v1/completions
 (Bearer key required, 401 otherwise).  The key may also come from the
-environment variable ROLLOUT_API_KEY, which keeps it out of `ps`.
+environment variable ROLLOUT_API_KEY, which keeps it out of `ps`.  With
+VLLM_SERVER_DEV_MODE=1, vLLM's development routes for sleep mode and weight
+reloads too (hf_control.py; /sleep and /wake_up need --enable-sleep-mode).
 
 This module is the HTTP layer and the process; the request, the sampling
 loop and the response format (vLLM's CompletionResponse) are in
@@ -31,14 +33,12 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import parse_qs, urlsplit
 
-from rollout.hf_sampling import (
-    DTYPES,
-    MAX_TOP_LOGPROBS,
-    BadRequest,
-    CompletionRequest,
-    Generator,
-)
+from rollout.hf_control import ROUTES as CONTROL_ROUTES
+from rollout.hf_control import Control, Faults, dev_mode
+from rollout.hf_request import DTYPES, MAX_TOP_LOGPROBS, BadRequest, CompletionRequest
+from rollout.hf_sampling import Asleep, Generator
 
 __all__ = [
     "API_KEY_ENV",
@@ -69,7 +69,7 @@ class Handler(BaseHTTPRequestHandler):
         log.debug("%s " + fmt, self.address_string(), *args)
 
     def _send(self, status: int, payload: Any) -> None:
-        body = json.dumps(payload).encode()
+        body = b"" if payload is None else json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -92,44 +92,23 @@ class Handler(BaseHTTPRequestHandler):
         return False
 
     def do_GET(self) -> None:
-        if self.path == "/health":
+        path = urlsplit(self.path).path
+        if path == "/health":
             self._send(HTTPStatus.OK, {})
-        elif self.path == "/v1/models":
+        elif path == "/v1/models":
             if self._authorized():
-                g = self.server.generator
-                self._send(
-                    HTTPStatus.OK,
-                    {
-                        "object": "list",
-                        "data": [
-                            {
-                                "id": self.server.model_name,
-                                "object": "model",
-                                "owned_by": "rollout",
-                                "created": int(self.server.started),
-                                "root": str(self.server.model_dir),
-                                "max_model_len": g.max_model_len,
-                            }
-                        ],
-                    },
-                )
+                self._send(HTTPStatus.OK, self.server.models_answer())
         else:
-            self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
+            self._control("GET")
 
     def do_POST(self) -> None:
-        if self.path != "/v1/completions":
-            self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
+        if urlsplit(self.path).path != "/v1/completions":
+            self._control("POST")
             return
         if not self._authorized():
             return
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-            if not 0 < length <= MAX_BODY_BYTES:
-                raise BadRequest(f"Content-Length={length} is outside 1..{MAX_BODY_BYTES}")
-            try:
-                body = json.loads(self.rfile.read(length))
-            except ValueError as e:
-                raise BadRequest(f"body is not JSON: {e}") from None
+            body = self._body(required=True)
             model = body.get("model") if isinstance(body, dict) else None
             if model not in (None, self.server.model_name):
                 self._error(
@@ -143,27 +122,46 @@ class Handler(BaseHTTPRequestHandler):
         except BadRequest as e:
             self._error(HTTPStatus.BAD_REQUEST, str(e))
             return
+        except Asleep as e:
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
+            return
         except Exception as e:  # a server bug must answer 500, not hang the client
             log.exception("completion failed")
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
             return
-        n_prompt = sum(len(c.get("prompt_token_ids", [])) for c in choices[:: req.n])
-        n_out = sum(len(c.get("token_ids", [])) for c in choices)
-        self._send(
-            HTTPStatus.OK,
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.server.model_name,
-                "choices": choices,
-                "usage": {
-                    "prompt_tokens": n_prompt,
-                    "completion_tokens": n_out,
-                    "total_tokens": n_prompt + n_out,
-                },
-            },
-        )
+        self._send(HTTPStatus.OK, self.server.completion_answer(choices, req.n))
+
+    def _body(self, *, required: bool) -> Any:
+        length = int(self.headers.get("Content-Length", "0"))
+        if not (0 if not required else 1) <= length <= MAX_BODY_BYTES:
+            raise BadRequest(f"Content-Length={length} is outside 1..{MAX_BODY_BYTES}")
+        if length == 0:
+            return None
+        try:
+            return json.loads(self.rfile.read(length))
+        except ValueError as e:
+            raise BadRequest(f"body is not JSON: {e}") from None
+
+    def _control(self, method: str) -> None:
+        """vLLM's development routes (hf_control.py), when dev mode registered them."""
+        parts = urlsplit(self.path)
+        control = self.server.control
+        if control is None or (method, parts.path) not in CONTROL_ROUTES:
+            self._error(HTTPStatus.NOT_FOUND, f"no route {method} {parts.path}")
+            return
+        if not self._authorized():
+            return
+        try:
+            status, payload = control.handle(method, parts.path, parse_qs(parts.query),
+                                             self._body(required=False))
+        except BadRequest as e:
+            self._error(HTTPStatus.BAD_REQUEST, str(e))
+            return
+        except Exception as e:  # a server bug must answer 500, not hang the client
+            log.exception("%s %s failed", method, parts.path)
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
+            return
+        self._send(status, payload)
 
 
 class Server(ThreadingHTTPServer):
@@ -177,6 +175,7 @@ class Server(ThreadingHTTPServer):
         self.model_name = model_name or ""
         self.generator: Generator
         self.model_dir: Path
+        self.control: Control | None = None
         self.started = time.time()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -187,10 +186,43 @@ class Server(ThreadingHTTPServer):
         else:
             super().handle_error(request, client_address)
 
-    def attach(self, generator: Generator, model_dir: Path) -> None:
+    def attach(self, generator: Generator, model_dir: Path, *,
+               control: Control | None = None) -> None:
         self.generator = generator
         self.model_dir = model_dir
         self.model_name = self.model_name or str(model_dir)
+        self.control = control
+
+    def models_answer(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "owned_by": "rollout",
+                    "created": int(self.started),
+                    "root": str(self.model_dir),
+                    "max_model_len": self.generator.max_model_len,
+                }
+            ],
+        }
+
+    def completion_answer(self, choices: list[dict[str, Any]], n: int) -> dict[str, Any]:
+        n_prompt = sum(len(c.get("prompt_token_ids", [])) for c in choices[::n])
+        n_out = sum(len(c.get("token_ids", [])) for c in choices)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_out,
+                "total_tokens": n_prompt + n_out,
+            },
+        }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -213,7 +245,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=False,
+                   help="allow /sleep and /wake_up (routes registered with "
+                   "VLLM_SERVER_DEV_MODE=1, as in vLLM)")
     args = p.parse_args(argv)
+    try:
+        args.dev_mode = dev_mode(os.environ)
+        args.faults = Faults.load(os.environ)
+    except ValueError as e:
+        p.error(str(e))
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if not args.api_key:
         p.error(f"no API key: pass --api-key or set {API_KEY_ENV}")
@@ -277,17 +317,21 @@ def main(argv: list[str] | None = None) -> int:
             if not _is_model_dir(model_dir):
                 log.error("%s has no config.json: give a Hugging Face model directory", model_dir)
                 return 2
-        server.attach(
-            Generator(
-                model_dir,
-                device=args.device,
-                dtype=args.dtype,
-                max_batch=args.max_batch,
-                seed=args.seed,
-                max_model_len=args.max_model_len,
-            ),
+        if args.faults is not None and args.faults.start_refused(os.getpid()):
+            log.error("startup refused: fail_start_from=%d in %s (an injected fault)",
+                      args.faults.fail_start_from, args.faults.path)
+            return 1
+        generator = Generator(
             model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            max_batch=args.max_batch,
+            seed=args.seed,
+            max_model_len=args.max_model_len,
         )
+        control = Control(generator, sleep_mode=args.enable_sleep_mode,
+                          faults=args.faults) if args.dev_mode else None
+        server.attach(generator, model_dir, control=control)
         log.info(
             "serving %s as %r on http://%s:%s (loaded in %.2fs, pid %d)",
             model_dir,

@@ -368,6 +368,31 @@ def default_gpu_query() -> GpuQuery | None:
     return nvidia_smi_query(exe) if exe else None
 
 
+def visible_gpu_count(env: dict[str, str]) -> int | None:
+    """GPUs a server started with `env` can use: CUDA_VISIBLE_DEVICES when set, else
+    the devices NVML (or nvidia-smi -L) lists; None when nothing can tell."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        import pynvml
+    except ImportError:
+        pass
+    else:
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    import shutil
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    res = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30, check=False)
+    return sum(line.startswith("GPU ") for line in res.stdout.splitlines())
+
+
 def wait_gpu_released(
     pids: Iterable[int],
     timeout_s: float,
@@ -376,9 +401,12 @@ def wait_gpu_released(
     poll_s: float = 0.5,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    allowed_mib: int = 0,
 ) -> dict[int, int]:
-    """Wait until none of `pids` holds accelerator memory; {} then, else (on timeout)
-    the pids still holding it with their MiB, for the caller to report.
+    """Wait until none of `pids` holds more than `allowed_mib` of accelerator memory;
+    {} then, else (on timeout) the pids still holding it with their MiB, for the
+    caller to report.  `allowed_mib` > 0 is for a sleeping server, which keeps
+    its CUDA context.
 
     With no NVML and no nvidia-smi there is nothing to watch: returns at once.
     Inside a container NVML may report host pids, which never match ours; the
@@ -390,7 +418,7 @@ def wait_gpu_released(
         return {}
     deadline = clock() + timeout_s
     while True:
-        holders = {p: m for p, m in q().items() if p in watched}
+        holders = {p: m for p, m in q().items() if p in watched and m > allowed_mib}
         if not holders or clock() >= deadline:
             return holders
         sleep(poll_s)

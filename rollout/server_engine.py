@@ -5,18 +5,27 @@ same thing seen from the coordinator: a command line, a port, an API key, a
 log file.  `ServerEngine` owns that lifecycle; subclasses only build the
 command and its environment.
 
-    STOPPED ──start()──► STARTING ──a real completion succeeds──► READY
-       ▲                    │ died / not ready in time               │
-       │                    ▼                                        │ stop()
-       └──── STOPPED ◄── STOPPING ◄──────────────────────────────────┘
-                FAILED: the server died, or stop() could not release it;
-                        start() again (it cleans up first) or stop().
+    STOPPED ──start()──► STARTING ──a real completion succeeds──► READY ◄─────────┐
+       ▲                    │ died / not ready in time          │    sleep()     │ load_weights(dir)
+       │                    ▼                                   │       ▼        │ or wake_up()
+       └──── STOPPED ◄── STOPPING ◄───────── stop() ────────────┴── SLEEPING ───┘
+                FAILED: the server died, stop() could not release it, or a
+                        sleep/wake/reload step failed; start() again (it cleans
+                        up first) or stop().
+
+Sleeping (weight_update = "reload") the server process stays up with its
+weights and KV cache released; load_weights wakes it on a new checkpoint in
+place (engine_control.py has the request sequence).  The server is started
+for it with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1.
 
 Waits for / released by:
     start()  waits for  the server answering one completion (ready_timeout_s)
     stop()   waits for  the whole process tree to exit (stop_grace_s, then
                         SIGKILL) and for the GPU memory of those pids to be
                         released (gpu_release_timeout_s)
+    sleep()  waits for  /sleep, then each server process to hold at most
+                        sleep_gpu_residual_mib (gpu_release_timeout_s)
+    load_weights()      each request at most request_timeout_s
 
 close() is stop() plus ending whatever an engine keeps for its next start
 (the hf engine's warm spare, see hf_engine.py); call it at daemon shutdown.
@@ -49,7 +58,11 @@ from rollout.engine_config import (
     EngineState,
     EngineStateError,
     GpuNotReleased,
+    WeightUpdate,
 )
+from rollout.engine_control import EngineControl, WeightUpdateError
+
+DEV_MODE_ENV: Final = "VLLM_SERVER_DEV_MODE"  # as vLLM's envs.py reads it (an integer)
 
 # The logger of the public module, as before the split: log filters and
 # greps of daemon logs for "rollout.engine" keep matching lifecycle lines.
@@ -108,6 +121,8 @@ class ServerEngine:
     def environment(self, api_key: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        if self.config.weight_update is WeightUpdate.RELOAD:
+            env[DEV_MODE_ENV] = "1"  # registers /sleep, /wake_up, /collective_rpc
         if self.config.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.cuda_visible_devices
         env.update(dict(self.config.env))
@@ -162,23 +177,13 @@ class ServerEngine:
             raise EngineStartError(
                 f"model directory {model_dir} has no config.json: give a Hugging Face model directory"
             )
-        cfg = self.config
         t0 = time.monotonic()
         self.model_dir = model_dir
         self.log_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         self._proc, self._port, self._api_key = self._launch(model_dir)
         self._log_offset = self._proc.log_offset
         self._set_state(EngineState.STARTING)
-        if self.port_file is not None:
-            record = {
-                "version": PORT_FILE_VERSION,
-                "kind": self.kind.value,
-                "host": cfg.connect_host,
-                "port": self._port,
-                "pid": self._proc.pid,
-                "model_dir": str(model_dir),
-            }
-            publish_bytes(self.port_file, (json.dumps(record, sort_keys=True) + "\n").encode())
+        self._publish_port_file()
         try:
             self._wait_ready()
         except BaseException:
@@ -193,6 +198,19 @@ class ServerEngine:
             model_dir,
         )
         self._set_state(EngineState.READY)
+
+    def _publish_port_file(self) -> None:
+        if self.port_file is None or self._proc is None:
+            return
+        record = {
+            "version": PORT_FILE_VERSION,
+            "kind": self.kind.value,
+            "host": self.config.connect_host,
+            "port": self._port,
+            "pid": self._proc.pid,
+            "model_dir": str(self.model_dir),
+        }
+        publish_bytes(self.port_file, (json.dumps(record, sort_keys=True) + "\n").encode())
 
     def _wait_ready(self) -> None:
         # client.py imports this module (its errors are EngineErrors).
@@ -284,6 +302,64 @@ class ServerEngine:
     def close(self) -> None:
         """stop(), and release anything kept for the next start (nothing here)."""
         self.stop()
+
+    # sleep mode: the server stays up, its weights go and come back
+    def control(self) -> EngineControl:
+        from rollout.client import CompletionClient
+
+        client = CompletionClient(self.base_url, self.api_key,
+                                  model=self.config.served_model_name, concurrency=1,
+                                  request_timeout_s=self.config.request_timeout_s, retries=0)
+        return EngineControl(client, reload_timeout_s=self.config.request_timeout_s,
+                             pause=self._sleep)
+
+    def _require(self, state: EngineState, what: str) -> None:
+        if self._state is not state:
+            raise EngineStateError(f"{what} while {self._state.value}: the engine must be "
+                                   f"{state.value}")
+        if self.config.weight_update is not WeightUpdate.RELOAD:
+            raise EngineStateError(f"{what} with weight_update='restart': the server was "
+                                   "started without sleep mode")
+
+    def _controlled(self, step: Callable[[], None]) -> None:
+        """Run a control step; on failure the engine is FAILED (a died server says so)."""
+        try:
+            step()
+        except WeightUpdateError:
+            self._set_state(EngineState.FAILED)
+            self.check_alive()  # EngineDied with the log tail beats "connection refused"
+            raise
+
+    def sleep(self, level: int | None = None) -> None:
+        """Release the weights and KV cache; the process stays (READY -> SLEEPING)."""
+        self._require(EngineState.READY, "sleep()")
+        level = level or self.config.sleep_level
+        self._controlled(lambda: self.control().sleep(level))
+        holders = proc_mod.wait_gpu_released(self.pids(), self.config.gpu_release_timeout_s,
+                                             allowed_mib=self.config.sleep_gpu_residual_mib)
+        if holders:
+            self._set_state(EngineState.FAILED)
+            raise GpuNotReleased(holders, self.config.gpu_release_timeout_s,
+                                 allowed_mib=self.config.sleep_gpu_residual_mib)
+        self._set_state(EngineState.SLEEPING)
+
+    def wake_up(self) -> None:
+        """Everything back as it was (level 1 restores the old weights): SLEEPING -> READY."""
+        self._require(EngineState.SLEEPING, "wake_up()")
+        self._controlled(lambda: self.control().wake_up())
+        self._set_state(EngineState.READY)
+
+    def load_weights(self, model_dir: Path) -> None:
+        """Wake on a new checkpoint in place (SLEEPING -> READY); WeightUpdateError names the step."""
+        self._require(EngineState.SLEEPING, "load_weights()")
+        model_dir = Path(model_dir).resolve()
+        t0 = time.monotonic()
+        self._controlled(lambda: self.control().load_weights(str(model_dir)))
+        self.model_dir = model_dir
+        self._publish_port_file()
+        log.info("%s engine pid %s serves %s, reloaded in place in %.2fs", self.kind.value,
+                 self.pid, model_dir, time.monotonic() - t0)
+        self._set_state(EngineState.READY)
 
     def check_alive(self) -> None:
         """Raise EngineDied (exit status, log tail) if the server process has exited."""

@@ -3,27 +3,35 @@
 Nothing here imports vllm: the daemon only builds a command line, so a CPU
 node without vllm installed can still load this module and test it.
 
-Every flag was checked against vLLM's documented CLI:
-  - `vllm serve` reference: https://docs.vllm.ai/en/v0.12.0/cli/serve/ (positional
-    model_tag; frontend --host, --port, --api-key, --served-model-name)
-  - engine arguments: https://docs.vllm.ai/en/v0.8.5/serving/engine_args.html
-    (--tensor-parallel-size, --gpu-memory-utilization, --max-model-len,
-    --dtype {auto,half,float16,bfloat16,float,float32}, --seed,
-    --generation-config)
-  - --generation-config "vllm" (ignore the model's generation_config.json,
-    use vLLM's defaults): vllm-project/vllm PR #11164, vLLM >= 0.6.6.
-  - `return_token_ids` (read by rollout.client): vllm-project/vllm PR #22587,
-    released in vLLM 0.10.2, so this engine needs vllm >= 0.10.2.
-  - VLLM_API_KEY: vLLM's api_server uses `args.api_key or envs.VLLM_API_KEY`,
-    so the key is passed in the environment instead of --api-key and does not
-    show in `ps` (vLLM's security guide recommends the same).
+The project pins vllm==0.29.0 (the `vllm` extra; its torch pin is ours).
+Every flag was read in that release's argument parser, and
+tests/rollout/test_vllm_flags.py checks the command flag by flag against a
+fixture extracted from it (scripts/extract_vllm_flags.py):
+  - frontend: --host, --port (entrypoints/launchers/cli_args.py FrontendArgs);
+    the positional model directory (entrypoints/cli/serve.py)
+  - engine (engine/arg_utils.py EngineArgs.add_cli_args): --served-model-name,
+    --tensor-parallel-size, --data-parallel-size, --gpu-memory-utilization,
+    --max-model-len, --dtype {auto,bfloat16,float,float16,float32,half},
+    --seed, --generation-config, --enable-sleep-mode (a BooleanOptionalAction)
+  - --generation-config "vllm": ignore the model's generation_config.json.
+  - `return_token_ids` (read by rollout.client): vLLM >= 0.10.2.
+  - VLLM_API_KEY: the server reads `args.api_key or envs.VLLM_API_KEY`, so
+    the key travels in the environment and does not show in `ps`.
+  - VLLM_SERVER_DEV_MODE=1 (server_engine.py, with weight_update "reload")
+    registers /sleep, /wake_up, /collective_rpc, /reset_prefix_cache; vLLM
+    guards only /v1 routes with the key, so EngineConfig insists on a
+    loopback host then.
+  - --data-parallel-size D runs D replicas behind one port (tp GPUs each); the
+    node must show tp x D GPUs, checked before the server starts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from rollout.engine_config import EngineConfig, EngineKind
+from rollout import process as proc_mod
+from rollout.engine_config import EngineConfig, EngineKind, EngineStartError, WeightUpdate
 from rollout.server_engine import ServerEngine
 
 API_KEY_ENV = "VLLM_API_KEY"
@@ -43,6 +51,8 @@ def build_vllm_command(cfg: EngineConfig, model_dir: Path, port: int) -> list[st
         cfg.served_model_name,
         "--tensor-parallel-size",
         str(cfg.tensor_parallel_size),
+        "--data-parallel-size",
+        str(cfg.data_parallel_size),
         "--gpu-memory-utilization",
         str(cfg.gpu_memory_utilization),
         "--dtype",
@@ -57,6 +67,8 @@ def build_vllm_command(cfg: EngineConfig, model_dir: Path, port: int) -> list[st
         # and the like as server-wide defaults; RL needs samples from the plain
         # policy at the temperature/top_p it asks for, so ignore it.
         argv += ["--generation-config", "vllm"]
+    if cfg.weight_update is WeightUpdate.RELOAD:
+        argv.append("--enable-sleep-mode")
     return argv + list(cfg.extra_args)
 
 
@@ -66,7 +78,24 @@ class VllmEngine(ServerEngine):
     def command(self, model_dir: Path, port: int) -> list[str]:
         return build_vllm_command(self.config, model_dir, port)
 
+    # {environment} -> GPUs the server would see (None: unknown); tests replace it.
+    gpu_count: Callable[[dict[str, str]], int | None] = staticmethod(proc_mod.visible_gpu_count)
+
     def environment(self, api_key: str) -> dict[str, str]:
         env = super().environment(api_key)  # includes CUDA_VISIBLE_DEVICES passthrough
         env[API_KEY_ENV] = api_key
         return env
+
+    def _launch(self, model_dir: Path) -> tuple[proc_mod.ManagedProcess, int, str]:
+        cfg = self.config
+        env = self.environment("")
+        seen = self.gpu_count(env)
+        if seen is not None and seen < cfg.gpus:
+            where = (f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}"
+                     if "CUDA_VISIBLE_DEVICES" in env else "NVML")
+            raise EngineStartError(
+                f"tensor_parallel_size={cfg.tensor_parallel_size} x data_parallel_size="
+                f"{cfg.data_parallel_size} needs {cfg.gpus} GPUs but this node shows {seen} "
+                f"({where}): lower data_parallel_size to {max(1, seen // cfg.tensor_parallel_size)}"
+                " or give the engine more GPUs")
+        return super()._launch(model_dir)

@@ -12,7 +12,9 @@ reported with the name of the file instead of being loaded.
 The manifest is a coordinator record (coordinator/records.py), on disk:
 
     {"schema": "coordinator/checkpoint-manifest", "version": 1, "iteration": 3,
-     "files": {"model.safetensors": {"sha256": "<64 hex>", "size": 81920}, ...}}
+     "files": {"model.safetensors": {"sha256": "<64 hex>", "size": 81920}, ...},
+     "probes": {"dtype": "float32", "sequences": [{"token_ids": [...],
+                "logprobs": [...]}, ...]} or null}
 
 Every failure a caller should act on is a `CheckpointError` (rollout.errors,
 the one class for unusable checkpoints) carrying the offending path.
@@ -45,6 +47,7 @@ from coordinator.records import Record
 from coordinator.store import read_document
 from coordinator.verified import copy_verified, file_digest, read_verified
 from rollout.errors import CheckpointError
+from trainer.probes import ProbeSet
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,9 @@ class Manifest(Record):
     SCHEMA: ClassVar[str] = MANIFEST_SCHEMA
     iteration: int
     files: dict[str, FileEntry]  # relative path with "/" separators -> entry
+    # What the trainer's weights say about fixed sequences (trainer/probes.py):
+    # phase 12 checks the engine serves these weights.  None: not trained here.
+    probes: ProbeSet | None = None
 
     def __post_init__(self) -> None:
         if type(self.iteration) is not int or self.iteration < 0:
@@ -135,13 +141,13 @@ def _list_files(root: Path) -> list[str]:
     return out
 
 
-def _build_manifest(root: Path, iteration: int) -> Manifest:
+def _build_manifest(root: Path, iteration: int, probes: ProbeSet | None) -> Manifest:
     files = {}
     for rel in _list_files(root):
         size, sha256 = file_digest(root / rel)  # the size of what was read, not a cached stat
         files[rel] = FileEntry(sha256=sha256, size=size)
     try:
-        return Manifest(iteration=iteration, files=files)
+        return Manifest(iteration=iteration, files=files, probes=probes)
     except ValueError as exc:  # nothing written, or a name no reader would accept
         raise CheckpointError(f"cannot publish {root}: {exc}", path=root) from exc
 
@@ -284,10 +290,11 @@ def write_model_files(
             (directory / "chat_template.jinja").unlink(missing_ok=True)
 
 
-def seal_directory(tmp: Path, final_dir: Path, *, iteration: int) -> Manifest:
+def seal_directory(tmp: Path, final_dir: Path, *, iteration: int,
+                   probes: ProbeSet | None = None) -> Manifest:
     """Manifest + fsync a fully written tmp dir, then rename it to final_dir."""
     try:
-        manifest = _build_manifest(tmp, iteration)
+        manifest = _build_manifest(tmp, iteration, probes)
         _seal(tmp, manifest)
         return _finalise_dir(tmp, manifest, final_dir)
     finally:
@@ -302,6 +309,7 @@ def publish_checkpoint(
     iteration: int,
     state_dict: dict[str, Any] | None = None,
     carry_files_from: Path | None = None,
+    probes: ProbeSet | None = None,
 ) -> Manifest:
     """Write model + tokenizer to final_dir atomically with a manifest.
 
@@ -320,7 +328,7 @@ def publish_checkpoint(
     except BaseException:
         remove_tree(tmp)
         raise
-    return seal_directory(tmp, final_dir, iteration=iteration)
+    return seal_directory(tmp, final_dir, iteration=iteration, probes=probes)
 
 
 def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:

@@ -66,7 +66,8 @@ from trainer.distributed import (
 from trainer.grpo import plan_steps, shard
 from trainer.lifeline import die_with_parent
 from trainer.optim_state import restore_optimizer, save_optimizer
-from trainer.policy import load_model, param_digest, policy_logprobs
+from trainer.policy import autocast, load_model, param_digest, policy_logprobs
+from trainer.probes import ProbeSet, make_probe_set
 from trainer.update import Inputs, Sums, optimizer_step
 
 log = logging.getLogger("trainer")
@@ -256,6 +257,7 @@ def finish(
     """
     digest = param_digest(model)
     log.info("params sha256 %s", digest)
+    probes = score_probes(model, ctx)  # every rank: FSDP all-gathers inside the forward
     full_state = gathered_state(model, ctx)
     save_optimizer(optimizer, job, ctx, metrics["optimizer_step_end"])
     if ctx.is_distributed:
@@ -269,6 +271,7 @@ def finish(
             iteration=job.iteration,
             state_dict=full_state,
             carry_files_from=job.model_dir,
+            probes=probes,
         )
         metrics["checkpoint_digest"] = manifest.digest
         metrics["params_sha256"] = digest
@@ -279,6 +282,31 @@ def finish(
         )
     if ctx.is_distributed:
         dist.barrier()
+
+
+def _special_ids(config: Any) -> list[int]:
+    out: list[int] = []
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(config, key, None)
+        out += [value] if isinstance(value, int) else list(value or [])
+    return out
+
+
+def score_probes(model: Any, ctx: DistContext) -> ProbeSet:
+    """The published weights' log-probabilities of the fixed probes (trainer/probes.py)."""
+    config = unwrap(model).config
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast(ctx):
+            return make_probe_set(
+                lambda ids: model(input_ids=ids.to(ctx.device), use_cache=False).logits,
+                vocab_size=int(config.vocab_size),
+                special_ids=_special_ids(config),
+                dtype=str(ctx.compute_dtype).removeprefix("torch."),
+            )
+    finally:
+        model.train(was_training)
 
 
 # ---------------------------------------------------------------- the process

@@ -6,31 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from rollout.engine import EngineConfig, EngineKind, make_engine
+from rollout.engine import EngineConfig, EngineKind, EngineStartError, make_engine
 from rollout.vllm_engine import VllmEngine, build_vllm_command
 
-# Options as documented for `vllm serve`:
-#   https://docs.vllm.ai/en/v0.12.0/cli/serve/  (frontend: --host, --port,
-#   --api-key, --served-model-name; positional model_tag)
-#   https://docs.vllm.ai/en/v0.8.5/serving/engine_args.html  (engine arguments)
-DOCUMENTED_VALUE_FLAGS = {
-    "--host",
-    "--port",
-    "--served-model-name",
-    "--tensor-parallel-size",
-    "--gpu-memory-utilization",
-    "--max-model-len",
-    "--dtype",
-    "--seed",
-    "--generation-config",
-}
-DOCUMENTED_DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
+# The values each flag gets; test_vllm_flags.py checks every flag against
+# vLLM 0.29.0's own parser (a fixture extracted from its source).
+SWITCHES = {"--enable-sleep-mode"}  # argparse BooleanOptionalAction: no value
 
 
 def _flags(argv: list[str]) -> dict[str, str]:
-    """--flag value pairs after `vllm serve MODEL`, asserting each flag takes one value."""
-    out: dict[str, str] = {}
-    rest = argv[3:]
+    """--flag value pairs after `vllm serve MODEL` (a switch maps to "")."""
+    out: dict[str, str] = {flag: "" for flag in argv[3:] if flag in SWITCHES}
+    rest = [a for a in argv[3:] if a not in SWITCHES]
     assert len(rest) % 2 == 0, rest
     for flag, value in zip(rest[::2], rest[1::2], strict=True):
         assert flag.startswith("--") and not value.startswith("--"), (flag, value)
@@ -51,27 +38,52 @@ def test_command_starts_with_vllm_serve_and_the_model_directory_positionally() -
 def test_every_flag_is_a_documented_vllm_serve_option_with_the_configured_value() -> None:
     cfg = _cfg(
         host="10.0.0.5",
+        weight_update="restart",  # reload needs a loopback host: see the test below
         served_model_name="policy",
         tensor_parallel_size=2,
+        data_parallel_size=3,
         gpu_memory_utilization=0.75,
         max_model_len=4096,
         dtype="bfloat16",
         seed=17,
     )
     flags = _flags(build_vllm_command(cfg, Path("/m"), 8123))
-    assert set(flags) <= DOCUMENTED_VALUE_FLAGS
     assert flags == {
         "--host": "10.0.0.5",
         "--port": "8123",
         "--served-model-name": "policy",
         "--tensor-parallel-size": "2",
+        "--data-parallel-size": "3",
         "--gpu-memory-utilization": "0.75",
         "--max-model-len": "4096",
         "--dtype": "bfloat16",
         "--seed": "17",
         "--generation-config": "vllm",
     }
-    assert flags["--dtype"] in DOCUMENTED_DTYPES
+    assert _flags(build_vllm_command(_cfg(), Path("/m"), 1))["--enable-sleep-mode"] == ""
+
+
+def test_reload_refuses_a_host_other_nodes_can_reach() -> None:
+    # vLLM's /sleep and /collective_rpc are not guarded by the API key.
+    with pytest.raises(ValueError, match=r"weight_update='reload' with host='0.0.0.0'.*127\.0\.0\.1"):
+        _cfg(host="0.0.0.0")
+    assert _cfg(host="::1").host == "::1" and _cfg(host="localhost").host == "localhost"
+
+
+def test_gpu_count_below_tp_times_dp_fails_before_the_server_starts(tmp_path: Path) -> None:
+    engine = VllmEngine(_cfg(tensor_parallel_size=2, data_parallel_size=4), log_dir=tmp_path)
+    engine.gpu_count = lambda env: 4  # type: ignore[method-assign]
+    with pytest.raises(EngineStartError, match=r"tensor_parallel_size=2 x data_parallel_size=4 "
+                       r"needs 8 GPUs but this node shows 4 \(NVML\): lower data_parallel_size "
+                       r"to 2"):
+        engine.start(_model_dir(tmp_path))
+    assert engine.pid is None  # nothing was spawned
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    return tmp_path / "m"
 
 
 def test_max_model_len_is_left_to_the_model_when_not_configured() -> None:

@@ -158,7 +158,8 @@ def test_a_malformed_manifest_is_refused_naming_its_path(
     ],
 )
 def test_every_manifest_rule_is_enforced_on_parse(files: Any, problem: str) -> None:
-    body = {"schema": "coordinator/checkpoint-manifest", "version": 1, "iteration": 0}
+    body = {"schema": "coordinator/checkpoint-manifest", "version": 1, "iteration": 0,
+            "probes": None}
     where = Path("/run/checkpoints/iter-000000/manifest.json")
     with pytest.raises(MalformedRecordError, match=problem) as err:
         Manifest.from_bytes(json.dumps({**body, "files": files}).encode(), where)
@@ -174,7 +175,8 @@ def test_the_manifest_keeps_its_on_disk_shape_and_a_stable_digest(tmp_path: Path
     publish(final, iteration=4)
     raw = (final / MANIFEST_NAME).read_bytes()
     data = json.loads(raw)
-    assert list(data) == ["files", "iteration", "schema", "version"]  # sorted keys
+    assert list(data) == ["files", "iteration", "probes", "schema", "version"]  # sorted keys
+    assert data["probes"] is None  # only training writes probes
     assert (data["schema"], data["version"], data["iteration"]) == (
         "coordinator/checkpoint-manifest", 1, 4)
     assert sorted(data["files"]) == ["config.json", "model.safetensors", "tokenizer.json"]
