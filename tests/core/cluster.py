@@ -71,13 +71,15 @@ class LocalCluster:
                     str(self.config), *self.master_args]
         return [*base, "--worker", str(rank)]
 
-    def start(self, rank: int, command: list[str] | None = None) -> subprocess.Popen[bytes]:
+    def start(self, rank: int, command: list[str] | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start one rank's daemon; `env` adds to this node's environment only."""
         self.starts += 1
         log = self.work / f"rank{rank}-start{self.starts}.log"
         self.logs[rank] = log
         with open(log, "wb") as out:
             proc = subprocess.Popen(command or self.command(rank), stdout=out,
-                                    stderr=subprocess.STDOUT, env=self.env)
+                                    stderr=subprocess.STDOUT, env={**self.env, **(env or {})})
         self.procs[rank] = proc
         return proc
 

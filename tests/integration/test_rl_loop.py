@@ -107,9 +107,24 @@ def test_three_nodes_run_two_full_iterations(tmp_path: Path, warm_model: Path) -
     assert t1["optimizer_step_start"] == t0["optimizer_step_end"] > 0
     weights = [verify_checkpoint(run / f"checkpoints/iter-{it:06d}").files for it in (0, 1)]
     assert weights[0] != weights[1]
-    # Phase 12 restarted every engine on the new checkpoint: the rollout of
-    # iteration 1 was served from a verified local copy of iter-000000.
+    # Phase 7 put every engine to sleep and phase 12 reloaded the new checkpoint
+    # into the same process: one engine pid per rank across both iterations,
+    # and what it served matched the trainer's probe log-probabilities.
+    def arrival(it: int, phase: int, rank: int) -> dict:
+        return json.loads((run / f"iterations/{it:06d}/phase-{phase:02d}/arrive-{rank}.json")
+                          .read_text())["payload"]
+
     for rank in range(3):
+        slept = [arrival(it, 7, rank) for it in (0, 1)]
+        served = [arrival(it, 12, rank) for it in (0, 1)]
+        assert [s["engine"] for s in slept] == ["asleep", "asleep"], slept
+        assert [s["engine"] for s in served] == ["reloaded", "reloaded"], served
+        assert len({s["engine_pid"] for s in slept + served}) == 1, (slept, served)
+        for s in served:
+            assert 0 <= s["probe_mean_abs_diff"] <= s["probe_tolerance"], s
+        # Consecutive checkpoints moved the probes by more than the tolerance:
+        # the check can tell a stale engine from a fresh one on this model.
+        assert served[1]["probe_moved"] > served[1]["probe_tolerance"], served[1]
         log = (run / f"ranks/{rank}/logs/hf_server.log").read_text()
         assert "iter-000000-" in log
     assert not trainers(run)

@@ -1,0 +1,93 @@
+"""Phase 12's in-place weight update gone wrong on one node, in the real 3-daemon loop.
+
+The hf engine's fault hook (rollout/hf_control.py, ROLLOUT_HF_FAULTS) is set
+in rank 1's environment only, as a broken engine would be on one node:
+
+    reload "skip"            the engine answers the reload but keeps serving
+                             the old weights (vLLM issue 32718): the probe
+                             check names the node, every daemon exits 4
+    reload "unreadable"      the reload fails: the node restarts its engine
+                             on the checkpoint and the run completes
+    ... + fail_start_from 2  the restart fails too: exit 4, naming the node
+                             and quoting the engine's log
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from rollout.hf_control import FAULTS_ENV
+from tests.core.cluster import LocalCluster
+from tests.integration.test_rl_loop import CONFIG, LEASE
+
+pytestmark = pytest.mark.slow
+FAULTY = 1
+# Three daemons, one iteration on the tiny model: ~25 s on 2 idle cores.
+RUN_TIMEOUT_S = 400
+
+
+def run_with_fault(tmp_path: Path, model: Path, fault: dict[str, object],
+                   sleep_level: int = 2) -> tuple[LocalCluster, dict[int, int]]:
+    config = tmp_path / "rl.toml"
+    config.write_text(CONFIG.format(model=model, iterations=1, lease=LEASE)
+                      + f"\n[engine]\nsleep_level = {sleep_level}\n")
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps(fault))
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
+    try:
+        for rank in range(3):
+            c.start(rank, env={FAULTS_ENV: str(faults)} if rank == FAULTY else None)
+        return c, c.wait_all(timeout=RUN_TIMEOUT_S)
+    finally:
+        c.close()
+
+
+def phase12(c: LocalCluster, rank: int) -> dict:
+    path = c.log_path / f"iterations/000000/phase-12/arrive-{rank}.json"
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def test_an_engine_serving_stale_weights_is_caught_naming_the_node(
+        tmp_path: Path, warm_model: Path) -> None:
+    # Level 1 keeps the weights through sleep, so the skipped reload serves
+    # iteration 0's policy instead of its checkpoint: a silent failure.
+    c, codes = run_with_fault(tmp_path, warm_model, {"reload": "skip"}, sleep_level=1)
+    assert codes == {0: 4, 1: 4, 2: 4}, {r: c.output(r)[-2000:] for r in codes}
+    text = c.output(0)
+    assert re.search(rf"rank {FAULTY} on host \S+: the inference engine does not serve "
+                     r"checkpoint iter-000000-\w+: .*differ from the trainer's by [\d.e-]+ on "
+                     r"average \(tolerance 0\.002\)", text), text[-3000:]
+    arrival = phase12(c, FAULTY)
+    assert arrival["status"] == "failed" and "does not serve" in arrival["error"]
+    for rank in (0, 2):  # the healthy nodes reloaded and passed the check
+        assert phase12(c, rank)["payload"]["engine"] == "reloaded"
+
+
+def test_a_failed_reload_falls_back_to_a_restart_and_the_run_completes(
+        tmp_path: Path, warm_model: Path) -> None:
+    c, codes = run_with_fault(tmp_path, warm_model, {"reload": "unreadable"})
+    assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-2000:] for r in codes}
+    slept = json.loads((c.log_path / f"iterations/000000/phase-07/arrive-{FAULTY}.json")
+                       .read_text())["payload"]
+    served = phase12(c, FAULTY)["payload"]
+    assert served["engine"] == "restarted after a failed reload"
+    assert served["engine_pid"] != slept["engine_pid"]  # a new process
+    assert served["probe_mean_abs_diff"] <= served["probe_tolerance"]
+    assert "reloading iter-000000" in c.output(FAULTY)
+    assert "failed, restarting the engine instead" in c.output(FAULTY)
+    assert phase12(c, 0)["payload"]["engine"] == "reloaded"
+
+
+def test_a_restart_that_fails_after_a_failed_reload_stops_the_run_with_the_log_tail(
+        tmp_path: Path, warm_model: Path) -> None:
+    c, codes = run_with_fault(tmp_path, warm_model,
+                              {"reload": "unreadable", "fail_start_from": 2})
+    assert codes == {0: 4, 1: 4, 2: 4}, {r: c.output(r)[-2000:] for r in codes}
+    text = c.output(0)
+    assert re.search(rf"rank {FAULTY} on host \S+: the hf inference engine could not start on "
+                     r"\S+iter-000000-\w+", text), text[-3000:]
+    assert "an injected fault" in phase12(c, FAULTY)["error"]  # the log tail
