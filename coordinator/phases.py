@@ -75,7 +75,7 @@ PHASES: Final[tuple[PhaseSpec, ...]] = (
     PhaseSpec(phase=Phase.EVAL, who=Who.ALL, timeout=TimeoutKey.ROLLOUT, release_carries="eval metrics",
               what="eval rollout if decided, master aggregates"),
     PhaseSpec(phase=Phase.STOP_ENGINE, who=Who.ALL, timeout=TimeoutKey.ENGINE, release_carries="-",
-              what="stop the rollout engine, GPU memory released"),
+              what="the rollout engine sleeps (or stops), GPU memory released"),
     PhaseSpec(phase=Phase.PREPARE_TRAINING, who=Who.MASTER, timeout=TimeoutKey.AGGREGATE,
               release_carries="-", what="master prepares the training data and config"),
     PhaseSpec(phase=Phase.READY_TO_TRAIN, who=Who.ALL, timeout=TimeoutKey.SYNC,
@@ -85,7 +85,7 @@ PHASES: Final[tuple[PhaseSpec, ...]] = (
     PhaseSpec(phase=Phase.PUBLISH_CHECKPOINT, who=Who.MASTER, timeout=TimeoutKey.AGGREGATE,
               release_carries="`checkpoint`", what="master publishes the new checkpoint"),
     PhaseSpec(phase=Phase.RESTART_ENGINE, who=Who.ALL, timeout=TimeoutKey.ENGINE, release_carries="-",
-              what="every node restarts its engine on it"),
+              what="every engine serves it (reloaded in place, or restarted), probes checked"),
     PhaseSpec(phase=Phase.FINAL_SYNC, who=Who.ALL, timeout=TimeoutKey.SYNC, release_carries="-",
               what="final sync"),
 )

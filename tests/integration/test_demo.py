@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import sys
@@ -38,3 +39,11 @@ def test_the_demo_runs_three_nodes_for_two_iterations_and_draws_its_reward_curve
     width, height = struct.unpack(">II", header[16:24])
     assert (width, height) == (600, 350)  # figsize 6 x 3.5 in at 100 dpi
     assert f"reward curve: {png}" in out
+    # The engines stayed up: each rank's phase-12 payload names one process,
+    # reloaded in place, serving what the trainer published.
+    for rank in range(3):
+        served = [json.loads((run / f"iterations/{it:06d}/phase-12/arrive-{rank}.json")
+                             .read_text())["payload"] for it in (0, 1)]
+        assert [s["engine"] for s in served] == ["reloaded", "reloaded"], served
+        assert served[0]["engine_pid"] == served[1]["engine_pid"]
+        assert all(s["probe_mean_abs_diff"] <= s["probe_tolerance"] for s in served)
