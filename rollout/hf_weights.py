@@ -98,11 +98,14 @@ class ResidentModel:
         missing = sorted(set(own) - set(state) - tied)
         if missing:
             raise WeightsError(f"{weights_path} lacks tensors of this model: {missing[:5]}")
+        # Every shape is checked before the first copy: a refused checkpoint
+        # leaves the model exactly as it was, never half old and half new.
+        for name, tensor in state.items():
+            if own[name].shape != tensor.shape:
+                raise WeightsError(f"{weights_path}: {name} has shape {tuple(tensor.shape)}, "
+                                   f"the model's is {tuple(own[name].shape)}")
         with self.torch.no_grad():
             for name, tensor in state.items():
-                if own[name].shape != tensor.shape:
-                    raise WeightsError(f"{weights_path}: {name} has shape {tuple(tensor.shape)}, "
-                                       f"the model's is {tuple(own[name].shape)}")
                 own[name].copy_(tensor.to(own[name].dtype))
         log.info("reloaded %d tensors from %s", len(state), weights_path)
 

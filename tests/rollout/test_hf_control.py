@@ -205,3 +205,20 @@ def test_injected_faults_skip_or_fail_the_reload(tmp_path: Path, models: tuple[P
         assert _differs(failing.control(), models[1]) < 1e-4
     finally:
         failing.close()
+
+
+def test_a_reload_of_another_shape_is_refused_before_any_tensor_changes(
+        tmp_path: Path, models: tuple[Path, Path]) -> None:
+    from rollout.hf_weights import ResidentModel, WeightsError
+    from trainer.tiny_model import TinyModelSpec
+
+    # Same tensor names, a wider MLP: the first tensors of the file still fit.
+    wider = create_tiny_model(tmp_path / "wider", seed=3, spec=TinyModelSpec(
+        intermediate_size=512))
+    model = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    resident = ResidentModel(model, device=torch.device("cpu"), torch=torch)
+    with pytest.raises(WeightsError, match=r"mlp\.\w+\.weight has shape .*512"):
+        resident.reload(wider)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-loaded
