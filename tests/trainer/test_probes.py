@@ -62,7 +62,7 @@ def test_score_is_the_log_softmax_of_the_next_token_and_compare_finds_the_worst(
     assert check.mean_abs_diff == pytest.approx(0.5 / (PROBE_COUNT * (PROBE_LENGTH - 1)))
     assert not check.passed  # 0.0083 > 2e-3
     with pytest.raises(ValueError, match="probe 0: 3 served"):
-        compare(probes, [[0.0] * 3] + bumped[1:], 1.0)
+        compare(probes, [[0.0] * 3, *bumped[1:]], 1.0)
 
 
 def test_other_weights_move_the_probes_far_beyond_any_tolerance() -> None:
