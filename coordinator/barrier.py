@@ -79,8 +79,12 @@ class Barrier:
         clock: Clock | None = None,
         waker: Waker | None = None,
         heartbeat_path: Callable[[int], Any] | None = None,
+        failure_state: NodeState = NodeState.FAILED,
     ) -> None:
         self.store = store
+        # What a failed arrival or an abort says in the heartbeat: `failed`, or
+        # `regrouping` when the daemon will re-form the group (regroup.py).
+        self.failure_state = failure_state
         self.m = membership
         self.heartbeat = heartbeat
         self.monitor = monitor
@@ -110,7 +114,7 @@ class Barrier:
         publish_record(self.store, layout.arrival(iteration, phase, self.m.rank), record)
         state = NodeState.WAITING
         if status is ArrivalStatus.FAILED:
-            state = NodeState.STEP_FAILED if awaits_verdict else NodeState.FAILED
+            state = NodeState.STEP_FAILED if awaits_verdict else self.failure_state
         changes = {"arrived": (iteration, phase), "state": state, "error": error}
         if self.m.is_master and status is ArrivalStatus.OK:
             self.heartbeat.set(**changes)  # nobody polls for the master's arrival
@@ -203,7 +207,7 @@ class Barrier:
             publish_record(self.store, layout.release(iteration, phase), record)
         finally:
             self.heartbeat.update(abort=abort, released=(iteration, phase),
-                                  state=NodeState.FAILED, error=abort.reason)
+                                  state=self.failure_state, error=abort.reason)
 
     # -- worker -------------------------------------------------------------
     def wait_release(self, iteration: int, phase: int, *, deadline_s: float) -> Release:

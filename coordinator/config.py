@@ -30,6 +30,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 T = TypeVar("T")
+# recoveries.json keeps every recovery of a run: this bounds its size.
+MAX_RECOVERIES: Final = 1000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +52,13 @@ class PhaseTimeouts:
         return float(getattr(self, key.value))
 
 
+class OnFailure(str, enum.Enum):
+    """What survivors do when a rank is lost or a step fails (`--on-failure`)."""
+
+    EXIT = "exit"  # every daemon exits with the failure's code; `recover` by hand
+    WAIT = "wait"  # survivors re-form the group and wait for the rank to come back
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CoordinationConfig:
     """Heartbeats, leases, polling and deadlines (all operational)."""
@@ -66,13 +75,21 @@ class CoordinationConfig:
     probe_timeout_s: float = 5.0
     # inotify wake-ups on a local filesystem (a hint: NFS never delivers them).
     wakeups: bool = True
+    on_failure: OnFailure = OnFailure.WAIT
+    max_recoveries: int = 10  # per run, counted in recoveries.json
+    rejoin_timeout_s: float = 1800.0
     phase_timeouts_s: PhaseTimeouts = dataclasses.field(default_factory=PhaseTimeouts)
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "lease_s", "poll_initial_s", "poll_ceiling_s",
                      "progress_interval_s", "join_timeout_s", "cancel_grace_s",
-                     "read_retry_s", "probe_timeout_s"):
+                     "read_retry_s", "probe_timeout_s", "rejoin_timeout_s"):
             _positive(f"coordination.{name}", getattr(self, name))
+        if not 0 <= self.max_recoveries <= MAX_RECOVERIES:
+            raise UsageError(
+                f"coordination.max_recoveries={self.max_recoveries} is outside "
+                f"0..{MAX_RECOVERIES}: give how many automatic recoveries a run may make "
+                "before every node exits, e.g. --max-recoveries 10")
         if self.heartbeat_interval_s >= self.lease_s:
             raise UsageError(
                 f"coordination.heartbeat_interval_s={self.heartbeat_interval_s} must be below "

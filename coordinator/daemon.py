@@ -38,7 +38,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from coordinator import layout, membership, netaddr
+from coordinator import layout, membership, netaddr, regroup
 from coordinator.actions import Actions, StepContext, kind
 from coordinator.barrier import Barrier, Membership
 from coordinator.config import RunConfig
@@ -49,8 +49,10 @@ from coordinator.errors import (
     ExitCode,
     FencedError,
     Interrupted,
+    PeerLostError,
     storage_error,
 )
+from coordinator.group import GroupForming
 from coordinator.journal import JournalBook
 from coordinator.liveness import HeartbeatPublisher, Monitor, PeerTracker, fence_check
 from coordinator.phases import Phase, RlPhase
@@ -65,7 +67,7 @@ from coordinator.records import (
 )
 from coordinator.runtime import Runtime
 from coordinator.stepper import PhaseStepper
-from coordinator.store import FsStore, publish_record
+from coordinator.store import FsStore, publish_record, read_record
 from coordinator.waker import LOCAL_FILESYSTEMS, Waker, filesystem_type
 
 log = logging.getLogger("coordinator")
@@ -111,23 +113,34 @@ class Daemon:
         self.address = plan.address
         self.journal = JournalBook(self.store, run_id=self.manifest.run_id, rank=self.rank,
                                    retry_s=self.coord.read_retry_s)
+        # Automatic recoveries (regroup.py): the master counts the run's, from
+        # recoveries.json; a worker the ones of this process.
+        self.history = regroup.RecoveryLog(run_id=self.manifest.run_id, recoveries=())
+        self.recoveries = 0
+        # Master: the last heartbeat of the incarnation this one replaces, when it
+        # did not stop cleanly (a restart after a loss: recorded as a recovery).
+        self.previous_master: Heartbeat | None = None
+        self.group: GroupForming | None = None
 
     # -- lifecycle ------------------------------------------------------------
     def run(self) -> ExitCode:
         self._install_signals()
         try:
             self._start()
-            assert self.session is not None
-            if self.session.start_iteration >= self.session.end_iteration:
-                log.info("run %s is already complete (%d iterations); nothing to do",
-                         self.manifest.run_id, self.session.end_iteration)
-            else:
-                self._loop()
+            while True:
+                try:
+                    self._run_session()
+                    break
+                except CoordinatorError as exc:
+                    error = self._cause(exc)
+                    if not self._regroups_after(error):
+                        raise error from exc if error is not exc else None
+                    self._regroup(error)
             self._finish(NodeState.FINISHED, None)
             log.info("rank %d finished run %s", self.rank, self.manifest.run_id)
             return ExitCode.OK
         except CoordinatorError as exc:
-            error = self.runtime.failure if isinstance(exc, Cancelled) and self.runtime.failure else exc
+            error = self._cause(exc)
             state = NodeState.LEFT if isinstance(error, Interrupted) else NodeState.FAILED
             self.runtime.fail(error)
             self._finish(state, str(error))
@@ -150,6 +163,50 @@ class Daemon:
             self.runtime.finished.set()
             self._dump_fs_stats()
 
+    def _cause(self, exc: CoordinatorError) -> CoordinatorError:
+        """What stops this session: the recorded failure when `exc` is its consequence."""
+        failure = self.runtime.failure
+        return failure if isinstance(exc, Cancelled) and failure is not None else exc
+
+    def _run_session(self) -> None:
+        assert self.session is not None
+        if self.session.start_iteration >= self.session.end_iteration:
+            log.info("run %s is already complete (%d iterations); nothing to do",
+                     self.manifest.run_id, self.session.end_iteration)
+        else:
+            self._loop()
+
+    def _regroups_after(self, error: CoordinatorError) -> bool:
+        return regroup.recoverable(error, self.coord, recoveries=self.recoveries)
+
+    def _regroup(self, error: CoordinatorError) -> None:
+        """Stop this session's work and wait for the group to re-form (regroup.py)."""
+        assert self.heartbeat is not None and self.session is not None
+        started = time.monotonic()
+        incident = regroup.Incident.of(error, by=self.rank, where=self.heartbeat.record)
+        self.runtime.fail(error)  # peers learn it now, if nobody published it yet
+        self.runtime.resume()
+        if self.monitor is not None:
+            self.monitor.stop()
+        self.runtime.kill_children()
+        self._close_actions()
+        self.recoveries += 1
+        left = self.session.session
+        self.heartbeat.update(
+            state=NodeState.REGROUPING, error=str(error)[:regroup.MAX_CAUSE_CHARS],
+            session=None, arrived=None, released=None,
+            resume_iteration=self.journal.resume_iteration,
+            waiting_for="the group to re-form after a failure (coordination.on_failure wait)")
+        log.warning("rank %d: %s; stopped this rank's work, waiting up to %.0f s for the group "
+                    "to re-form", self.rank, error, self.coord.rejoin_timeout_s)
+        if self.is_master:
+            self._form_session(incident=incident, started=started)
+        else:
+            assert self.group is not None
+            session, master_host = self.group.rejoin(left, self.membership.members[0])
+            self._enter_session(session, {0: master_host})
+        self._build_actions()
+
     def _dump_fs_stats(self) -> None:
         """Benchmarks set COORDINATOR_FS_STATS to a directory to get our operation counts."""
         target = os.environ.get("COORDINATOR_FS_STATS")
@@ -168,6 +225,8 @@ class Daemon:
         master_info = self.plan.master
         if self.is_master:
             self.probe_server = netaddr.ProbeServer(self.address)
+            self.history = regroup.read_log(self.store, run_id, retry_s=self.coord.read_retry_s)
+            self.recoveries = len(self.history.recoveries)
         claim = Claim(
             run_id=run_id, generation=generation, rank=self.rank, token=self.token,
             host=self.host, address=self.address,
@@ -179,6 +238,13 @@ class Daemon:
             retry_s=self.coord.read_retry_s, backoff=self.backoff,
             progress_interval_s=self.coord.progress_interval_s,
         )
+        if self.is_master:
+            # Read before our first beat replaces it.
+            before = read_record(self.store, layout.heartbeat(0), Heartbeat,
+                                 retry_s=self.coord.read_retry_s)
+            if before is not None and before.run_id == run_id and \
+                    before.state is not NodeState.FINISHED:
+                self.previous_master = before
         if self.plan.republish is not None:
             # Only the holder of rank 0 writes run.json (one writer per file).
             publish_record(self.store, layout.MANIFEST, self.plan.republish)
@@ -201,11 +267,18 @@ class Daemon:
         self.runtime.on_last_words(lambda e: self._final_heartbeat(NodeState.FAILED, str(e)))
         log.info("rank %d joined run %s generation %d as pid %d on %s (%s)", self.rank, run_id,
                  generation, os.getpid(), self.host, self.address)
+        self.group = GroupForming(
+            store=self.store, manifest=self.manifest, coord=self.coord, rank=self.rank,
+            token=self.token, host=self.host, log_path=self.plan.log_path,
+            phases=self.phases, iterations=self.config.run.iterations,
+            heartbeat=self.heartbeat, runtime=self.runtime, backoff=self.backoff,
+            clock=self.clock)
         if self.is_master:
             self._form_session()
         else:
             assert master_info is not None
-            self._await_session(master_info.claim)
+            session = self.group.await_first(master_info.claim)
+            self._enter_session(session, {0: master_info.claim.host})
         # Each wait watches exactly the heartbeats it polls (a worker: the
         # master's; the master: the missing ranks'), so the inotify traffic a
         # worker sees does not grow with the node count.
@@ -220,46 +293,29 @@ class Daemon:
                      self.plan.log_path, fs_type or "unknown filesystem",
                      "polls are a safety net at the ceiling" if self.waker.local
                      else "writers on other hosts are seen by polling")
+        self._build_actions()
+
+    def _build_actions(self) -> None:
         self.actions = kind(self.config.run.actions).build(
             self.config, rank=self.rank, num_nodes=self.manifest.num_nodes,
             run_dir=self.plan.log_path)
 
-    def _form_session(self) -> None:
-        assert self.heartbeat is not None
-        claims, beats = membership.gather_members(
-            self.store, run_id=self.manifest.run_id, generation=self.manifest.generation,
-            num_nodes=self.manifest.num_nodes, own=self.heartbeat.record,
-            join_timeout_s=self.coord.join_timeout_s, lease_s=self.coord.lease_s,
-            backoff=self.backoff, progress_interval_s=self.coord.progress_interval_s,
-            retry_s=self.coord.read_retry_s, clock=self.clock, check=self.runtime.check,
-        )
-        members = {0: self.token} | {r: c.token for r, c in claims.items()}
-        hosts = {0: self.host} | {r: c.host for r, c in claims.items()}
-        start = min(hb.resume_iteration for hb in beats.values())
-        session = Session(
-            run_id=self.manifest.run_id, generation=self.manifest.generation, session=self.token,
-            start_iteration=start, end_iteration=max(start, self.config.run.iterations),
-            members={str(r): t for r, t in members.items()},
-        )
-        membership.publish_session(self.store, session)
-        self.heartbeat.update(session=self.token, state=NodeState.RUNNING)
-        log.info("group formed: ranks %s on hosts %s; iterations %d..%d", sorted(members),
-                 [hosts[r] for r in sorted(hosts)], session.start_iteration,
-                 session.end_iteration - 1)
-        self._enter_session(session, hosts)
+    def _close_actions(self) -> None:
+        if self.actions is not None:
+            try:
+                self.actions.close()
+            except Exception:  # stopping path: log and go on
+                log.exception("closing the actions failed")
+            self.actions = None
 
-    def _await_session(self, master_claim: Claim) -> None:
-        assert self.heartbeat is not None
-        session = membership.wait_for_session(
-            self.store, rank=self.rank, token=self.token, run_id=self.manifest.run_id,
-            generation=self.manifest.generation, master_token=master_claim.token,
-            join_timeout_s=self.coord.join_timeout_s, backoff=self.backoff,
-            progress_interval_s=self.coord.progress_interval_s,
-            retry_s=self.coord.read_retry_s, lease_s=self.coord.lease_s, clock=self.clock,
-            check=self.runtime.check,
-        )
-        self.heartbeat.update(state=NodeState.RUNNING)
-        self._enter_session(session, {0: master_claim.host})
+    def _form_session(self, *, incident: regroup.Incident | None = None,
+                      started: float | None = None) -> None:
+        """Master: see group.py; a restart of a lost master is recorded as a recovery."""
+        assert self.group is not None
+        session, hosts, self.history = self.group.form(
+            self.history, incident=incident, started=started, previous=self.previous_master)
+        self.previous_master = None
+        self._enter_session(session, hosts)
 
     def _enter_session(self, session: Session, hosts: Mapping[int, str]) -> None:
         assert self.heartbeat is not None
@@ -296,6 +352,9 @@ class Daemon:
             progress_interval_s=self.coord.progress_interval_s,
             retry_s=self.coord.read_retry_s, clock=self.clock, waker=self.waker,
             heartbeat_path=lambda r: self.store.path(layout.heartbeat(r)),
+            failure_state=NodeState.REGROUPING if regroup.recoverable(
+                PeerLostError("a lost rank", rank=-1), self.coord, recoveries=self.recoveries,
+                quiet=True) else NodeState.FAILED,
         )
         assert self.actions is not None
         stepper = PhaseStepper(
@@ -337,7 +396,8 @@ class Daemon:
         """Runtime hook: let peers know at once (the master's abort stops every worker)."""
         if self.heartbeat is None:
             return
-        state = NodeState.LEFT if isinstance(error, Interrupted) else NodeState.FAILED
+        state = NodeState.LEFT if isinstance(error, Interrupted) else \
+            NodeState.REGROUPING if self._regroups_after(error) else NodeState.FAILED
         changes: dict[str, Any] = {"state": state, "error": str(error)}
         if self.is_master and self.heartbeat.record.abort is None:
             hb = self.heartbeat.record
@@ -356,11 +416,7 @@ class Daemon:
     def _finish(self, state: NodeState, error: str | None) -> None:
         if self.monitor is not None:
             self.monitor.stop()
-        if self.actions is not None:
-            try:
-                self.actions.close()
-            except Exception:  # shutdown path: log and go on stopping
-                log.exception("closing the actions failed")
+        self._close_actions()
         self.runtime.kill_children()
         self._final_heartbeat(state, error)
         if self.heartbeat is not None and not isinstance(self.runtime.failure, FencedError):

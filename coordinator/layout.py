@@ -13,6 +13,7 @@ from coordinator.records import check_iteration, check_phase, check_rank
 
 MANIFEST: Final = "run.json"
 SESSION: Final = "session.json"
+RECOVERIES: Final = "recoveries.json"
 RANKS: Final = "ranks"
 ITERATIONS: Final = "iterations"
 CHECKPOINTS: Final = "checkpoints"

@@ -23,7 +23,15 @@ from typing import Any
 from coordinator import fsio, layout
 from coordinator.errors import CoordinatorError, FencedError, PeerLostError, PhaseFailedError
 from coordinator.phases import Phase
-from coordinator.records import Abort, AbortKind, Claim, Heartbeat, Manifest, NodeState
+from coordinator.records import (
+    JOINABLE_STATES,
+    Abort,
+    AbortKind,
+    Claim,
+    Heartbeat,
+    Manifest,
+    NodeState,
+)
 from coordinator.runtime import Runtime
 from coordinator.store import Store, publish_record, read_record
 
@@ -136,6 +144,10 @@ class PeerView:
     counter: int = -1
     changed_at: float = 0.0
     last: Heartbeat | None = None
+    # Seen at work in this session: from then on `regrouping` means it left it
+    # (before, it is still on its way in from the last regroup).
+    joined: bool = False
+    newcomer: Heartbeat | None = None  # a heartbeat of another incarnation of the rank
 
 
 def describe_phase(phase: int) -> str:
@@ -179,10 +191,12 @@ class PeerTracker:
         if hb is None or hb.run_id != self.run_id or hb.generation < self.generation:
             return  # absent or from another run/older generation: not a sign of life
         if hb.token != view.token:
-            view.last = hb  # a new incarnation: the verdict reports it
+            view.newcomer = hb  # a new incarnation: the verdict reports it
             return
         if hb.counter != view.counter:
             view.counter, view.changed_at = hb.counter, now
+        if hb.state not in JOINABLE_STATES:
+            view.joined = True
         view.last = hb
 
     def age(self, rank: int, now: float) -> float:
@@ -198,11 +212,19 @@ class PeerTracker:
         view = self.peers[rank]
         hb = view.last
         who = f"rank {rank} (host {view.host})"
-        if hb is not None and hb.token != view.token:
+        new = view.newcomer
+        if new is not None:
             return PeerLostError(
-                f"{who} was restarted (new pid {hb.pid} on {hb.host}) while the group was "
-                f"running: run `coordinator recover` and restart every node",
-                rank=rank, host=hb.host, iteration=hb.iteration, phase=hb.phase,
+                f"{who} was restarted {self.where(rank)} (new pid {new.pid} on {new.host}) while "
+                "the group was running (with on_failure 'exit': run `coordinator recover`, "
+                "restart every node)", rank=rank, host=new.host,
+                iteration=hb.iteration if hb else None, phase=hb.phase if hb else None,
+            )
+        if hb is not None and hb.state is NodeState.REGROUPING and view.joined:
+            return PeerLostError(
+                f"{who} stopped its work {self.where(rank)} to re-form the group: "
+                f"{hb.error or 'no reason given'}",
+                rank=rank, host=view.host, iteration=hb.iteration, phase=hb.phase,
             )
         if hb is not None and hb.state is NodeState.LEFT:
             return PeerLostError(
@@ -289,7 +311,11 @@ class Monitor:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        """No verdict after this returns (a regroup clears the failure next)."""
+        with self._lock:
+            self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.interval_s + self.retry_s + 1)
 
     def observe(self, rank: int, hb: Heartbeat | None) -> None:
         """Feed an observation made elsewhere (a barrier poll) into the tracker."""
@@ -309,6 +335,8 @@ class Monitor:
 
     def judge(self) -> None:
         with self._lock:
+            if self._stop.is_set():
+                return
             now = self.clock()
             if self.master_rank is not None and self.master_rank in self.tracker.peers:
                 abort = self.tracker.master_abort(self.master_rank)

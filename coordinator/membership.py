@@ -22,9 +22,18 @@ from dataclasses import dataclass
 import psutil
 
 from coordinator import layout, netaddr
-from coordinator.errors import FencedError, PeerLostError, RankHeldError
+from coordinator.errors import PeerLostError, PhaseFailedError, RankHeldError
 from coordinator.polling import Backoff, Clock, Wait
-from coordinator.records import LIVE_STATES, Claim, Heartbeat, Manifest, Session
+from coordinator.records import (
+    JOINABLE_STATES,
+    LIVE_STATES,
+    AbortKind,
+    Claim,
+    Heartbeat,
+    Manifest,
+    NodeState,
+    Session,
+)
 from coordinator.store import Store, publish_record, read_record
 
 log = logging.getLogger(__name__)
@@ -146,6 +155,18 @@ def release_claim(store: Store, rank: int, token: str, *, retry_s: float) -> Non
         log.warning("could not remove the claim of rank %d: %s", rank, exc)
 
 
+def master_gave_up(hb: Heartbeat) -> PeerLostError | PhaseFailedError:
+    """The error a worker exits with when the master stopped for good."""
+    message = (f"the master (pid {hb.pid} on {hb.host}) stopped for good at iteration "
+               f"{hb.iteration}: {hb.error or 'no reason given'}")
+    if hb.abort is not None and hb.abort.kind is not AbortKind.LOST:
+        error = PhaseFailedError(message, rank=hb.abort.rank, iteration=hb.iteration,
+                                 phase=hb.phase, cause=hb.abort.reason)
+        error.exit_code = hb.abort.kind.exit_code
+        return error
+    return PeerLostError(message, rank=0, host=hb.host)
+
+
 @dataclass(frozen=True)
 class MasterInfo:
     manifest: Manifest
@@ -156,8 +177,16 @@ def wait_for_master(
     store: Store, *, log_path: str, join_timeout_s: float, backoff: Backoff,
     progress_interval_s: float, retry_s: float, probe_timeout_s: float,
     clock: Clock | None = None, check: Callable[[], None] | None = None,
+    gave_up_token: str | None = None,
 ) -> MasterInfo:
-    """Worker: wait until a live master announces a run, then check it is reachable."""
+    """Worker: wait until a live master announces a run, then check it is reachable.
+
+    `gave_up_token`: the master this worker was in a group with.  Its heartbeat
+    saying `failed` means it stopped for good (an error it does not recover
+    from, or coordination.max_recoveries used up): raised at once as that
+    master's failure.  Gone without a word, or `left`, it may be restarted:
+    waited for.
+    """
     clock = clock or Clock()
     state = {"why": f"the master: no run manifest at {log_path}/run.json yet (start "
              "`coordinator run --master ...` with the same --log-path)"}
@@ -174,6 +203,8 @@ def wait_for_master(
             state["why"] = (f"the master of run {manifest.run_id}: it has not registered yet "
                             f"(no current {log_path}/ranks/0/claim.json and heartbeat)")
             return None
+        if hb.token == gave_up_token and hb.state is NodeState.FAILED:
+            raise master_gave_up(hb)
         if hb.state not in LIVE_STATES:
             state["why"] = (f"the master of run {manifest.run_id}: its last heartbeat says "
                             f"{hb.state.value} (pid {hb.pid} on {hb.host}); restart it")
@@ -215,8 +246,10 @@ def gather_members(
     store: Store, *, run_id: str, generation: int, num_nodes: int, own: Heartbeat,
     join_timeout_s: float, lease_s: float, backoff: Backoff, progress_interval_s: float,
     retry_s: float, clock: Clock | None = None, check: Callable[[], None] | None = None,
+    describe_wait: Callable[[list[int]], str] | None = None,
 ) -> tuple[dict[int, Claim], dict[int, Heartbeat]]:
-    """Master: wait until every rank has a current claim and a live heartbeat."""
+    """Master: wait until every rank has a current claim and a live heartbeat, out of
+    any session (starting, or regrouping after a failure: its work is stopped)."""
     clock = clock or Clock()
     claims: dict[int, Claim] = {}
     beats: dict[int, Heartbeat] = {0: own}
@@ -230,7 +263,7 @@ def gather_members(
             if claim is None or claim.run_id != run_id or claim.generation != generation:
                 continue
             hb = read_record(store, layout.heartbeat(rank), Heartbeat, retry_s=retry_s)
-            if hb is None or hb.token != claim.token or hb.state not in LIVE_STATES:
+            if hb is None or hb.token != claim.token or hb.state not in JOINABLE_STATES:
                 continue
             # A claim and heartbeat left by a daemon that died look exactly
             # like a live one: only a counter seen advancing proves life.
@@ -245,6 +278,8 @@ def gather_members(
         return True if not missing else None
 
     def describe() -> str:
+        if describe_wait is not None:
+            return describe_wait(missing)
         return (f"rank(s) {missing} to join run {run_id} (start `coordinator run --worker R "
                 f"--log-path ...` on each node)")
 
@@ -261,11 +296,15 @@ def wait_for_session(
     store: Store, *, rank: int, token: str, run_id: str, generation: int, master_token: str,
     join_timeout_s: float, backoff: Backoff, progress_interval_s: float, retry_s: float,
     lease_s: float, clock: Clock | None = None, check: Callable[[], None] | None = None,
+    exclude: str | None = None,
 ) -> Session:
     """Worker: wait for the master's session naming this daemon's token.
 
     The master's lease is watched meanwhile: a master that dies while the
-    group forms is reported after one lease, not after the join timeout.
+    group forms is reported after one lease, not after the join timeout.  A
+    session that names another incarnation of this rank (this daemon was
+    restarted while the old group still ran) or is `exclude` (the session this
+    daemon left to regroup) is not ours: the master forms a new one.
     """
     clock = clock or Clock()
     seen = _Progress(changed_at=clock.now(), token=master_token)
@@ -288,12 +327,10 @@ def wait_for_session(
             return None
         session = read_record(store, layout.SESSION, Session, retry_s=retry_s)
         if session is None or session.session != hb.session or session.run_id != run_id \
-                or session.generation != generation:
+                or session.generation != generation or session.session == exclude:
             return None
         if session.token_of(rank) != token:
-            raise FencedError(
-                f"the master formed the group with another daemon for rank {rank} "
-                f"(token {session.token_of(rank)}, ours {token}): this one stops")
+            return None  # an older group: the master notices us and forms a new one
         return session
 
     return Wait(

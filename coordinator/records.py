@@ -36,16 +36,20 @@ class NodeState(str, enum.Enum):
 
     starting -> running <-> waiting -> finished
                    |-> step-failed -> (the master's verdict) -> failed | left
+                   |-> regrouping -> running   (coordination.on_failure "wait")
                    \\-> failed | left   (from any state)
 
     step-failed: this rank's action failed in a collective phase; it lives on
     and waits for the master to decide whether a lost peer caused it.
+    regrouping: a rank was lost or a step failed; this daemon stopped its work
+    and waits for the group to re-form (coordinator/regroup.py).
     """
 
     STARTING = "starting"
     RUNNING = "running"
     WAITING = "waiting"
     STEP_FAILED = "step-failed"
+    REGROUPING = "regrouping"
     FINISHED = "finished"
     LEFT = "left"
     FAILED = "failed"
@@ -53,7 +57,10 @@ class NodeState(str, enum.Enum):
 
 # A daemon in one of these states is running (its heartbeat should advance).
 LIVE_STATES: Final = (NodeState.STARTING, NodeState.RUNNING, NodeState.WAITING,
-                      NodeState.STEP_FAILED)
+                      NodeState.STEP_FAILED, NodeState.REGROUPING)
+# A daemon in one of these states is out of any session: the master may form
+# a new session with it.
+JOINABLE_STATES: Final = (NodeState.STARTING, NodeState.REGROUPING)
 
 
 class AbortKind(str, enum.Enum):

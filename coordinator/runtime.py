@@ -7,6 +7,10 @@ process trees (engine, torchrun) are killed at once, and, if the main thread
 does not wind up within the grace period, a last-resort timer publishes the
 failure and exits the process.  A survivor therefore stops within the lease
 plus a few seconds even if an action ignores cancellation.
+
+With coordination.on_failure "wait" the main thread may instead take the
+failure in hand (coordinator/regroup.py): `resume()` disarms that timer and
+clears the failure and the cancel event, so the daemon can go on.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import psutil
@@ -60,6 +65,8 @@ class Runtime:
         self._last_words: Callable[[CoordinatorError], None] | None = None
         self._on_fail: list[Callable[[CoordinatorError], None]] = []
         self.finished = threading.Event()
+        # Set when the main thread has taken the current failure in hand.
+        self._handled = threading.Event()
 
     @property
     def failure(self) -> CoordinatorError | None:
@@ -103,13 +110,28 @@ class Runtime:
                 hook(error)
             except Exception:  # a failing hook must not stop the shutdown
                 log.exception("failure hook raised")
-        threading.Thread(target=self._stop_soon, name="stop-timer", daemon=True).start()
+        handled = self._handled
+        threading.Thread(target=self._stop_soon, args=(handled,), name="stop-timer",
+                         daemon=True).start()
         return True
 
-    def _stop_soon(self) -> None:
+    def resume(self) -> CoordinatorError | None:
+        """The main thread goes on after the failure: disarm the exit timer, clear the
+        failure and the cancel event.  Returns the failure that was cleared."""
+        with self._lock:
+            error, handled = self._failure, self._handled
+            self._failure = None
+            self._handled = threading.Event()
+            self.cancel.clear()
+        handled.set()
+        return error
+
+    def _stop_soon(self, handled: threading.Event) -> None:
         self.kill_children()
-        if self.finished.wait(self.cancel_grace_s):
-            return
+        deadline = time.monotonic() + self.cancel_grace_s
+        while time.monotonic() < deadline:
+            if handled.wait(0.05) or self.finished.is_set():
+                return
         error = self._failure
         assert error is not None
         log.error("the main thread did not stop within %.1f s; exiting now", self.cancel_grace_s)

@@ -30,6 +30,7 @@ from coordinator.records import (
     Release,
     Session,
 )
+from coordinator.regroup import Recovery, RecoveryLog
 from coordinator.store import FsStore, Store, read_record
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class RankState(str, enum.Enum):
     RUNNING = "running"
     WAITING = "waiting"
     STEP_FAILED = "step-failed"
+    REGROUPING = "regrouping"
     STARTING = "starting"
     LOST = "lost"
     LEFT = "left"
@@ -75,6 +77,7 @@ class StatusReport:
     last_error: str | None
     # Records that are corrupt, out of range or not plain files, each naming its path.
     problems: tuple[MalformedRecordError, ...] = ()
+    recoveries: tuple[Recovery, ...] = ()  # automatic recoveries, oldest first
 
     def live(self) -> list[RankView]:
         return [r for r in self.ranks if r.advancing or (
@@ -92,6 +95,7 @@ class StatusReport:
             ],
             "last_error": self.last_error,
             "problems": [str(p) for p in self.problems],
+            "recoveries": [r.to_json() for r in self.recoveries],
         }
 
 
@@ -152,9 +156,12 @@ def collect(log_path: Path, *, window_s: float = 0.0, lease_s: float | None = No
             advancing=advancing, waiting_for=hb.waiting_for, error=hb.error,
         ))
     last_error = _last_error(_safe, first, second)
+    history: RecoveryLog | None = _safe(layout.RECOVERIES, RecoveryLog)
     return StatusReport(log_path=log_path, manifest=manifest, session=session,
                         ranks=tuple(views), last_error=last_error,
-                        problems=tuple(_safe.problems.values()))
+                        problems=tuple(_safe.problems.values()),
+                        recoveries=history.recoveries if history and
+                        history.run_id == manifest.run_id else ())
 
 
 def _last_error(read: _Reader, *samples: dict[int, Heartbeat | None]) -> str | None:
@@ -171,6 +178,7 @@ def _last_error(read: _Reader, *samples: dict[int, Heartbeat | None]) -> str | N
     return None
 
 
+RECOVERIES_SHOWN: Final = 5
 _CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -216,6 +224,13 @@ def render(report: StatusReport) -> str:
         )))
     console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(table)
+    if report.recoveries:
+        shown = report.recoveries[-RECOVERIES_SHOWN:]
+        console.print(plain(f"automatic recoveries: {len(report.recoveries)}"
+                            + (f" (the last {len(shown)})" if len(shown) < len(report.recoveries)
+                               else "")))
+        for recovery in shown:
+            console.print(plain(f"  {recovery.describe()}"))
     if report.last_error:
         console.print(plain(f"last error: {report.last_error}"))
     for problem in problems:

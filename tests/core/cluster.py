@@ -29,6 +29,7 @@ eval_interval = 1
 [coordination]
 heartbeat_interval_s = 0.5
 lease_s = {lease}
+on_failure = "{on_failure}"
 progress_interval_s = 2.0
 join_timeout_s = 60.0
 poll_ceiling_s = 0.5
@@ -45,8 +46,11 @@ train = 60.0
 """
 
 
-def write_config(path: Path, *, iterations: int = 3, lease: float = 3.0, scripted: str = "") -> Path:
-    path.write_text(TEST_CONFIG.format(iterations=iterations, lease=lease, scripted=scripted))
+def write_config(path: Path, *, iterations: int = 3, lease: float = 3.0, scripted: str = "",
+                 on_failure: str = "exit") -> Path:
+    """A scripted run's config; on_failure "exit" unless a test is about regrouping."""
+    path.write_text(TEST_CONFIG.format(iterations=iterations, lease=lease, scripted=scripted,
+                                       on_failure=on_failure))
     return path
 
 

@@ -47,11 +47,29 @@ def test_a_peer_that_left_or_failed_is_reported_at_once() -> None:
         "rank 1 (host gpu-07) failed iteration 1 phase 10 (train): boom"
 
 
-def test_a_restarted_peer_with_a_new_token_is_reported_as_restarted() -> None:
+def test_a_restarted_peer_with_a_new_token_is_reported_as_restarted_where_it_was() -> None:
     t = tracker()
-    t.observe(1, heartbeat(counter=1, token="other", pid=4242), now=1.0)
+    t.observe(1, heartbeat(counter=1, iteration=2, phase=10), now=0.5)
+    t.observe(1, heartbeat(counter=1, token="other", pid=4242, iteration=0, phase=0), now=1.0)
     verdict = t.verdict(1, now=1.0)
-    assert isinstance(verdict, PeerLostError) and "restarted (new pid 4242" in str(verdict)
+    assert isinstance(verdict, PeerLostError)
+    # Where the old incarnation was, not where the new one starts.
+    assert "restarted at iteration 2 phase 10 (train) (new pid 4242" in str(verdict)
+    assert (verdict.iteration, verdict.phase) == (2, 10)
+
+
+def test_a_regrouping_peer_counts_as_lost_only_once_it_worked_in_this_session() -> None:
+    t = tracker()
+    # Still on its way in from the last regroup: the new session is not yet its.
+    t.observe(1, heartbeat(counter=1, state=NodeState.REGROUPING, error="old"), now=0.5)
+    assert t.verdict(1, now=0.5) is None
+    t.observe(1, heartbeat(counter=2, state=NodeState.RUNNING, iteration=1, phase=4), now=1.0)
+    t.observe(1, heartbeat(counter=3, state=NodeState.REGROUPING, error="rank 2 lost",
+                           iteration=1, phase=4), now=1.5)
+    verdict = t.verdict(1, now=1.5)
+    assert isinstance(verdict, PeerLostError)
+    assert "stopped its work at iteration 1 phase 4 (aggregate) to re-form the group: rank 2 " \
+        "lost" in str(verdict)
 
 
 def test_records_of_another_run_or_an_older_generation_are_no_sign_of_life() -> None:

@@ -36,7 +36,7 @@ def test_the_timeout_table_lists_every_key_with_its_default() -> None:
             for g in dataclasses.fields(value):
                 expected[f"coordination.{f.name}.{g.name}"] = str(getattr(value, g.name))
         else:
-            expected[f"coordination.{f.name}"] = str(value)
+            expected[f"coordination.{f.name}"] = str(getattr(value, "value", value))
     assert rows == expected
 
 

@@ -46,13 +46,16 @@ epochs = 3
 [coordination]
 heartbeat_interval_s = 0.5
 lease_s = {lease}
+on_failure = "{on_failure}"
 join_timeout_s = 120.0
 """
 
 
-def cluster(tmp_path: Path, model: Path, iterations: int) -> LocalCluster:
+def cluster(tmp_path: Path, model: Path, iterations: int,
+            on_failure: str = "exit") -> LocalCluster:
     config = tmp_path / "rl.toml"
-    config.write_text(CONFIG.format(model=model, iterations=iterations, lease=LEASE))
+    config.write_text(CONFIG.format(model=model, iterations=iterations, lease=LEASE,
+                                    on_failure=on_failure))
     return LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
 
 

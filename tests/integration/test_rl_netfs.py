@@ -55,17 +55,18 @@ epochs = 3
 heartbeat_interval_s = 0.5
 lease_s = {lease}
 join_timeout_s = 180.0
+on_failure = "{on_failure}"
 """
 
 
 def netfs_cluster(tmp_path: Path, fs: NetFs, model: Path, *, iterations: int = 2,
                   eval_before_train: bool = False, tasks: int = 12, every: int = 4,
                   concurrency: int = 4, max_tokens: int = 6,
-                  weights: str = "1,1,1") -> LocalCluster:
+                  weights: str = "1,1,1", on_failure: str = "exit") -> LocalCluster:
     config = tmp_path / "rl.toml"
     config.write_text(CONFIG.format(
         model=model, iterations=iterations, lease=LEASE, tasks=tasks, every=every,
-        concurrency=concurrency, max_tokens=max_tokens,
+        concurrency=concurrency, max_tokens=max_tokens, on_failure=on_failure,
         eval_before_train=str(eval_before_train).lower()))
     (fs.mounts[0] / "run").mkdir()
     cluster = LocalCluster(fs.mounts[0] / "run", tmp_path, num_nodes=3, config=config,
@@ -157,68 +158,68 @@ def kill_node(c: LocalCluster, export_run: Path, rank: int) -> None:
     c.kill(rank)
 
 
-def recover_and_restart(c: LocalCluster, killed: int, iteration: int) -> None:
-    import subprocess
-    import sys
-
-    for rank in range(3):
-        if rank != killed:
-            code = c.wait(rank, timeout=LEASE + 30)
-            assert code == 3, c.output(rank)[-2000:]
-            assert f"rank {killed} (host " in c.output(rank)
-    out = subprocess.run([sys.executable, "-m", "rl", "recover", "--log-path",
-                          str(c.mount_paths[0]), "--iteration", str(iteration)],  # type: ignore[attr-defined]
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    start_all(c)
+def recoveries(export_run: Path) -> int:
+    try:
+        return len(json.loads((export_run / "recoveries.json").read_text())["recoveries"])
+    except (FileNotFoundError, ValueError):
+        return 0
 
 
-def test_killed_workers_and_master_recover_without_redoing_a_saved_chunk(
+def restart_alone(c: LocalCluster, export_run: Path, killed: int, *, delay: float) -> None:
+    """Restart only the killed node with its original command; the survivors, which
+    never exit, re-form the group with it within lease + 5 s of the restart."""
+    survivors = {r: p for r, p in c.procs.items() if r != killed}
+    before = recoveries(export_run)
+    time.sleep(delay)
+    c.start(killed, c.command(killed, log_path=c.mount_paths[killed]))  # type: ignore[attr-defined]
+    restarted = time.monotonic()
+    # The restarted daemon starts python, torch and the engine stack (~5 s on a
+    # loaded 2-core box); sshfs adds a second or two per record it waits on.
+    c.wait_until(lambda: recoveries(export_run) > before, LEASE + 5 + 15,
+                 f"the group re-formed with rank {killed}")
+    took = time.monotonic() - restarted
+    assert took <= LEASE + 5 + 15, took
+    print(f"\nrank {killed} restarted: the group resumed {took:.1f} s later")
+    for rank, proc in survivors.items():
+        assert proc.poll() is None, f"survivor {rank} exited:\n{c.output(rank)[-2000:]}"
+
+
+def test_killed_workers_and_master_rejoin_alone_without_redoing_a_saved_chunk(
     tmp_path: Path, warm_model: Path
 ) -> None:
-    """A worker killed mid-rollout (phase 1), mid-eval (phase 6) and mid-training
-    (phase 10), the master killed at aggregation (phase 4): after each,
-    `recover` and a restart of every node; the run completes and every chunk
-    saved before a kill is kept as it was (same content, same file)."""
+    """on_failure "wait" on the real loop: a worker killed mid-rollout (phase 1)
+    and mid-training (phase 10), the master killed mid-rollout (phase 1 of
+    iteration 1): each time only the killed node is restarted, nobody types a
+    command, the survivors never exit, the run completes, and every chunk
+    saved before a kill is kept as it was (same content, same file): at most
+    one checkpoint interval (one group here) is redone per kill."""
     with NetFs(tmp_path / "fs", mounts=3) as fs:
-        c = netfs_cluster(tmp_path, fs, warm_model, eval_before_train=True, tasks=24, every=1,
-                          concurrency=1, max_tokens=12, weights="1,1,4")
+        c = netfs_cluster(tmp_path, fs, warm_model, tasks=24, every=1, concurrency=1,
+                          max_tokens=12, weights="2,1,3", on_failure="wait")
         run = fs.export / "run"
-        it0 = run / "iterations/000000"
         saved: dict[Path, tuple[str, int]] = {}
         try:
             start_all(c)
-            # Phase 1: node 2 dies with part of its train shard saved.
-            freeze_mid_rollout(c, run, 2, it0 / "rollout/rank-2/manifest.json")
+            # Phase 1: node 2 dies with part of its train shard saved; restarted
+            # before its lease ends, the group sees a new incarnation.
+            freeze_mid_rollout(c, run, 2, run / "iterations/000000/rollout/rank-2/manifest.json")
             saved |= chunks(run)
             kill_node(c, run, 2)
-            recover_and_restart(c, killed=2, iteration=0)
+            restart_alone(c, run, 2, delay=1.0)
 
-            # Phase 6: node 2 dies with part of its eval shard saved.
-            freeze_mid_rollout(c, run, 2, it0 / "eval/rank-2/manifest.json")
-            saved |= chunks(run)
-            kill_node(c, run, 2)
-            recover_and_restart(c, killed=2, iteration=0)
-
-            # Phase 10: node 2 dies while its trainer runs.
+            # Phase 10: node 2 dies while its trainer runs; restarted after its
+            # lease, the group first sees a lost rank.
             c.wait_until(lambda: c.at_phase(2, 0, 10) and (run / "ranks/2/logs/"
                          "train-iter-000000.log").exists(), 600, "node 2 training")
             saved |= chunks(run)
             kill_node(c, run, 2)
-            recover_and_restart(c, killed=2, iteration=0)
+            restart_alone(c, run, 2, delay=LEASE + 1)
 
-            # Phase 4 of iteration 1: the master dies as it starts aggregating.
-            import os
-            import signal
-
-            c.wait_until(lambda: (run / "iterations/000001/phase-03/release.json").exists(),
-                         600, "the master releasing phase 3 of iteration 1")
-            os.kill(c.procs[0].pid, signal.SIGSTOP)
-            journal = json.loads((run / "ranks/0/journal.json").read_text())
-            assert not (journal["iteration"] == 1 and 4 in journal["done"]), journal
+            # Phase 1 of iteration 1: the master dies mid-rollout.
+            freeze_mid_rollout(c, run, 0, run / "iterations/000001/rollout/rank-0/manifest.json")
             saved |= chunks(run)
             kill_node(c, run, 0)
-            recover_and_restart(c, killed=0, iteration=1)
+            restart_alone(c, run, 0, delay=1.0)
 
             codes = c.wait_all(timeout=900)
             assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
@@ -227,7 +228,11 @@ def test_killed_workers_and_master_recover_without_redoing_a_saved_chunk(
         final = chunks(run)
         redone = {p: v for p, v in saved.items() if final.get(p) != v}
         assert not redone, f"chunks saved before a kill were redone or lost: {redone}"
+        history = json.loads((run / "recoveries.json").read_text())["recoveries"]
+        assert [(h["rank"], h["iteration"], h["phase"]) for h in history] == [
+            (2, 0, 1), (2, 0, 10), (0, 1, 1)], history
         for it in (0, 1):
+            # Every task exactly once in the batch: 24 tasks x 4 samples.
             assert json.loads((run / f"iterations/{it:06d}/metrics/rollout.json").read_text())[
                 "num_samples"] == 96
             assert (run / f"checkpoints/iter-{it:06d}/manifest.json").exists()

@@ -33,7 +33,7 @@ RUN_TIMEOUT_S = 400
 def run_with_fault(tmp_path: Path, model: Path, fault: dict[str, object],
                    sleep_level: int = 2) -> tuple[LocalCluster, dict[int, int]]:
     config = tmp_path / "rl.toml"
-    config.write_text(CONFIG.format(model=model, iterations=1, lease=LEASE)
+    config.write_text(CONFIG.format(model=model, iterations=1, lease=LEASE, on_failure="exit")
                       + f"\n[engine]\nsleep_level = {sleep_level}\n")
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps(fault))

@@ -1,0 +1,164 @@
+"""Forming the group: the session that every daemon of a run works in.
+
+    master   waits for every rank out of any session (a claim and a heartbeat
+             seen advancing in state starting or regrouping), then publishes
+             session.json with a fresh id, the members' tokens and the
+             iteration to start at (the lowest one a member has not completed)
+    worker   at start: waits for a session naming its token; after a regroup
+             (regroup.py): waits for a live master first (the same one, or a
+             restarted one), then for a session that is not the one it left
+
+A group formed after a failure (the master regrouping, or a restarted master
+finding its workers regrouping) is a recovery: recorded in recoveries.json
+before the session is published.  The waits use join_timeout_s at start and
+rejoin_timeout_s after a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from coordinator import membership, regroup
+from coordinator.config import CoordinationConfig
+from coordinator.errors import PeerLostError, WaitTimeout
+from coordinator.liveness import HeartbeatPublisher
+from coordinator.phases import Phase
+from coordinator.polling import Backoff, Clock
+from coordinator.records import Claim, Heartbeat, Manifest, NodeState, Session
+from coordinator.runtime import Runtime
+from coordinator.store import Store
+
+log = logging.getLogger("coordinator")
+
+
+@dataclasses.dataclass(kw_only=True)
+class GroupForming:
+    """What a daemon needs to form or join a session."""
+
+    store: Store
+    manifest: Manifest
+    coord: CoordinationConfig
+    rank: int
+    token: str
+    host: str
+    log_path: Path
+    phases: Sequence[Phase]
+    iterations: int
+    heartbeat: HeartbeatPublisher
+    runtime: Runtime
+    backoff: Backoff
+    clock: Clock
+
+    # -- master ---------------------------------------------------------------
+    def form(self, history: regroup.RecoveryLog, *, incident: regroup.Incident | None,
+             started: float | None, previous: Heartbeat | None,
+             ) -> tuple[Session, dict[int, str], regroup.RecoveryLog]:
+        """Publish a new session once every rank is in; returns it, the hosts and the
+        recovery log (with this recovery appended, if it is one).
+
+        `incident`: this master regroups after it.  `previous`: the last heartbeat
+        of the master incarnation this one replaced, when it did not finish.
+        """
+        rejoin = incident is not None or previous is not None
+        run_id = self.manifest.run_id
+
+        def waiting(missing: list[int]) -> str:
+            return (f"rank(s) {missing} to rejoin run {run_id} after: "
+                    f"{incident.cause if incident else 'a restart of the master'} (restart each "
+                    "with its original `coordinator run` command; waiting up to "
+                    f"{self.coord.rejoin_timeout_s:g} s)")
+
+        try:
+            claims, beats = membership.gather_members(
+                self.store, run_id=run_id, generation=self.manifest.generation,
+                num_nodes=self.manifest.num_nodes, own=self.heartbeat.record,
+                join_timeout_s=self.coord.rejoin_timeout_s if rejoin
+                else self.coord.join_timeout_s, lease_s=self.coord.lease_s,
+                backoff=self.backoff, progress_interval_s=self.coord.progress_interval_s,
+                retry_s=self.coord.read_retry_s, clock=self.clock, check=self.runtime.check,
+                describe_wait=waiting if rejoin else None,
+            )
+        except WaitTimeout as exc:
+            if not rejoin:
+                raise
+            raise regroup.rejoin_timeout("a rank", self.coord.rejoin_timeout_s) from exc
+        members = {0: self.token} | {r: c.token for r, c in claims.items()}
+        hosts = {0: self.host} | {r: c.host for r, c in claims.items()}
+        start = min(hb.resume_iteration for hb in beats.values())
+        if incident is None:
+            incident = regroup.incident_from_members(beats, previous)
+        if incident is not None:
+            history = self._record(history, incident, started, start, hosts)
+        session = Session(
+            run_id=run_id, generation=self.manifest.generation, session=secrets.token_hex(8),
+            start_iteration=start, end_iteration=max(start, self.iterations),
+            members={str(r): t for r, t in members.items()},
+        )
+        membership.publish_session(self.store, session)
+        self.heartbeat.update(session=session.session, state=NodeState.RUNNING, abort=None,
+                              error=None, waiting_for="")
+        log.info("group formed: ranks %s on hosts %s; iterations %d..%d", sorted(members),
+                 [hosts[r] for r in sorted(hosts)], session.start_iteration,
+                 session.end_iteration - 1)
+        return session, hosts, history
+
+    def _record(self, history: regroup.RecoveryLog, incident: regroup.Incident,
+                started: float | None, start: int, hosts: dict[int, str]) -> regroup.RecoveryLog:
+        now = time.time()
+        return regroup.record(self.store, history, regroup.Recovery(
+            number=len(history.recoveries) + 1, rank=incident.rank, host=incident.host,
+            iteration=incident.iteration, phase=incident.phase, cause=incident.cause,
+            detected_by=incident.detected_by, detected_at=incident.detected_at,
+            resumed_at=now,
+            resumed_after_s=time.monotonic() - started if started is not None
+            else max(0.0, now - incident.detected_at),
+            resume_iteration=start,
+            pending=regroup.pending_phases(self.store, sorted(hosts), start, self.phases,
+                                           run_id=self.manifest.run_id,
+                                           retry_s=self.coord.read_retry_s),
+            members={str(r): h for r, h in sorted(hosts.items())}))
+
+    # -- worker ---------------------------------------------------------------
+    def await_first(self, master_claim: Claim) -> Session:
+        """At start: the session of the master found before the plan was made."""
+        session = self._session(master_claim.token, timeout_s=self.coord.join_timeout_s,
+                                exclude=None)
+        self.heartbeat.update(state=NodeState.RUNNING)
+        return session
+
+    def rejoin(self, left: str, master_token: str) -> tuple[Session, str]:
+        """After a regroup: a live master (this one or a restarted one), then a session
+        other than `left`.  Returns it and the master's host."""
+        deadline = time.monotonic() + self.coord.rejoin_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise regroup.rejoin_timeout("the group", self.coord.rejoin_timeout_s)
+            info = membership.wait_for_master(
+                self.store, log_path=str(self.log_path), join_timeout_s=remaining,
+                backoff=self.backoff, progress_interval_s=self.coord.progress_interval_s,
+                retry_s=self.coord.read_retry_s, probe_timeout_s=self.coord.probe_timeout_s,
+                clock=self.clock, check=self.runtime.check, gave_up_token=master_token)
+            master_token = info.claim.token
+            try:
+                session = self._session(master_token, exclude=left,
+                                        timeout_s=max(deadline - time.monotonic(), 0.001))
+            except PeerLostError as exc:
+                log.warning("rank %d: %s; waiting for a master again", self.rank, exc)
+                continue
+            self.heartbeat.update(state=NodeState.RUNNING, error=None, waiting_for="")
+            return session, info.claim.host
+
+    def _session(self, master_token: str, *, timeout_s: float, exclude: str | None) -> Session:
+        return membership.wait_for_session(
+            self.store, rank=self.rank, token=self.token, run_id=self.manifest.run_id,
+            generation=self.manifest.generation, master_token=master_token,
+            join_timeout_s=timeout_s, backoff=self.backoff,
+            progress_interval_s=self.coord.progress_interval_s, retry_s=self.coord.read_retry_s,
+            lease_s=self.coord.lease_s, clock=self.clock, check=self.runtime.check,
+            exclude=exclude)

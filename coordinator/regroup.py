@@ -1,0 +1,217 @@
+"""Automatic recovery: the group re-forms after a lost rank or a failed step.
+
+With coordination.on_failure "wait" (the default) a daemon that meets a
+failure it can recover from (a rank lost, left or restarted, a step that
+failed: exit codes 3 and 4) does not exit:
+
+    running ──failure──► regrouping ──new session──► running (resume iteration)
+                             │
+                             └─ rejoin_timeout_s passed, max_recoveries used up,
+                                or the master stopped for good ──► exit as today
+
+    every survivor   stops its children, closes its actions, and says
+                     `regrouping` in its heartbeat (with the cause); peers that
+                     see it regroup too, so the whole group follows within one
+                     monitor interval
+    the master       waits (rejoin_timeout_s) until every rank is back out of
+                     any session: survivors regrouping, the lost rank restarted
+                     with its original command; then records the recovery in
+                     recoveries.json and publishes a new session (a fresh id:
+                     arrivals and releases of the old one are ignored)
+    a worker         waits for a live master (the same one, or a restarted
+                     one: a master whose heartbeat says `failed` stopped for
+                     good, and the worker exits with its cause), then for a
+                     session naming it that is not the one it left
+
+The group resumes at the lowest iteration any member's journal has not
+completed, replaying its barriers; actions the journals mark done are not
+redone.  No generation bump is needed: a replaced rank's old incarnation is
+fenced by its claim (membership.py), and old-session records by the session id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import ClassVar, Final
+
+from coordinator import layout
+from coordinator.config import MAX_RECOVERIES, CoordinationConfig, OnFailure
+from coordinator.errors import (
+    CoordinatorError,
+    ExitCode,
+    FencedError,
+    Interrupted,
+    PeerLostError,
+)
+from coordinator.phases import Phase
+from coordinator.records import Heartbeat, Journal, NodeState, Record, check_iteration, check_phase
+from coordinator.store import Store, publish_record, read_record
+
+log = logging.getLogger("coordinator")
+
+RECOVERABLE: Final = (ExitCode.PEER_LOST, ExitCode.PHASE_FAILED)
+MAX_CAUSE_CHARS: Final = 2000
+
+
+def recoverable(error: CoordinatorError, coord: CoordinationConfig, *, recoveries: int,
+                quiet: bool = False) -> bool:
+    """Whether a daemon regroups after `error` instead of exiting."""
+    if coord.on_failure is not OnFailure.WAIT:
+        return False
+    if isinstance(error, (Interrupted, FencedError)) or error.exit_code not in RECOVERABLE:
+        return False  # this daemon was told to stop, is superseded, or the run dir is unusable
+    if recoveries >= coord.max_recoveries:
+        if not quiet:
+            log.error("coordination.max_recoveries=%d recoveries already made in this run: "
+                      "stopping instead", coord.max_recoveries)
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Incident:
+    """What went wrong, as the daemon that saw it knows it."""
+
+    rank: int | None  # the rank lost or failed; None when unknown
+    host: str
+    iteration: int
+    phase: int
+    cause: str
+    detected_by: int
+    detected_at: float  # wall time on the detecting host
+
+    @classmethod
+    def of(cls, error: CoordinatorError, *, by: int, where: Heartbeat) -> Incident:
+        rank = getattr(error, "rank", None)
+        iteration = getattr(error, "iteration", None)
+        phase = getattr(error, "phase", None)
+        return cls(rank=rank if isinstance(rank, int) and rank >= 0 else None,
+                   host=str(getattr(error, "host", None) or "?"),
+                   iteration=iteration if isinstance(iteration, int) else where.iteration,
+                   phase=phase if isinstance(phase, int) else where.phase,
+                   cause=str(error)[:MAX_CAUSE_CHARS], detected_by=by, detected_at=time.time())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recovery(Record):
+    """One automatic recovery, as recoveries.json keeps it."""
+
+    SCHEMA: ClassVar[str] = "coordinator/recovery"
+    number: int
+    rank: int | None
+    host: str
+    iteration: int
+    phase: int
+    cause: str
+    detected_by: int
+    detected_at: float
+    resumed_at: float
+    resumed_after_s: float
+    resume_iteration: int
+    # Per rank: the phases of resume_iteration its journal does not mark done,
+    # which the group now runs (again, for the one that was interrupted).
+    pending: dict[str, tuple[int, ...]]
+    members: dict[str, str]  # rank -> host of the re-formed group
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.number <= MAX_RECOVERIES:
+            raise ValueError(f"recovery number {self.number} is outside 1..{MAX_RECOVERIES}")
+        check_iteration(self.iteration)
+        check_iteration(self.resume_iteration)
+        check_phase(self.phase)
+        for phases in self.pending.values():
+            for phase in phases:
+                check_phase(phase)
+
+    def describe(self) -> str:
+        who = f"rank {self.rank} (host {self.host})" if self.rank is not None else "a rank"
+        pending = "; ".join(f"rank {r}: {_phase_list(p)}" for r, p in sorted(
+            self.pending.items(), key=lambda kv: int(kv[0])))
+        return (f"recovery {self.number}: {who} at iteration {self.iteration} "
+                f"{_label(self.phase)}: {self.cause} | group resumed after "
+                f"{self.resumed_after_s:.1f} s at iteration {self.resume_iteration}; to run: "
+                f"{pending}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecoveryLog(Record):
+    """recoveries.json: every recovery of the run, oldest first; written by the master."""
+
+    SCHEMA: ClassVar[str] = "coordinator/recoveries"
+    run_id: str
+    recoveries: tuple[Recovery, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.recoveries) > MAX_RECOVERIES:
+            raise ValueError(f"{len(self.recoveries)} recoveries: at most {MAX_RECOVERIES}")
+
+
+def read_log(store: Store, run_id: str, *, retry_s: float) -> RecoveryLog:
+    """The run's recoveries (none when the file is absent or from another run)."""
+    found = read_record(store, layout.RECOVERIES, RecoveryLog, retry_s=retry_s)
+    if found is None or found.run_id != run_id:
+        return RecoveryLog(run_id=run_id, recoveries=())
+    return found
+
+
+def record(store: Store, history: RecoveryLog, recovery: Recovery) -> RecoveryLog:
+    updated = dataclasses.replace(history, recoveries=(*history.recoveries, recovery))
+    publish_record(store, layout.RECOVERIES, updated)
+    log.warning("%s", recovery.describe())
+    return updated
+
+
+def pending_phases(store: Store, members: Iterable[int], iteration: int,
+                   phases: Iterable[Phase], *, run_id: str,
+                   retry_s: float) -> dict[str, tuple[int, ...]]:
+    """Per member: the phases of `iteration` its journal does not mark done."""
+    phases = tuple(phases)
+    out: dict[str, tuple[int, ...]] = {}
+    for rank in members:
+        journal = read_record(store, layout.journal(rank), Journal, retry_s=retry_s)
+        if journal is None or journal.run_id != run_id:
+            out[str(rank)] = tuple(int(p) for p in phases)
+        else:
+            out[str(rank)] = tuple(int(p) for p in phases if not journal.is_done(iteration, p))
+    return out
+
+
+def incident_from_members(beats: Mapping[int, Heartbeat], previous_master: Heartbeat | None,
+                          ) -> Incident | None:
+    """A restarted master's view of the failure: members still regrouping say it was
+    lost, and where (its previous incarnation's last heartbeat)."""
+    waiting = sorted((r, hb) for r, hb in beats.items()
+                     if r != 0 and hb.state is NodeState.REGROUPING)
+    if not waiting:
+        return None
+    rank, hb = waiting[0]
+    where = previous_master or hb
+    return Incident(rank=0, host=previous_master.host if previous_master else "?",
+                    iteration=where.iteration, phase=where.phase,
+                    cause=(hb.error or "the master was lost")[:MAX_CAUSE_CHARS],
+                    detected_by=rank, detected_at=hb.wall_time)
+
+
+def rejoin_timeout(what: str, timeout_s: float) -> PeerLostError:
+    return PeerLostError(
+        f"{what} did not come back within coordination.rejoin_timeout_s={timeout_s:g} s: "
+        "restart it with its original command (the run resumes where it stopped), or raise "
+        "the timeout", rank=-1)
+
+
+def _label(phase: int) -> str:
+    try:
+        return Phase(phase).label
+    except ValueError:
+        return f"phase {phase}"
+
+
+def _phase_list(phases: tuple[int, ...]) -> str:
+    if not phases:
+        return "nothing"
+    if list(phases) == list(range(phases[0], phases[-1] + 1)) and len(phases) > 2:
+        return f"phases {phases[0]}-{phases[-1]}"
+    return "phases " + ",".join(str(p) for p in phases)
