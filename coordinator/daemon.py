@@ -192,6 +192,8 @@ class Daemon:
         self._close_actions()
         self.recoveries += 1
         left = self.session.session
+        # session None: out of any session now, its work stopped; the master may
+        # form the next one with it (membership.gather_members).
         self.heartbeat.update(
             state=NodeState.REGROUPING, error=str(error)[:regroup.MAX_CAUSE_CHARS],
             session=None, arrived=None, released=None,
@@ -371,6 +373,8 @@ class Daemon:
             for phase in self.phases:
                 timings[str(int(phase))] = stepper.step(iteration, phase, releases)
             self.journal.complete(iteration)
+            # A group re-formed after a failure starts where its members' journals say.
+            self.heartbeat.set(resume_iteration=self.journal.resume_iteration)
             total = time.monotonic() - started
             self._publish_timings(iteration, timings, total)
             log.info("rank %d completed iteration %d in %.2f s", self.rank, iteration, total)

@@ -128,7 +128,7 @@ class GroupForming:
         """At start: the session of the master found before the plan was made."""
         session = self._session(master_claim.token, timeout_s=self.coord.join_timeout_s,
                                 exclude=None)
-        self.heartbeat.update(state=NodeState.RUNNING)
+        self.heartbeat.update(state=NodeState.RUNNING, session=session.session)
         return session
 
     def rejoin(self, left: str, master_token: str) -> tuple[Session, str]:
@@ -151,7 +151,8 @@ class GroupForming:
             except PeerLostError as exc:
                 log.warning("rank %d: %s; waiting for a master again", self.rank, exc)
                 continue
-            self.heartbeat.update(state=NodeState.RUNNING, error=None, waiting_for="")
+            self.heartbeat.update(state=NodeState.RUNNING, session=session.session, error=None,
+                                  waiting_for="")
             return session, info.claim.host
 
     def _session(self, master_token: str, *, timeout_s: float, exclude: str | None) -> Session:

@@ -263,7 +263,10 @@ def gather_members(
             if claim is None or claim.run_id != run_id or claim.generation != generation:
                 continue
             hb = read_record(store, layout.heartbeat(rank), Heartbeat, retry_s=retry_s)
-            if hb is None or hb.token != claim.token or hb.state not in JOINABLE_STATES:
+            # Out of any session: starting, or regrouping with its work stopped
+            # (a rank that has just seen the failure still names its session).
+            if hb is None or hb.token != claim.token or hb.state not in JOINABLE_STATES \
+                    or hb.session is not None:
                 continue
             # A claim and heartbeat left by a daemon that died look exactly
             # like a live one: only a counter seen advancing proves life.

@@ -399,9 +399,12 @@ class Journal(Record):
         )
 
     def with_completed(self, iteration: int) -> Journal:
+        if iteration <= self.completed_iteration:
+            # A replayed iteration (the group resumed behind this rank): the
+            # progress it has made on later iterations stays.
+            return self
         return dataclasses.replace(
-            self, completed_iteration=max(iteration, self.completed_iteration),
-            iteration=iteration + 1, done=(),
+            self, completed_iteration=iteration, iteration=iteration + 1, done=(),
         )
 
     @property

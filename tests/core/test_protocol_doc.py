@@ -51,3 +51,17 @@ def test_the_node_local_table_matches_every_action_kind() -> None:
     rows = [r[0].strip("`") for r in table("node-local")]
     keys = [k for name in kind_names() for k in kind(name).node_local]
     assert rows == keys
+
+
+def test_the_recovery_record_and_heartbeat_states_are_documented_field_by_field() -> None:
+    from coordinator.records import NodeState
+    from coordinator.regroup import Recovery, RecoveryLog
+
+    text = DOC.read_text()
+    section = text.split("**`recoveries.json`**")[1].split("\n\n")[0]
+    for f in (*dataclasses.fields(RecoveryLog), *dataclasses.fields(Recovery)):
+        assert f"`{f.name}`" in section, f"recoveries.json field {f.name} is not documented"
+    assert f"(`{RecoveryLog.SCHEMA}`)" in section
+    states = text.split("**heartbeat** `ranks/<R>/heartbeat.json`")[1].split("\n\n")[0]
+    for state in NodeState:
+        assert f"`{state.value}`" in states, f"heartbeat state {state.value} is not documented"

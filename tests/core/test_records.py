@@ -72,6 +72,10 @@ def test_journal_says_what_is_done_and_where_to_resume() -> None:
     j = j.with_completed(0)
     assert j.resume_iteration == 1 and j.is_done(0, 13) and not j.is_done(1, 0)
     assert j.with_done(1, 2).done == (2,)
+    # A group that resumed behind this rank replays iteration 0: completing it
+    # again keeps what this rank has done of iteration 1.
+    ahead = j.with_done(1, 1)
+    assert ahead.with_completed(0) == ahead and ahead.is_done(1, 1)
 
 
 def test_read_record_retries_a_torn_file_then_names_it(tmp_path: Path) -> None:

@@ -229,8 +229,12 @@ def test_killed_workers_and_master_rejoin_alone_without_redoing_a_saved_chunk(
         redone = {p: v for p, v in saved.items() if final.get(p) != v}
         assert not redone, f"chunks saved before a kill were redone or lost: {redone}"
         history = json.loads((run / "recoveries.json").read_text())["recoveries"]
-        assert [(h["rank"], h["iteration"], h["phase"]) for h in history] == [
-            (2, 0, 1), (2, 0, 10), (0, 1, 1)], history
+        # The start of a phase rides on the next periodic beat (PROTOCOL.md,
+        # liveness): a master killed within 0.5 s of starting phase 1 is
+        # reported where its peers last saw it, phase 0 of iteration 1.
+        assert [(h["rank"], h["iteration"]) for h in history] == [(2, 0), (2, 0), (0, 1)]
+        assert [h["phase"] for h in history][:2] == [1, 10] and history[2]["phase"] in (0, 1)
+        assert [h["resume_iteration"] for h in history] == [0, 0, 1]
         for it in (0, 1):
             # Every task exactly once in the batch: 24 tasks x 4 samples.
             assert json.loads((run / f"iterations/{it:06d}/metrics/rollout.json").read_text())[
