@@ -29,12 +29,15 @@ bind at once and import the slow runtime afterwards.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rollout.hf_request import DTYPES, BadRequest, CompletionRequest
 from rollout.hf_weights import ResidentModel
+
+T = TypeVar("T")
 
 
 class Asleep(RuntimeError):
@@ -147,40 +150,50 @@ class Generator:
             if weights_path is not None:
                 self.model_dir = Path(weights_path)
 
-    def _piece(self, token_id: int) -> str:
+    def piece(self, token_id: int) -> str:
+        """One token as text on its own (special tokens kept), as vLLM's logprobs show it."""
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
-        # One request at a time, tokenizer included: a fast tokenizer used
-        # from two threads can fail with "Already borrowed".
+    def locked(self, work: Callable[[Generator], T]) -> T:
+        """Run `work` with the model and tokenizer to itself: one request at a time,
+        tokenizer included (a fast tokenizer used from two threads can fail with
+        "Already borrowed"), and never while the weights sleep."""
         with self.lock:
             if self.resident.sleeping:
                 raise Asleep("the engine is asleep (POST /sleep): wake it with POST /wake_up "
                              "before sending completions")
-            return self._complete(req)
+            return work(self)
+
+    def complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
+        return self.locked(lambda g: g._complete(req))
+
+    def check_prompt(self, ids: list[int], max_tokens: int, what: str) -> None:
+        if any(t >= self.vocab_size for t in ids):
+            raise BadRequest(f"token id {max(ids)} is outside this model's vocabulary "
+                             f"0..{self.vocab_size - 1}")
+        if len(ids) + max_tokens > self.max_model_len:
+            raise BadRequest(
+                f"prompt of {len(ids)} tokens + max_tokens={max_tokens} exceeds this "
+                f"model's maximum context length of {self.max_model_len}: shorten the "
+                f"prompt {what[:40]!r} or lower max_tokens"
+            )
 
     def _prompt_ids(self, req: CompletionRequest) -> list[list[int]]:
         prompt_ids = []
         for p in req.prompts:
             ids = list(p) if isinstance(p, tuple) else list(self.tokenizer(p)["input_ids"])
-            if any(t >= self.vocab_size for t in ids):
-                raise BadRequest(f"token id {max(ids)} is outside this model's vocabulary "
-                                 f"0..{self.vocab_size - 1}")
-            if len(ids) + req.max_tokens > self.max_model_len:
-                raise BadRequest(
-                    f"prompt of {len(ids)} tokens + max_tokens={req.max_tokens} exceeds this "
-                    f"model's maximum context length of {self.max_model_len}: shorten the "
-                    f"prompt {str(p)[:40]!r} or lower max_tokens"
-                )
+            self.check_prompt(ids, req.max_tokens, str(p))
             prompt_ids.append(ids)
         return prompt_ids
 
-    def _complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
-        prompt_ids = self._prompt_ids(req)
-        rows = [(i, j) for i in range(len(req.prompts)) for j in range(req.n)]
+    def generate(self, prompt_ids: list[list[int]], req: CompletionRequest,
+                 ) -> list[dict[str, Any]]:
+        """`req.n` samples of each prompt, in order (prompt i, sample j at i*n + j): token
+        ids, their log-probabilities, the top-k at each step, finish and stop reasons."""
+        rows = [(i, j) for i in range(len(prompt_ids)) for j in range(req.n)]
         seed = (
             req.seed
             if req.seed is not None
@@ -194,6 +207,12 @@ class Generator:
                 outputs += [_Row(finish="length").result(self._decode) for _ in chunk]
             else:
                 outputs += self._sample([prompt_ids[i] for i, _ in chunk], req, gen)
+        return outputs
+
+    def _complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
+        prompt_ids = self._prompt_ids(req)
+        rows = [(i, j) for i in range(len(req.prompts)) for j in range(req.n)]
+        outputs = self.generate(prompt_ids, req)
         echoed = self._echo(prompt_ids, req) if req.echo else None
         choices = []
         for index, ((i, _), out) in enumerate(zip(rows, outputs, strict=True)):
@@ -219,7 +238,7 @@ class Generator:
         return choices
 
     def _logprobs_block(self, out: dict[str, Any], k: int) -> dict[str, Any]:
-        tokens = [self._piece(t) for t in out["token_ids"]]
+        tokens = [self.piece(t) for t in out["token_ids"]]
         offsets, pos = [], 0
         for piece in tokens:
             offsets.append(pos)
@@ -232,8 +251,8 @@ class Generator:
                 top.append(None)
                 continue
             ids, lps = ranked
-            entry = {self._piece(a): b for a, b in zip(ids[:k], lps[:k], strict=True)}
-            entry[self._piece(t)] = lp  # vLLM always includes the sampled token
+            entry = {self.piece(a): b for a, b in zip(ids[:k], lps[:k], strict=True)}
+            entry[self.piece(t)] = lp  # vLLM always includes the sampled token
             top.append(entry)
         return {
             "tokens": tokens,

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
+from rollout.hf_chat import ChatRequest
 from rollout.hf_control import ROUTES as CONTROL_ROUTES
 from rollout.hf_control import Control, Faults, dev_mode
 from rollout.hf_request import DTYPES, MAX_TOP_LOGPROBS, BadRequest, CompletionRequest
@@ -102,7 +103,8 @@ class Handler(BaseHTTPRequestHandler):
             self._control("GET")
 
     def do_POST(self) -> None:
-        if urlsplit(self.path).path != "/v1/completions":
+        path = urlsplit(self.path).path
+        if path not in ("/v1/completions", "/v1/chat/completions"):
             self._control("POST")
             return
         if not self._authorized():
@@ -116,6 +118,12 @@ class Handler(BaseHTTPRequestHandler):
                     f"model {model!r} does not exist: this server "
                     f"serves {self.server.model_name!r}",
                 )
+                return
+            if path == "/v1/chat/completions":
+                chat = ChatRequest.from_json(body)
+                name = self.server.model_name
+                self._send(HTTPStatus.OK, self.server.generator.locked(
+                    lambda g: chat.answer(g, name)))
                 return
             req = CompletionRequest.from_json(body)
             choices = self.server.generator.complete(req)

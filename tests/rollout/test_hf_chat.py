@@ -1,0 +1,125 @@
+"""/v1/chat/completions on the hf server, driven by the official `openai` client.
+
+Agent code is written against the OpenAI chat API; these requests are what
+such code sends, unchanged.  The answer must carry the exact tokens the model
+produced (return_token_ids, logprobs): checked against the model itself,
+token by token, by teacher forcing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout.hf_server import Generator, Server
+from trainer.tiny_model import create_tiny_model
+
+KEY = "k"
+CHAT: list[Any] = [{"role": "system", "content": "reverse the digits"},
+        {"role": "user", "content": [{"type": "text", "text": "reverse 123"}]}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(tmp_path_factory.mktemp("models") / "m", seed=3)
+
+
+@pytest.fixture(scope="module")
+def client(model_dir: Path) -> Iterator[openai.OpenAI]:
+    server = Server(("127.0.0.1", 0), api_key=KEY, model_name="policy")
+    generator = Generator(model_dir, device="cpu", dtype="auto", max_batch=8, seed=0,
+                          max_model_len=None)
+    server.attach(generator, model_dir)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
+                        api_key=KEY, max_retries=0, timeout=60)
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_openai_chat_request_gets_the_models_exact_tokens_and_logprobs(
+        client: openai.OpenAI, model_dir: Path) -> None:
+    out = client.chat.completions.create(
+        model="policy", messages=CHAT, max_tokens=12, temperature=1.0, seed=7,
+        logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True})
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and choice.message.role == "assistant"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # The prompt is the chat template's rendering, text parts joined as vLLM does.
+    messages = [CHAT[0], {"role": "user", "content": "reverse 123"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(prompt, "keys"):
+        prompt = prompt["input_ids"]
+    assert out.model_extra["prompt_token_ids"] == list(prompt)
+    ids = choice.model_extra["token_ids"]
+    assert ids and len(ids) <= 12
+    assert tokenizer.decode(ids, skip_special_tokens=True) == choice.message.content
+    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == len(ids)
+    # Token-exact: each reported log-probability is the model's own for that
+    # token after exactly these ids (teacher forcing on prompt + ids).
+    content = choice.logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in ids]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([list(prompt) + ids])).logits[0]
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    for pos, (t, c) in enumerate(zip(ids, content, strict=True)):
+        assert c.logprob == pytest.approx(logp[pos, t].item(), abs=1e-4)
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        best = logp[pos].argmax().item()
+        assert tokenizer.decode([best]) in [x.token for x in c.top_logprobs]
+
+
+def test_seeded_samples_repeat_and_token_ids_can_replace_token_text(
+        client: openai.OpenAI) -> None:
+    def ask() -> openai.types.chat.ChatCompletion:
+        return client.chat.completions.create(
+            model="policy", messages=CHAT, max_completion_tokens=8, n=2, seed=11,
+            logprobs=True, extra_body={"return_token_ids": True,
+                                       "return_tokens_as_token_ids": True})
+
+    a, b = ask(), ask()
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert [c.index for c in a.choices] == [0, 1]
+    for c in a.choices:
+        assert [x.token for x in c.logprobs.content] == [
+            f"token_id:{t}" for t in c.model_extra["token_ids"]]
+
+
+def test_bad_chat_requests_get_the_errors_the_openai_client_raises(
+        client: openai.OpenAI, model_dir: Path) -> None:
+    with pytest.raises(openai.BadRequestError, match="logprobs` must be set to true"):
+        client.chat.completions.create(model="policy", messages=CHAT, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
+        client.chat.completions.create(model="policy", messages=CHAT, tools=[{
+            "type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="greedy sampling"):
+        client.chat.completions.create(model="policy", messages=CHAT, temperature=0, n=2)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model="policy", messages=CHAT, max_tokens=10**6)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=CHAT)
+    wrong = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model="policy", messages=CHAT)
+
+
+def test_a_prefilled_assistant_turn_continues_in_place(
+        client: openai.OpenAI, model_dir: Path) -> None:
+    out = client.chat.completions.create(
+        model="policy", max_tokens=4, seed=1,
+        messages=[*CHAT, {"role": "assistant", "content": "3"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "return_token_ids": True})
+    assert out.choices[0].message.role == "assistant"
+    # The rendered prompt ends inside the assistant turn: no end of turn after "3".
+    prompt = AutoTokenizer.from_pretrained(model_dir).decode(out.model_extra["prompt_token_ids"])
+    assert prompt.endswith("assistant: 3"), prompt
