@@ -18,7 +18,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from coordinator.actions import StepContext
@@ -34,31 +33,9 @@ from rollout.client import GroupResult
 from rollout.rewards import default_reward_for, get_reward
 from rollout.tasks import Task
 from rollout.trajectory import RankCheckpointWriter
+from rollout.wire import Prompt
 
 log = logging.getLogger(__name__)
-
-
-class PromptRenderer:
-    """Plain prompts as they are; chat messages through the model's chat template."""
-
-    def __init__(self) -> None:
-        self._tokenizers: dict[Path, Any] = {}
-
-    def render(self, task: Task, model_dir: Path) -> str:
-        messages = task.messages()
-        if messages is None:
-            assert isinstance(task.prompt, str)
-            return task.prompt
-        if model_dir not in self._tokenizers:
-            from transformers import AutoTokenizer
-
-            self._tokenizers[model_dir] = AutoTokenizer.from_pretrained(str(model_dir))
-        text = self._tokenizers[model_dir].apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True)
-        return str(text)
-
-
-RENDERER = PromptRenderer()
 
 
 def _samples(task: Task, group: GroupResult, group_size: int,
@@ -162,11 +139,13 @@ def _generate(loop: Loop, ctx: StepContext, split: Split, tasks: Sequence[Task],
     policy = loop.model(ctx, PolicyChoice.read(ctx).policy, where_phase=0)
     loop.engines.ensure(ctx, policy)
     client = loop.engines.client()
-    local = loop.engines.local_copy(ctx, policy)
     rewards: dict[str, Callable[[str, str], float]] = {}
     started = last_report = time.monotonic()
     seeds = [group_seed(loop.config.run.seed, ctx.iteration, split, t.task_id) for t in todo]
-    results = client.iter_groups([RENDERER.render(t, local) for t in todo], n=group_size,
+    # Chat tasks go to the chat endpoint: the engine applies the model's chat
+    # template and returns the exact prompt ids; nothing is re-tokenised here.
+    prompts: list[Prompt] = [t.messages() or str(t.prompt) for t in todo]
+    results = client.iter_groups(prompts, n=group_size,
                                  max_tokens=s.rollout.max_tokens, temperature=temperature,
                                  top_p=s.rollout.top_p, seeds=seeds)
     generated = 0

@@ -1,11 +1,9 @@
-"""One completions client for both servers (rollout.hf_server and `vllm serve`).
+"""One rollout client for both servers (rollout.hf_server and `vllm serve`).
 
-Requests go to POST {base_url}/v1/completions with `return_token_ids: true`
-and `logprobs: 0`, and each choice is read as vLLM's CompletionResponseChoice
-(vllm/entrypoints/openai/protocol.py): `text`, `index`, `finish_reason`,
-`logprobs.token_logprobs`, `token_ids`, `prompt_token_ids`.  The trainer
-needs the exact token ids and their log-probabilities, so a response
-without them is a protocol error, never a guess from re-tokenised text.
+Text prompts go to /v1/completions, chat messages to /v1/chat/completions
+(the engine applies the chat template); rollout/wire.py has the request
+bodies and the strict reading of the answers: exact token ids and their
+log-probabilities, or a ProtocolError.
 
 One prompt is one request (its n samples form a GRPO group), so a failure
 costs one group.  A group that still fails after the retries comes back as a
@@ -25,119 +23,34 @@ import asyncio
 import inspect
 import json
 import logging
-import math
 import threading
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 import httpx
 import tenacity
 
-from rollout.engine_config import EngineError
+from rollout.wire import (
+    ClientError,
+    GroupResult,
+    HttpError,
+    Prompt,
+    ProtocolError,
+    Sample,
+    TransientError,
+    parse_choice,
+    parse_samples,
+    prompt_label,
+    request_body,
+)
 
+__all__ = ["ClientError", "CompletionClient", "GroupResult", "HttpError", "ProtocolError",
+           "Sample", "TransientError", "parse_choice"]
 log = logging.getLogger(__name__)
 
 # Statuses a healthy server can return under load or while restarting.
 _TRANSIENT_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
 _MAX_ERROR_BODY: Final = 2000
-
-
-class ClientError(EngineError):
-    """A completion request failed."""
-
-
-class TransientError(ClientError, ConnectionError):
-    """Connection refused/reset, timeout or a 5xx/429: worth retrying."""
-
-
-class HttpError(ClientError):
-    """The server rejected the request (4xx other than 408/425/429): not retried."""
-
-    def __init__(self, status: int, body: str, url: str) -> None:
-        self.status = status
-        self.body = body
-        self.url = url
-        super().__init__(f"HTTP {status} from {url}: {body[:_MAX_ERROR_BODY]}")
-
-
-class ProtocolError(ClientError, ValueError):
-    """The response does not have the shape both servers promise."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sample:
-    """One completion: exact token ids and the policy's log-prob of each."""
-
-    text: str
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: str
-
-    def __post_init__(self) -> None:
-        if len(self.logprobs) != len(self.token_ids):
-            raise ValueError(
-                f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens: "
-                "there must be one log-probability per generated token"
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupResult:
-    """The n samples of one prompt, or why there are none."""
-
-    index: int
-    prompt: str
-    samples: tuple[Sample, ...] = ()
-    error: str | None = None
-    attempts: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-def _ids(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    ):
-        raise ProtocolError(
-            f"{what} is missing or not a list of token ids: the server must honour "
-            "return_token_ids (vLLM >= 0.10.2, or rollout.hf_server)"
-        )
-    return tuple(value)
-
-
-def parse_choice(choice: Any) -> Sample:
-    """A vLLM-shaped completion choice -> Sample (strict)."""
-    if not isinstance(choice, dict):
-        raise ProtocolError(f"choice is {type(choice).__name__}, not an object")
-    text = choice.get("text")
-    finish = choice.get("finish_reason")
-    if not isinstance(text, str) or not isinstance(finish, str):
-        raise ProtocolError(f"choice lacks text or finish_reason: {str(choice)[:200]}")
-    token_ids = _ids(choice.get("token_ids"), "token_ids")
-    prompt_ids = _ids(choice.get("prompt_token_ids"), "prompt_token_ids")
-    lp = choice.get("logprobs")
-    raw = lp.get("token_logprobs") if isinstance(lp, dict) else None
-    if not isinstance(raw, list) or len(raw) != len(token_ids):
-        raise ProtocolError(
-            f"logprobs.token_logprobs has {len(raw) if isinstance(raw, list) else 'no'} entries "
-            f"for {len(token_ids)} tokens: request logprobs=0 and return_token_ids=true"
-        )
-    values = []
-    for v in raw:
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v > 1e-4:
-            raise ProtocolError(f"token log-prob {v!r} is not a number <= 0")
-        values.append(float(v))
-    return Sample(
-        text=text,
-        prompt_token_ids=prompt_ids,
-        token_ids=token_ids,
-        logprobs=tuple(values),
-        finish_reason=finish,
-    )
 
 
 class CompletionClient:
@@ -248,50 +161,21 @@ class CompletionClient:
 
     # --- one request --------------------------------------------------------
 
-    def _completion_body(
-        self, prompt: str, *, n: int, max_tokens: int, temperature: float = 1.0,
-        top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": prompt,
-            "n": n,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "stream": False,
-        }
-        if seed is not None:
-            body["seed"] = seed
-        if stop:
-            body["stop"] = list(stop)
-        return body
-
-    @staticmethod
-    def _samples(resp: Any, n: int) -> list[Sample]:
-        choices = resp.get("choices") if isinstance(resp, dict) else None
-        if not isinstance(choices, list) or len(choices) != n:
-            got = len(choices) if isinstance(choices, list) else "no"
-            raise ProtocolError(f"asked for n={n} choices, got {got}: {str(resp)[:200]}")
-        choices = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
-        return [parse_choice(c) for c in choices]
-
-    def complete_one(self, prompt: str, *, n: int, max_tokens: int, **kw: Any) -> list[Sample]:
+    def complete_one(self, prompt: Prompt, *, n: int, max_tokens: int, **kw: Any,
+                     ) -> list[Sample]:
         """One attempt: n samples of `prompt`, in choice order.  Raises ClientError."""
-        body = self._completion_body(prompt, n=n, max_tokens=max_tokens, **kw)
-        return self._samples(self.request("POST", "/v1/completions", body), n)
+        path, body = request_body(prompt, model=self.model, n=n, max_tokens=max_tokens, **kw)
+        return parse_samples(self.request("POST", path, body), n, path)
 
     # --- groups ---------------------------------------------------------------
 
-    def generate_groups(self, prompts: Sequence[str], **kw: Any) -> list[GroupResult]:
+    def generate_groups(self, prompts: Sequence[Prompt], **kw: Any) -> list[GroupResult]:
         """One GroupResult per prompt, in prompt order (see `iter_groups`)."""
         return list(self.iter_groups(prompts, **kw))
 
     def iter_groups(
         self,
-        prompts: Sequence[str],
+        prompts: Sequence[Prompt],
         *,
         n: int,
         max_tokens: int,
@@ -317,8 +201,9 @@ class CompletionClient:
             return
         per_group = list(seeds) if seeds is not None else \
             [None if seed is None else seed + i for i in range(len(prompts))]
-        bodies = [self._completion_body(p, n=n, max_tokens=max_tokens, temperature=temperature,
-                                        top_p=top_p, seed=per_group[i], stop=stop)
+        bodies = [request_body(p, model=self.model, n=n, max_tokens=max_tokens,
+                               temperature=temperature, top_p=top_p, seed=per_group[i],
+                               stop=stop)
                   for i, p in enumerate(prompts)]
         done: dict[int, GroupResult] = {}
         ready = threading.Condition()
@@ -341,7 +226,8 @@ class CompletionClient:
             stop_event.set()
             runner.join()
 
-    async def _run_groups(self, prompts: Sequence[str], bodies: list[dict[str, Any]], n: int,
+    async def _run_groups(self, prompts: Sequence[Prompt],
+                          bodies: list[tuple[str, dict[str, Any]]], n: int,
                           done: dict[int, GroupResult], ready: threading.Condition,
                           stop_event: threading.Event) -> None:
         limits = httpx.Limits(max_connections=self.concurrency,
@@ -376,14 +262,15 @@ class CompletionClient:
         if inspect.isawaitable(result):
             await result
 
-    async def _group(self, http: httpx.AsyncClient, index: int, prompt: str,
-                     body: dict[str, Any], n: int) -> GroupResult:
+    async def _group(self, http: httpx.AsyncClient, index: int, prompt: Prompt,
+                     request: tuple[str, dict[str, Any]], n: int) -> GroupResult:
+        path, body = request
         attempts = 0
 
         async def attempt() -> list[Sample]:
             nonlocal attempts
             attempts += 1
-            return self._samples(await self._arequest(http, "/v1/completions", body), n)
+            return parse_samples(await self._arequest(http, path, body), n, path)
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
@@ -413,6 +300,8 @@ class CompletionClient:
         except Exception as e:  # a failed group is a result, never a lost prompt
             log.error("prompt %d failed after %d attempts: %s", index, attempts, e)
             return GroupResult(
-                index=index, prompt=prompt, error=f"{type(e).__name__}: {e}", attempts=attempts
+                index=index, prompt=prompt_label(prompt), error=f"{type(e).__name__}: {e}",
+                attempts=attempts
             )
-        return GroupResult(index=index, prompt=prompt, samples=tuple(samples), attempts=attempts)
+        return GroupResult(index=index, prompt=prompt_label(prompt), samples=tuple(samples),
+                           attempts=attempts)

@@ -309,3 +309,32 @@ def test_invalid_client_settings_are_rejected() -> None:
         CompletionClient("http://x", KEY, concurrency=0)
     with pytest.raises(ValueError, match="retries=-1 is negative"):
         CompletionClient("http://x", KEY, retries=-1)
+
+
+GOOD_CHAT = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "21"},
+                          "finish_reason": "stop", "token_ids": [7, 2],
+                          "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.1}]}}],
+             "prompt_token_ids": [1, 5, 6]}
+
+
+def test_a_chat_answer_gives_the_engines_prompt_and_response_ids() -> None:
+    from rollout.wire import CHAT, parse_samples
+
+    (sample,) = parse_samples(GOOD_CHAT, 1, CHAT)
+    assert sample.prompt_token_ids == (1, 5, 6) and sample.token_ids == (7, 2)
+    assert sample.logprobs == (-0.5, -0.1) and sample.text == "21"
+
+
+@pytest.mark.parametrize(("change", "rule"), [
+    ({"prompt_token_ids": None}, "prompt_token_ids is missing"),
+    ({"choices": [{**GOOD_CHAT["choices"][0], "token_ids": None}]}, "token_ids is missing"),
+    ({"choices": [{**GOOD_CHAT["choices"][0], "logprobs": None}]}, "logprobs.content has no"),
+    ({"choices": [{**GOOD_CHAT["choices"][0], "message": "21"}]}, "lacks a message"),
+    ({"choices": [{**GOOD_CHAT["choices"][0], "logprobs": {"content": [
+        {"logprob": -0.5}, {"logprob": 0.5}]}}]}, "not a number <= 0"),
+])
+def test_malformed_chat_answers_are_rejected(change: dict[str, Any], rule: str) -> None:
+    from rollout.wire import CHAT, parse_samples
+
+    with pytest.raises(ProtocolError, match=rule):
+        parse_samples({**GOOD_CHAT, **change}, 1, CHAT)

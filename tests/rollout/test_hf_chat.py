@@ -123,3 +123,25 @@ def test_a_prefilled_assistant_turn_continues_in_place(
     # The rendered prompt ends inside the assistant turn: no end of turn after "3".
     prompt = AutoTokenizer.from_pretrained(model_dir).decode(out.model_extra["prompt_token_ids"])
     assert prompt.endswith("assistant: 3"), prompt
+
+
+def test_rollout_sends_chat_tasks_to_the_chat_endpoint_and_keeps_the_engines_ids(
+        client: openai.OpenAI, model_dir: Path) -> None:
+    from rollout.client import CompletionClient
+
+    rollout = CompletionClient(str(client.base_url).removesuffix("/v1/"), KEY, model="policy",
+                               retries=0)
+    messages = [{"role": "user", "content": "reverse 45"}]
+    chat, text = rollout.generate_groups([messages, "reverse 45"], n=2, max_tokens=6, seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(rendered, "keys"):
+        rendered = rendered["input_ids"]
+    assert chat.ok and text.ok and chat.prompt == "reverse 45"
+    for sample in chat.samples:
+        # The template's tokens as the engine rendered them, not a re-tokenised text.
+        assert list(sample.prompt_token_ids) == list(rendered)
+        assert len(sample.logprobs) == len(sample.token_ids) > 0
+        assert tokenizer.decode(list(sample.token_ids), skip_special_tokens=True) == sample.text
+    assert all(list(s.prompt_token_ids) == tokenizer("reverse 45")["input_ids"]
+               for s in text.samples)
