@@ -26,7 +26,6 @@ every worker stops too.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -34,14 +33,12 @@ import secrets
 import signal
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from coordinator import layout, membership, netaddr, regroup
+from coordinator import fsio, layout, membership, netaddr, regroup
 from coordinator.actions import Actions, StepContext, kind
 from coordinator.barrier import Barrier, Membership
-from coordinator.config import RunConfig
 from coordinator.decisions import abort_kind
 from coordinator.errors import (
     Cancelled,
@@ -61,31 +58,16 @@ from coordinator.records import (
     Abort,
     Claim,
     Heartbeat,
-    Manifest,
     NodeState,
     Session,
 )
+from coordinator.runplan import RunPlan
 from coordinator.runtime import Runtime
 from coordinator.stepper import PhaseStepper
 from coordinator.store import FsStore, publish_record, read_record
 from coordinator.waker import LOCAL_FILESYSTEMS, Waker, filesystem_type
 
 log = logging.getLogger("coordinator")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunPlan:
-    """What this daemon was asked to do, after CLI validation and run resolution."""
-
-    log_path: Path
-    rank: int
-    manifest: Manifest
-    config: RunConfig
-    address: str = "127.0.0.1"  # this host's address, checked at the CLI boundary
-    # Workers: the live master found before the plan was made (runplan.py).
-    master: membership.MasterInfo | None = None
-    # Master: run.json to republish once rank 0 is held (operational keys changed).
-    republish: Manifest | None = None
 
 
 class Daemon:
@@ -140,28 +122,25 @@ class Daemon:
             log.info("rank %d finished run %s", self.rank, self.manifest.run_id)
             return ExitCode.OK
         except CoordinatorError as exc:
-            error = self._cause(exc)
-            state = NodeState.LEFT if isinstance(error, Interrupted) else NodeState.FAILED
-            self.runtime.fail(error)
-            self._finish(state, str(error))
-            log.error("rank %d stops: %s", self.rank, error)
-            return error.exit_code
+            return self._stop(self._cause(exc))
         except OSError as exc:
             storage = storage_error(exc)
             if storage is None:
                 raise
-            self.runtime.fail(storage)
-            self._finish(NodeState.FAILED, str(storage))
-            log.error("rank %d stops: %s", self.rank, storage)
-            return storage.exit_code
+            return self._stop(storage)
         except Exception as exc:
             log.exception("rank %d: unexpected error", self.rank)
-            self.runtime.fail(CoordinatorError(f"internal error: {exc!r}"))
-            self._finish(NodeState.FAILED, repr(exc))
-            return ExitCode.INTERNAL
+            return self._stop(CoordinatorError(f"internal error: {exc!r}"))
         finally:
             self.runtime.finished.set()
-            self._dump_fs_stats()
+            fsio.STATS.dump_for_benchmark(self.rank)
+
+    def _stop(self, error: CoordinatorError) -> ExitCode:
+        state = NodeState.LEFT if isinstance(error, Interrupted) else NodeState.FAILED
+        self.runtime.fail(error)
+        self._finish(state, str(error))
+        log.error("rank %d stops: %s", self.rank, error)
+        return error.exit_code
 
     def _cause(self, exc: CoordinatorError) -> CoordinatorError:
         """What stops this session: the recorded failure when `exc` is its consequence."""
@@ -208,19 +187,6 @@ class Daemon:
             session, master_host = self.group.rejoin(left, self.membership.members[0])
             self._enter_session(session, {0: master_host})
         self._build_actions()
-
-    def _dump_fs_stats(self) -> None:
-        """Benchmarks set COORDINATOR_FS_STATS to a directory to get our operation counts."""
-        target = os.environ.get("COORDINATOR_FS_STATS")
-        if not target:
-            return
-        from coordinator import fsio
-
-        counts = {tag: dict(fsio.STATS.snapshot(tag))
-                  for tag in ("poll", "heartbeat", "monitor", "other")}
-        path = Path(target) / f"rank-{self.rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"rank": self.rank, "counts": counts}))
 
     def _start(self) -> None:
         run_id, generation = self.manifest.run_id, self.manifest.generation

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import secrets
 import stat
@@ -86,6 +87,17 @@ class FsStats:
     def reset(self) -> None:
         with self._lock:
             self._counts.clear()
+
+    def dump_for_benchmark(self, rank: int) -> None:
+        """Benchmarks set COORDINATOR_FS_STATS to a directory to get a daemon's counts."""
+        target = os.environ.get("COORDINATOR_FS_STATS")
+        if not target:
+            return
+        counts = {tag: dict(self.snapshot(tag))
+                  for tag in ("poll", "heartbeat", "monitor", "other")}
+        path = Path(target) / f"rank-{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"rank": rank, "counts": counts}))
 
     @staticmethod
     def split(counts: Counter[str]) -> tuple[int, int]:

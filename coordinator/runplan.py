@@ -31,7 +31,6 @@ from coordinator.config import (
     load_file,
     pick_keys,
 )
-from coordinator.daemon import RunPlan
 from coordinator.errors import UsageError
 from coordinator.polling import Backoff
 from coordinator.records import Manifest
@@ -40,6 +39,21 @@ from coordinator.store import FsStore, read_record
 from coordinator.weights import Weights
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """What this daemon was asked to do, after CLI validation and run resolution."""
+
+    log_path: Path
+    rank: int
+    manifest: Manifest
+    config: RunConfig
+    address: str = "127.0.0.1"  # this host's address, checked at the CLI boundary
+    # Workers: the live master found before the plan was made.
+    master: membership.MasterInfo | None = None
+    # Master: run.json to republish once rank 0 is held (operational keys changed).
+    republish: Manifest | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
