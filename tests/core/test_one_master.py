@@ -21,7 +21,7 @@ import pytest
 from tests.core.cluster import write_config
 
 pytestmark = pytest.mark.slow
-TRIALS = 20
+TRIALS = 12
 
 # Imports done, then wait for the gate byte on stdin, then run the CLI.
 GATED = (
