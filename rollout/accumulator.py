@@ -66,6 +66,7 @@ class _KeptTokens:
     response_tokens: torch.Tensor
     response_offsets: torch.Tensor
     response_logprobs: torch.Tensor
+    response_mask: torch.Tensor  # bool: the model's tokens
     runs: tuple[tuple[int, int], ...]  # [first, end) sample ranges, in order
     rank: int
     path: Path
@@ -147,6 +148,7 @@ class Accumulator:
                 response_tokens=t["response_tokens"],
                 response_offsets=t["response_offsets"],
                 response_logprobs=t["response_logprobs"],
+                response_mask=t["response_mask"],
                 runs=_runs(keep),
                 rank=rank,
                 path=path,
@@ -184,6 +186,7 @@ class Accumulator:
                         prompt_tokens=part.prompt_tokens[p0:p1],
                         response_tokens=part.response_tokens[r0:r1],
                         response_logprobs=part.response_logprobs[r0:r1],
+                        response_mask=part.response_mask[r0:r1],
                     )
                 except TrainBatchError as exc:  # token values are first read here
                     raise AggregationError(

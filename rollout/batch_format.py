@@ -1,10 +1,10 @@
 """The training batch format: what the master hands the trainer for one iteration.
 
-Schema version 2, a torch.save'd dict of flat tensors plus offsets (like the
+Schema version 3, a torch.save'd dict of flat tensors plus offsets (like the
 rank chunk files), so that torch.load(weights_only=True) runs at disk speed:
 
     {
-        "schema": "coordinator/train-batch", "version": 2,
+        "schema": "coordinator/train-batch", "version": 3,
         "iteration": int, "group_size": int,
         "group_task_ids": list[str],          # one per group, each task once
         "group_index": int64[S],              # 0,0,..,1,1,..: contiguous groups
@@ -13,6 +13,9 @@ rank chunk files), so that torch.load(weights_only=True) runs at disk speed:
         "response_tokens": int32[R],          # sample s: [response_offsets[s], response_offsets[s+1])
         "response_offsets": int64[S+1],
         "response_logprobs": float32[R],      # the engine's log-prob of each response token
+        "response_mask": bool[R],             # trained on: the model's tokens (false for the
+                                              # environment's and the template's tokens between
+                                              # the turns of a multi-turn episode)
         "rewards": float32[S],
     }
 
@@ -23,7 +26,7 @@ has between min(2, group_size) and group_size samples, and S may be 0.
 
 Version 1 stored list[list[int]]; the weights_only unpickler reads those at
 about a million Python ints per second (30 s for a 71 MiB batch), so version
-1 files are refused rather than read.
+1 files are refused rather than read.  Version 2 had no response_mask.
 
 This module holds the format and its validation (TrainBatch, decode_train_batch,
 and the checks the streaming writer applies piece by piece); writing and
@@ -45,12 +48,13 @@ import torch
 from coordinator.errors import MalformedRecordError
 
 TRAIN_BATCH_SCHEMA: Final = "coordinator/train-batch"
-TRAIN_BATCH_VERSION: Final = 2
+TRAIN_BATCH_VERSION: Final = 3
 PER_SAMPLE: Final = ("group_index", "prompt_offsets", "response_offsets", "rewards")
 FLAT: Final = {  # name -> (dtype, the offsets that delimit it)
     "prompt_tokens": (torch.int32, "prompt_offsets"),
     "response_tokens": (torch.int32, "response_offsets"),
     "response_logprobs": (torch.float32, "response_offsets"),
+    "response_mask": (torch.bool, "response_offsets"),
 }
 DTYPES: Final = {
     "group_index": torch.int64,
@@ -222,8 +226,13 @@ class TrainBatch:
     response_offsets: torch.Tensor
     response_logprobs: torch.Tensor
     rewards: torch.Tensor
+    response_mask: torch.Tensor | None = None  # None: every response token is the model's
 
     def __post_init__(self) -> None:
+        if self.response_mask is None and isinstance(self.response_tokens, torch.Tensor):
+            object.__setattr__(self, "response_mask",
+                               torch.ones(self.response_tokens.numel(), dtype=torch.bool))
+
         def bad(problem: str) -> TrainBatchError:
             return TrainBatchError(None, f"train batch of iteration {self.iteration!r}: {problem}")
 
@@ -251,6 +260,7 @@ class TrainBatch:
         response_ids: Sequence[Sequence[int]],
         old_logprobs: Sequence[Sequence[float]],
         rewards: torch.Tensor,
+        response_masks: Sequence[Sequence[int]] | None = None,
     ) -> TrainBatch:
         """Build from per-sample lists (tests, small producers); per-element Python work."""
 
@@ -260,6 +270,9 @@ class TrainBatch:
         s = len(task_ids)
         _check_rows(bad, s, prompt_ids=prompt_ids, response_ids=response_ids,
                     old_logprobs=old_logprobs)
+        if response_masks is not None and [len(m) for m in response_masks] != [
+                len(r) for r in response_ids]:
+            raise bad("response_masks must hold one 0 or 1 per response token of each sample")
         if not isinstance(group_index, torch.Tensor) or group_index.shape != (s,):
             raise bad(f"group_index must be a tensor of shape ({s},), one entry per sample")
         first: dict[int, str] = {}  # group -> its first sample's task; checked after the layout
@@ -277,6 +290,8 @@ class TrainBatch:
                 response_offsets=_offsets(response_ids),
                 response_logprobs=_flat(old_logprobs, torch.float32),
                 rewards=rewards,
+                response_mask=None if response_masks is None
+                else _flat(response_masks, torch.bool),
             )
         except (RuntimeError, TypeError) as exc:  # ids beyond int32, non-numbers
             raise bad(f"token ids and log-probs must be int32 ints and floats: {exc}") from exc
@@ -313,6 +328,11 @@ class TrainBatch:
     @cached_property
     def old_logprobs(self) -> list[list[float]]:
         return _rows(self.response_logprobs, self.response_offsets)
+
+    @cached_property
+    def response_masks(self) -> list[list[bool]]:
+        assert self.response_mask is not None  # filled in __post_init__
+        return _rows(self.response_mask, self.response_offsets)
 
     def to_payload(self) -> dict[str, Any]:
         """The dict torch.save writes (the streaming writer lays out the same dict)."""

@@ -61,6 +61,11 @@ class TrajectorySample:
     finish_reason: FinishReason
     failed: bool = False
     error: str = ""
+    # Per response token: 1 the model generated it (it is trained on), 0 it
+    # came from the environment or the chat template between two model turns
+    # of a multi-turn episode (its logprob is 0.0 and it is not trained on).
+    # None: every response token is the model's.
+    response_mask: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.task_id, str) or not self.task_id:
@@ -79,6 +84,12 @@ class TrajectorySample:
                 f"{self.task_id}#{self.sample_index} has {len(self.response_token_ids)} response "
                 f"tokens but {len(self.response_logprobs)} logprobs: give one logprob per token"
             )
+        mask = self.response_mask
+        if mask is not None and (len(mask) != len(self.response_token_ids)
+                                 or not all(m in (0, 1) and type(m) is not float for m in mask)):
+            raise ValueError(
+                f"response_mask of {self.task_id}#{self.sample_index} must hold one 0 or 1 per "
+                f"response token ({len(self.response_token_ids)})")
         if not isinstance(self.response_text, str):
             raise ValueError(f"response_text of {self.task_id}#{self.sample_index} is not a str")
         if isinstance(self.reward, bool) or not isinstance(self.reward, int | float):
@@ -109,6 +120,9 @@ _TENSORS: Final = {  # name -> dtype; 1-D each
     "rewards": torch.float32,
     "failed": torch.bool,
 }
+# Read when present, else every response token is the model's (chunks written
+# before multi-turn episodes).
+_OPTIONAL_TENSORS: Final = {"response_mask": torch.bool}
 _STRING_LISTS: Final = ("task_ids", "finish_reasons", "response_texts", "errors")
 
 
@@ -148,7 +162,12 @@ class Chunk:
                 finish_reason=FinishReason(self.finish_reasons[s]),
                 failed=t["failed"][s],
                 error=self.errors[s],
+                response_mask=_mask(t["response_mask"][ro[s] : ro[s + 1]]),
             )
+
+
+def _mask(values: list[bool]) -> list[int] | None:
+    return None if all(values) else [int(v) for v in values]
 
 
 def encode_chunk(
@@ -172,6 +191,8 @@ def encode_chunk(
     except RuntimeError as exc:  # torch refuses ids that overflow int32
         raise ValueError(f"token id does not fit in int32: {exc}") from exc
     logprobs = flat([s.response_logprobs for s in samples], torch.float32)
+    mask = flat([s.response_mask if s.response_mask is not None
+                 else [1] * len(s.response_token_ids) for s in samples], torch.bool)
     if not bool(torch.isfinite(logprobs).all()):
         raise ValueError("a response logprob is NaN or infinite: clamp -inf before recording")
     return {
@@ -189,6 +210,7 @@ def encode_chunk(
         "response_tokens": response_tokens,
         "response_offsets": offsets([len(s.response_token_ids) for s in samples]),
         "response_logprobs": logprobs,
+        "response_mask": mask,
         "rewards": torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
         "failed": torch.tensor([s.failed for s in samples], dtype=torch.bool),
         "finish_reasons": [s.finish_reason.value for s in samples],
@@ -239,6 +261,14 @@ def _typed_fields(
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
             raise bad(f"{name} must be a 1-D {dtype} tensor")
         tensors[name] = t
+    for name, dtype in _OPTIONAL_TENSORS.items():
+        t = obj.get(name)
+        if t is None:
+            tensors[name] = torch.ones_like(tensors["response_tokens"], dtype=dtype)
+        elif not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
+            raise bad(f"{name} must be a 1-D {dtype} tensor")
+        else:
+            tensors[name] = t
     lists = {}
     for name in _STRING_LISTS:
         value = obj.get(name)
@@ -273,8 +303,9 @@ def _check_lengths(
             or bool((off.diff() < 0).any())
         ):
             raise bad(f"{kind}_offsets do not delimit {values} into {num_samples} samples")
-    if tensors["response_logprobs"].numel() != tensors["response_tokens"].numel():
-        raise bad("response_logprobs and response_tokens differ in length")
+    for name in ("response_logprobs", "response_mask"):
+        if tensors[name].numel() != tensors["response_tokens"].numel():
+            raise bad(f"{name} and response_tokens differ in length")
 
 
 def read_verified_chunk(path: Path, entry: ChunkEntry, *, retry_s: float = 5.0) -> Chunk:

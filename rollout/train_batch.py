@@ -58,7 +58,7 @@ class TrainBatchWriter:
                               group_index=.., prompt_offsets=.., response_offsets=..,
                               rewards=..) as writer:
             writer.append(samples=k, prompt_tokens=.., response_tokens=..,
-                          response_logprobs=..)      # the next k samples; repeat
+                          response_logprobs=.., response_mask=..)  # the next k; repeat
             writer.publish()                         # fsync, rename, fsync dir
 
     Each piece is checked (dtype, length against the offsets, ids >= 0, finite
@@ -179,8 +179,10 @@ class TrainBatchWriter:
         prompt_tokens: torch.Tensor,
         response_tokens: torch.Tensor,
         response_logprobs: torch.Tensor,
+        response_mask: torch.Tensor | None = None,
     ) -> None:
-        """Write the token arrays of the next `samples` samples."""
+        """Write the token arrays of the next `samples` samples (`response_mask` None:
+        every response token is the model's)."""
         if self._tmp is None:
             raise self._bad("append after publish or abort")
         first = self._next_sample
@@ -194,6 +196,8 @@ class TrainBatchWriter:
             "prompt_tokens": prompt_tokens,
             "response_tokens": response_tokens,
             "response_logprobs": response_logprobs,
+            "response_mask": torch.ones(response_tokens.numel(), dtype=torch.bool)
+            if response_mask is None else response_mask,
         }
         spans = {}  # name -> (first token, end token) in the batch
         for name, (_, offsets) in FLAT.items():

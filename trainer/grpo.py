@@ -92,9 +92,15 @@ class PackedBatch:
 
 
 def collate(
-    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], *, pad_id: int
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], *, pad_id: int,
+    loss_masks: Sequence[Sequence[bool]] | None = None,
 ) -> PackedBatch:
-    """Concatenate each prompt with its response and right-pad to the longest."""
+    """Concatenate each prompt with its response and right-pad to the longest.
+
+    `loss_masks` (per response token) leaves the environment's and the chat
+    template's tokens of a multi-turn episode out of response_mask, hence out
+    of the loss: they are context, not actions.
+    """
     if len(prompt_ids) != len(response_ids) or not prompt_ids:
         raise ValueError(
             f"got {len(prompt_ids)} prompts and {len(response_ids)} responses: "
@@ -111,7 +117,8 @@ def collate(
     for b, (p, r, row) in enumerate(zip(prompt_ids, response_ids, rows, strict=True)):
         input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
         attention[b, : len(row)] = 1
-        response_mask[b, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
+        response_mask[b, len(p) - 1 : len(p) - 1 + len(r)] = 1.0 if loss_masks is None \
+            else torch.tensor(loss_masks[b], dtype=torch.float32)
     return PackedBatch(
         input_ids=input_ids,
         attention_mask=attention,

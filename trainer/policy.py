@@ -67,7 +67,8 @@ def forward_logits(model: Any, packed: grpo.PackedBatch, ctx: DistContext) -> Te
 def pack(batch: TrainBatch, idx: Sequence[int], pad_id: int) -> grpo.PackedBatch:
     """Right-padded prompt+response rows of the samples `idx`, ready for a forward."""
     return grpo.collate(
-        [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id=pad_id
+        [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id=pad_id,
+        loss_masks=[batch.response_masks[i] for i in idx],
     )
 
 

@@ -173,7 +173,12 @@ def fixed_inputs(
     )
     offsets = batch.response_offsets.tolist()
     engine = {i: batch.response_logprobs[offsets[i] : offsets[i + 1]] for i in own}
-    gaps = [(old[i] - engine[i]).abs() for i in own if lens[i]]
+    # Only the model's own tokens have an engine log-prob to compare.
+    mask = batch.response_mask
+    assert mask is not None  # TrainBatch fills it
+    model_tokens = {i: mask[offsets[i] : offsets[i + 1]] for i in own}
+    gaps = [(old[i] - engine[i]).abs()[model_tokens[i]] for i in own if lens[i]]
+    gaps = [g for g in gaps if g.numel()]
     mismatch_sum = all_reduce([sum(float(g.sum()) for g in gaps)], ctx)[0]
     mismatch_max = all_reduce(
         [max((float(g.max()) for g in gaps), default=0.0)],

@@ -315,9 +315,9 @@ def test_train_batches_round_trip_through_the_exact_schema(tmp_path: Path) -> No
     assert set(raw) == {
         "schema", "version", "iteration", "group_size", "group_task_ids", "group_index",
         "prompt_tokens", "prompt_offsets", "response_tokens", "response_offsets",
-        "response_logprobs", "rewards",
+        "response_logprobs", "response_mask", "rewards",
     }  # fmt: skip
-    assert (raw["schema"], raw["version"]) == ("coordinator/train-batch", 2)
+    assert (raw["schema"], raw["version"]) == ("coordinator/train-batch", 3)
     loaded = load_train_batch(tmp_path / "b.pt")
     assert loaded.task_ids == batch.task_ids and loaded.old_logprobs == batch.old_logprobs
     assert torch.equal(loaded.rewards, batch.rewards)
@@ -342,9 +342,9 @@ def test_train_batches_violating_the_schema_are_refused(change: dict, message: s
 
 def test_a_train_batch_file_with_another_schema_version_is_refused(tmp_path: Path) -> None:
     payload = TrainBatch.from_lists(**valid_batch()).to_payload()  # type: ignore[arg-type]
-    payload["version"] = 3
+    payload["version"] = 2  # before response_mask
     torch.save(payload, tmp_path / "b.pt")
-    with pytest.raises(TrainBatchError, match="version 3: expected 'coordinator/train-batch'"):
+    with pytest.raises(TrainBatchError, match="version 2: expected 'coordinator/train-batch'"):
         load_train_batch(tmp_path / "b.pt")
 
 
@@ -374,3 +374,26 @@ def test_metrics_are_none_when_every_sample_failed(tmp_path: Path) -> None:
 def test_mismatched_rank_sets_are_refused(tmp_path: Path) -> None:
     with pytest.raises(AggregationError, match=r"ranks \[0\] but assignments for ranks \[0, 1\]"):
         merge_eval_metrics({0: tmp_path}, {0: ["a"], 1: ["b"]}, iteration=0, group_size=2)
+
+
+def test_a_multi_turn_samples_loss_mask_reaches_the_batch_token_for_token(
+        tmp_path: Path) -> None:
+    # Episode: model tokens 200 201, then the environment's 7 8 9 (logprob 0, not
+    # trained on), then the model's 202.
+    mask = [1, 1, 0, 0, 0, 1]
+    group = [TrajectorySample(
+        task_id="t", sample_index=i, prompt_token_ids=[11, 12],
+        response_token_ids=[200, 201, 7, 8, 9, 202], response_logprobs=[-0.5, -0.25, 0, 0, 0, -1],
+        response_text="x", reward=float(i), finish_reason=FinishReason.STOP,
+        response_mask=mask if i == 0 else None) for i in range(2)]
+    write_raw_rank(tmp_path / "r0", 0, [[group]])
+    out = tmp_path / "batch.pt"
+    aggregate_iteration({0: tmp_path / "r0"}, {0: ["t"]}, iteration=0, group_size=2,
+                        out_path=out)
+    batch = load_train_batch(out)
+    assert batch.response_masks == [[bool(m) for m in mask], [True] * 6]
+    with pytest.raises(ValueError, match="one 0 or 1 per response token"):
+        TrajectorySample(task_id="t", sample_index=0, prompt_token_ids=[1],
+                         response_token_ids=[2, 3], response_logprobs=[-1, -1],
+                         response_text="", reward=0.0, finish_reason=FinishReason.STOP,
+                         response_mask=[1])

@@ -62,7 +62,7 @@ def test_a_batch_round_trips_and_offers_the_trainers_list_views(tmp_path: Path) 
     assert loaded.old_logprobs == [[-1.0, -2.0], [-0.5], [], [-0.25]]
     assert loaded.response_lengths.tolist() == [2, 1, 0, 1]
     raw = torch.load(path, weights_only=True)
-    assert (raw["schema"], raw["version"]) == ("coordinator/train-batch", 2)
+    assert (raw["schema"], raw["version"]) == ("coordinator/train-batch", 3)
     assert os.stat(path).st_mode & 0o777 == 0o644
     assert [p.name for p in path.parent.iterdir()] == ["batch.pt"]  # no temp file left
 
@@ -225,8 +225,8 @@ def test_a_version_1_file_is_refused_with_a_way_out(tmp_path: Path) -> None:
     ("edit", "message"),
     [
         (
-            lambda p: p.update(version=3),
-            r"batch\.pt: has schema 'coordinator/train-batch' version 3: expected",
+            lambda p: p.update(version=2),
+            r"batch\.pt: has schema 'coordinator/train-batch' version 2: expected",
         ),
         (lambda p: p.pop("rewards"), r"batch\.pt: lacks fields \['rewards'\]"),
         (

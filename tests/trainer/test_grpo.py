@@ -153,3 +153,17 @@ def test_plan_reshuffles_between_epochs_and_iterations() -> None:
     other, _ = grpo.plan_steps(lens, world=1, config=config, iteration=1)
     assert first.micro != second.micro
     assert first.micro != other.micro
+
+
+def test_tokens_masked_out_of_a_response_carry_no_loss_and_no_gradient() -> None:
+    from trainer.grpo import collate, grpo_loss
+
+    packed = collate([[1, 2]], [[5, 6, 7, 8]], pad_id=0, loss_masks=[[True, False, False, True]])
+    # Targets: position 1 predicts 5 (model), 2 -> 6 and 3 -> 7 (environment), 4 -> 8 (model).
+    assert packed.response_mask.tolist() == [[0.0, 1.0, 0.0, 0.0, 1.0]]
+    logp = torch.full((1, 5), -1.0, requires_grad=True)
+    loss = grpo_loss(logp, torch.full((1, 5), -1.0), torch.tensor([1.0]), packed.response_mask,
+                     clip_eps=0.2, normalizer=2.0)
+    loss.loss.backward()
+    assert logp.grad is not None
+    assert logp.grad[0].tolist()[2:4] == [0.0, 0.0] and logp.grad[0, 1] != 0.0
