@@ -24,7 +24,7 @@ import inspect
 import json
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from typing import Any, Final
 
 import httpx
@@ -160,6 +160,17 @@ class CompletionClient:
             return self._model
 
     # --- one request --------------------------------------------------------
+
+    def tokenize(self, messages: Sequence[Mapping[str, str]], *,
+                 add_generation_prompt: bool) -> list[int]:
+        """POST /tokenize: the token ids the model's chat template makes of `messages`."""
+        body = {"model": self.model, "messages": [dict(m) for m in messages],
+                "add_generation_prompt": add_generation_prompt}
+        answer = self.request("POST", "/tokenize", body)
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise ProtocolError(f"/tokenize answered without tokens: {str(answer)[:200]}")
+        return tokens
 
     def complete_one(self, prompt: Prompt, *, n: int, max_tokens: int, **kw: Any,
                      ) -> list[Sample]:

@@ -195,3 +195,20 @@ class ChatRequest:
                             "bytes": list(text.encode()) if text else None,
                             "top_logprobs": top})
         return {"content": content}
+
+
+def tokenize_answer(g: Generator, body: Any) -> dict[str, Any]:
+    """POST /tokenize as vLLM answers it: chat messages through the template (with
+    add_generation_prompt, default true), or a text prompt; call under Generator.locked."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if "messages" in body:
+        req = ChatRequest.from_json({**body, "stream": False, "tools": None})
+        tokens = req.render(g.tokenizer)
+    elif isinstance(body.get("prompt"), str):
+        special = body.get("add_special_tokens", True)
+        tokens = list(g.tokenizer(body["prompt"], add_special_tokens=bool(special))["input_ids"])
+    else:
+        raise BadRequest("give messages (a chat) or prompt (a string) to tokenize")
+    return {"count": len(tokens), "max_model_len": g.max_model_len, "tokens": tokens,
+            "token_strs": None}

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
-from rollout.hf_chat import ChatRequest
+from rollout.hf_chat import ChatRequest, tokenize_answer
 from rollout.hf_control import ROUTES as CONTROL_ROUTES
 from rollout.hf_control import Control, Faults, dev_mode
 from rollout.hf_request import DTYPES, MAX_TOP_LOGPROBS, BadRequest, CompletionRequest
@@ -104,7 +104,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = urlsplit(self.path).path
-        if path not in ("/v1/completions", "/v1/chat/completions"):
+        if path not in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
             self._control("POST")
             return
         if not self._authorized():
@@ -118,6 +118,10 @@ class Handler(BaseHTTPRequestHandler):
                     f"model {model!r} does not exist: this server "
                     f"serves {self.server.model_name!r}",
                 )
+                return
+            if path == "/tokenize":
+                self._send(HTTPStatus.OK, self.server.generator.locked(
+                    lambda g: tokenize_answer(g, body)))
                 return
             if path == "/v1/chat/completions":
                 chat = ChatRequest.from_json(body)

@@ -27,8 +27,9 @@ from rollout.engine_config import EngineError
 _MAX_ERROR_BODY: Final = 2000
 COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"
-# A prompt is text, or chat messages ({"role", "content"}) for the chat endpoint.
-Prompt = str | Sequence[Mapping[str, str]]
+# A prompt is text or token ids (the completions endpoint), or chat messages
+# ({"role", "content"}) for the chat endpoint.
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 
 class ClientError(EngineError):
@@ -127,7 +128,15 @@ def prompt_label(prompt: Prompt) -> str:
     """A prompt for logs and errors: the text, or the last message's content."""
     if isinstance(prompt, str):
         return prompt
-    return str(prompt[-1].get("content", "")) if prompt else ""
+    if _is_ids(prompt):
+        return f"<{len(prompt)} token ids>"
+    last = prompt[-1] if prompt else None
+    return str(last.get("content", "")) if isinstance(last, Mapping) else ""
+
+
+def _is_ids(prompt: Prompt) -> bool:
+    return not isinstance(prompt, str) and bool(prompt) and all(
+        type(t) is int for t in prompt)
 
 
 def request_body(prompt: Prompt, *, model: str, n: int, max_tokens: int,
@@ -137,12 +146,13 @@ def request_body(prompt: Prompt, *, model: str, n: int, max_tokens: int,
     body: dict[str, Any] = {"model": model, "n": n, "max_tokens": max_tokens,
                             "temperature": temperature, "top_p": top_p,
                             "return_token_ids": True, "stream": False}
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) or _is_ids(prompt):
         path = COMPLETIONS
-        body.update(prompt=prompt, logprobs=0)
+        body.update(prompt=prompt if isinstance(prompt, str) else list(prompt), logprobs=0)
     else:
         path = CHAT
-        body.update(messages=[dict(m) for m in prompt], logprobs=True, top_logprobs=0)
+        body.update(messages=[dict(m) for m in prompt],  # type: ignore[arg-type]
+                    logprobs=True, top_logprobs=0)
     if seed is not None:
         body["seed"] = seed
     if stop:

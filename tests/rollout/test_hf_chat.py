@@ -145,3 +145,40 @@ def test_rollout_sends_chat_tasks_to_the_chat_endpoint_and_keeps_the_engines_ids
         assert tokenizer.decode(list(sample.token_ids), skip_special_tokens=True) == sample.text
     assert all(list(s.prompt_token_ids) == tokenizer("reverse 45")["input_ids"]
                for s in text.samples)
+
+
+def test_a_token_exact_conversation_becomes_one_masked_sample(
+        client: openai.OpenAI, model_dir: Path) -> None:
+    from rollout.client import CompletionClient
+    from rollout.conversation import Conversation
+    from rollout.episode import Episode, EpisodeError, Turn
+
+    rollout = CompletionClient(str(client.base_url).removesuffix("/v1/"), KEY, model="policy",
+                               retries=0)
+    conv = Conversation(rollout, [{"role": "user", "content": "reverse 45"}])
+    first = conv.generate(max_tokens=5, seed=1)
+    conv.add([{"role": "user", "content": "again"}])
+    second = conv.generate(max_tokens=5, seed=2)
+    # Turn 2 continues turn 1's exact context: prompt + the tokens it sampled.
+    assert second.prompt_token_ids[: len(first.prompt_token_ids) + len(
+        first.response_token_ids)] == first.prompt_token_ids + first.response_token_ids
+    sample = Episode(tuple(conv.turns), reward=1.0).to_sample("t/0", 0)
+    between = len(second.prompt_token_ids) - len(first.prompt_token_ids) - len(
+        first.response_token_ids)
+    assert between > 0
+    assert list(sample.prompt_token_ids) == list(first.prompt_token_ids)
+    assert list(sample.response_token_ids) == list(first.response_token_ids) + list(
+        second.prompt_token_ids[-between:]) + list(second.response_token_ids)
+    assert sample.response_mask == [1] * len(first.response_token_ids) + [0] * between + [
+        1] * len(second.response_token_ids)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.decode(second.prompt_token_ids[-between:]).endswith("assistant: ")
+    # A second turn whose prompt does not continue the first's context (an
+    # engine re-rendering the conversation) is refused, never trained on.
+    other = 3 if first.response_token_ids[:1] != (3,) else 4
+    stale = Turn((*first.prompt_token_ids, other), second.response_token_ids,
+                 second.response_logprobs)
+    at = len(first.prompt_token_ids)
+    with pytest.raises(EpisodeError, match=rf"turn 2's prompt does not continue turn 1's "
+                       rf"context: they differ at token {at} "):
+        Episode((first, stale), reward=0.0).to_sample("t/0", 0)
