@@ -88,6 +88,10 @@ class RolloutSection:
     max_failed_fraction: float = 0.1  # more failed groups than this fail the phase
     progress_interval_s: float = 5.0
     keep_rank_files: bool = False  # rank trajectory files are removed once an iteration completes
+    # An agent plugin ("package.module:Name", rollout/agents.py) that turns each
+    # task into an episode; "" for built-in single-turn sampling.
+    agent: str = ""
+    episode_timeout_s: float = 600.0  # an agent's episode running longer fails
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_tokens", "eval_group_size", "checkpoint_every_groups"):
@@ -96,6 +100,12 @@ class RolloutSection:
         if self.concurrency < 0:
             raise UsageError(f"rollout.concurrency={self.concurrency} is negative: give the "
                              "requests to keep in flight, or 0 for 64 per engine replica")
+        if not self.episode_timeout_s > 0:
+            raise UsageError(f"rollout.episode_timeout_s={self.episode_timeout_s} must be a "
+                             "positive number of seconds")
+        if self.agent and ":" not in self.agent:
+            raise UsageError(f"rollout.agent={self.agent!r} must look like "
+                             "'package.module:Name' (a class or a function)")
         if not self.checkpoint_every_s > 0:
             raise UsageError(f"rollout.checkpoint_every_s={self.checkpoint_every_s} must be a "
                              "positive number of seconds")

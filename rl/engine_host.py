@@ -31,6 +31,7 @@ from rl import layout
 from rl.config import RlSections, requests_in_flight
 from rl.locks import node_lock
 from rl.served_weights import checkpoint_probes, verify_served_weights
+from rollout.agents import EngineEndpoint
 from rollout.client import CompletionClient
 from rollout.engine import Engine, EngineError, EngineState, make_engine
 from rollout.engine_config import WeightUpdate
@@ -161,6 +162,13 @@ class EngineHost:
                 if child != keep and child.is_dir() and not child.name.startswith("."):
                     remove_tree(child)
                     log.info("rank %d: removed old cached model %s", self.rank, child)
+
+    def endpoint(self) -> EngineEndpoint:
+        """The engine as an agent plugin sees it (rollout/agents.py)."""
+        engine = self._engine
+        assert engine is not None
+        return EngineEndpoint(engine.base_url, engine.api_key, self.s.engine.served_model_name,
+                              self.client())
 
     def client(self) -> CompletionClient:
         engine = self._engine

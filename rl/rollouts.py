@@ -24,12 +24,15 @@ from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.store import read_document
 from rl import layout
+from rl.config import requests_in_flight
 from rl.contracts import PolicyChoice
 from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
+from rollout.agents import EpisodeRunner, load_agent
 from rollout.chunk_format import FinishReason, TrajectorySample
 from rollout.client import GroupResult
+from rollout.episode import failed_sample
 from rollout.rewards import default_reward_for, get_reward
 from rollout.tasks import Task
 from rollout.trajectory import RankCheckpointWriter
@@ -42,11 +45,7 @@ def _samples(task: Task, group: GroupResult, group_size: int,
              reward: Callable[[str, str], float]) -> list[TrajectorySample]:
     if not group.ok:
         error = group.error or "no samples returned"
-        return [TrajectorySample(
-            task_id=task.task_id, sample_index=i, prompt_token_ids=(), response_token_ids=(),
-            response_logprobs=(), response_text="", reward=0.0,
-            finish_reason=FinishReason.ERROR, failed=True, error=error,
-        ) for i in range(group_size)]
+        return [failed_sample(task.task_id, i, error) for i in range(group_size)]
     out = []
     for i, sample in enumerate(group.samples):
         out.append(TrajectorySample(
@@ -107,9 +106,12 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, A
     generated = _generate(loop, ctx, split, tasks, todo, writer, group_size, failed) if todo \
         else 0
     manifest = writer.finalize()
-    if tasks and len(failed) > s.rollout.max_failed_fraction * len(tasks):
+    # Built-in sampling fails whole groups (one request each); an agent, episodes.
+    units, what = (len(tasks) * group_size, "episodes") if s.rollout.agent \
+        else (len(tasks), "groups")
+    if tasks and len(failed) > s.rollout.max_failed_fraction * units:
         raise ActionError(
-            f"{len(failed)} of {len(tasks)} {split.value} groups failed on rank {ctx.rank} "
+            f"{len(failed)} of {units} {split.value} {what} failed on rank {ctx.rank} "
             f"(limit rollout.max_failed_fraction={s.rollout.max_failed_fraction}); first: "
             f"{failed[0]}")
     elapsed = time.monotonic() - started
@@ -138,6 +140,8 @@ def _generate(loop: Loop, ctx: StepContext, split: Split, tasks: Sequence[Task],
     temperature = s.rollout.temperature if split is Split.TRAIN else s.rollout.eval_temperature
     policy = loop.model(ctx, PolicyChoice.read(ctx).policy, where_phase=0)
     loop.engines.ensure(ctx, policy)
+    if s.rollout.agent:
+        return _run_agent(loop, ctx, split, tasks, todo, writer, group_size, failed)
     client = loop.engines.client()
     rewards: dict[str, Callable[[str, str], float]] = {}
     started = last_report = time.monotonic()
@@ -166,4 +170,34 @@ def _generate(loop: Loop, ctx: StepContext, split: Split, tasks: Sequence[Task],
                 last_report = now
     finally:
         results.close()  # a cancelled rollout stops the requests still in flight
+    return generated
+
+
+def _run_agent(loop: Loop, ctx: StepContext, split: Split, tasks: Sequence[Task],
+               todo: Sequence[Task], writer: RankCheckpointWriter, group_size: int,
+               failed: list[str]) -> int:
+    """The agent plugin's episodes instead of built-in sampling: the same checkpoints
+    (in task order, every K groups or S seconds), resume and failure accounting."""
+    s = loop.s
+    try:
+        agent = load_agent(s.rollout.agent)
+    except ValueError as exc:
+        raise ActionError(str(exc)) from exc
+    runner = EpisodeRunner(agent, loop.engines.endpoint(),
+                           concurrency=requests_in_flight(s.rollout, s.engine),
+                           timeout_s=s.rollout.episode_timeout_s)
+    generated = 0
+    last_report = time.monotonic()
+    for done, (_task, samples) in enumerate(runner.iter_groups(todo, group_size,
+                                                              ctx.check_cancel), start=1):
+        bad = [x for x in samples if x.failed]
+        failed += [f"{x.error.splitlines()[0]}" for x in bad]  # each names its task
+        writer.add_group(samples)
+        generated += len(samples)
+        now = time.monotonic()
+        if now - last_report >= s.rollout.progress_interval_s or done == len(todo):
+            log.info("rank %d %s rollout (agent %s): %d/%d tasks, %d failed episodes",
+                     ctx.rank, split.value, s.rollout.agent, len(tasks) - len(todo) + done,
+                     len(tasks), len(bad))
+            last_report = now
     return generated

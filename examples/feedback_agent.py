@@ -1,0 +1,40 @@
+"""An example agent plugin: two tries at a task, the environment saying whether the first
+answer was right.
+
+    coordinator demo --set rollout.agent=examples.feedback_agent:FeedbackAgent
+
+Each episode is a chat: the task's prompt as the user's message, the model's
+answer, and, when it is wrong, the environment's "wrong, try again" and a
+second answer.  The reward is the task's own (exact match for the demo's
+digit reversal): 1 for a right first answer, 0.5 for a right second one.
+The conversation is token-exact (rollout/conversation.py), so the trainer
+learns from exactly the tokens the model sampled, with the environment's
+message and the chat template's tokens between the two answers masked out of
+the loss.
+
+A plugin is any class with `run(task, engine) -> Episode` (made with no
+arguments) or a function `(task, engine) -> Episode`: docs/PLUGINS.md.
+"""
+
+from __future__ import annotations
+
+from rollout.agents import EngineEndpoint
+from rollout.episode import Episode
+from rollout.rewards import default_reward_for, get_reward
+from rollout.tasks import Task
+
+
+class FeedbackAgent:
+    max_tokens = 8
+    retry_message = "wrong, try again"
+
+    def run(self, task: Task, engine: EngineEndpoint) -> Episode:
+        reward = get_reward(default_reward_for(task.data_source))
+        messages = task.messages() or [{"role": "user", "content": str(task.prompt)}]
+        conv = engine.conversation(messages)
+        first = conv.generate(max_tokens=self.max_tokens)
+        if reward(first.text, task.ground_truth) == 1.0:
+            return Episode(tuple(conv.turns), 1.0)
+        conv.add([{"role": "user", "content": self.retry_message}])
+        second = conv.generate(max_tokens=self.max_tokens)
+        return Episode(tuple(conv.turns), 0.5 * reward(second.text, task.ground_truth))

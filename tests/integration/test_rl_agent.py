@@ -1,0 +1,90 @@
+"""An agent plugin trains in the real loop: examples/feedback_agent.py on 3 daemons.
+
+The agent's episodes are multi-turn chats (a second try after "wrong, try
+again"); the batch must hold them as the engine produced them, with only
+the model's tokens in the loss.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.core.cluster import LocalCluster
+from tests.integration.test_rl_loop import LEASE
+
+pytestmark = pytest.mark.slow
+ITERATIONS = 3
+
+CONFIG = """
+[run]
+actions = "rl"
+iterations = {iterations}
+eval_interval = 0
+
+[model]
+path = "{model}"
+
+[rollout]
+group_size = 4
+tasks_per_iteration = 6
+agent = "examples.feedback_agent:FeedbackAgent"
+episode_timeout_s = 120.0
+keep_rank_files = true
+
+[train]
+mini_batch_size = 8
+micro_batch_size = 64
+lr = 3e-4
+warmup_steps = 8
+
+[coordination]
+heartbeat_interval_s = 0.5
+lease_s = {lease}
+on_failure = "exit"
+"""
+
+
+def test_a_multi_turn_agent_trains_three_iterations_on_its_exact_tokens(
+        tmp_path: Path, warm_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from rollout.train_batch import load_train_batch
+
+    config = tmp_path / "rl.toml"
+    config.write_text(CONFIG.format(iterations=ITERATIONS, model=warm_model, lease=LEASE))
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
+    try:
+        c.start_all()
+        codes = c.wait_all(timeout=600)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+    finally:
+        c.close()
+    run = c.log_path
+    tokenizer = AutoTokenizer.from_pretrained(warm_model)
+    two_turn = 0
+    for it in range(ITERATIONS):
+        rollout = json.loads((run / f"iterations/{it:06d}/metrics/rollout.json").read_text())
+        assert rollout["num_samples"] == 24 and rollout["num_failed"] == 0, rollout
+        train = json.loads((run / f"iterations/{it:06d}/metrics/train.json").read_text())
+        assert train["samples"] > 0, train
+        batch = load_train_batch(run / f"iterations/{it:06d}/batch.pt")
+        for i in range(batch.num_samples):
+            prompt = tokenizer.decode(batch.prompt_ids[i])
+            # Turn 1's prompt: the task through the chat template, as the engine made it.
+            assert prompt.startswith("user: ") and prompt.endswith(">\nassistant: "), prompt
+            mask, ids, old = batch.response_masks[i], batch.response_ids[i], batch.old_logprobs[i]
+            if all(mask):
+                continue
+            two_turn += 1
+            first = mask.index(False)
+            end = first + mask[first:].index(True)
+            # Between the two answers: the environment's message in the chat
+            # template, never trained on (mask 0, no engine log-prob).
+            assert tokenizer.decode(ids[first:end]) == "user: wrong, try again\nassistant: "
+            assert all(v == 0.0 for v in old[first:end])
+            assert first > 0 and all(mask[:first]) and all(mask[end:]) and end < len(ids)
+    assert two_turn > 0, "no episode took a second turn: the test shows nothing"
+    assert (run / f"checkpoints/iter-{ITERATIONS - 1:06d}/manifest.json").exists()
