@@ -25,9 +25,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from rollout.chunk_format import FinishReason, TrajectorySample
+from rollout.wire import CHAT, ProtocolError, parse_samples
 
 MAX_TURNS: Final = 256
 
@@ -65,6 +66,19 @@ class Turn:
         object.__setattr__(self, "response_logprobs", logprobs)
         if not self.prompt_token_ids:
             raise EpisodeError("a turn needs a non-empty prompt")
+
+    @classmethod
+    def from_chat(cls, answer: Any, choice: int = 0) -> Turn:
+        """A chat completion (a dict, or the openai client's ChatCompletion) asked with
+        return_token_ids and logprobs, as a Turn; EpisodeError when it lacks them."""
+        body = answer.model_dump() if hasattr(answer, "model_dump") else answer
+        try:
+            sample = parse_samples({**body, "choices": [body["choices"][choice]]}, 1, CHAT)[0]
+        except (ProtocolError, KeyError, IndexError, TypeError) as exc:
+            raise EpisodeError(f"a chat answer without its tokens ({exc}): send "
+                               'extra_body={"return_token_ids": True} and logprobs=True') from exc
+        return cls(sample.prompt_token_ids, sample.token_ids, sample.logprobs, sample.text,
+                   sample.finish_reason)
 
 
 @dataclass(frozen=True)

@@ -182,3 +182,35 @@ def test_a_token_exact_conversation_becomes_one_masked_sample(
     with pytest.raises(EpisodeError, match=rf"turn 2's prompt does not continue turn 1's "
                        rf"context: they differ at token {at} "):
         Episode((first, stale), reward=0.0).to_sample("t/0", 0)
+
+
+class OpenAIAgent:
+    """Agent code written only against the official openai package."""
+
+    def run(self, task: Any, engine: Any) -> Any:
+        from rollout.episode import Episode, Turn
+
+        answer = engine.openai().chat.completions.create(
+            model=engine.model, messages=[{"role": "user", "content": task.prompt}],
+            max_tokens=6, logprobs=True, extra_body={"return_token_ids": True})
+        return Episode((Turn.from_chat(answer),), reward=float(len(answer.choices[0]
+                                                                   .message.content or "")))
+
+
+def test_an_agent_using_only_the_openai_client_runs_unchanged_through_the_runner(
+        client: openai.OpenAI) -> None:
+    from rollout.agents import EngineEndpoint, EpisodeRunner
+    from rollout.client import CompletionClient
+    from rollout.tasks import Task
+
+    base = str(client.base_url).removesuffix("/v1/")
+    engine = EngineEndpoint(base, KEY, "policy", CompletionClient(base, KEY, model="policy"))
+    tasks = [Task(task_id=f"t/{i}", prompt=f"reverse {i}", ground_truth="", data_source="x",
+                  split="train") for i in range(2)]
+    groups = list(EpisodeRunner(OpenAIAgent(), engine, concurrency=2, timeout_s=60)
+                  .iter_groups(tasks, group_size=2))
+    for _, samples in groups:
+        for s in samples:
+            assert not s.failed, s.error
+            assert s.prompt_token_ids and s.response_token_ids and s.response_mask is None
+            assert s.reward == float(len(s.response_text))
