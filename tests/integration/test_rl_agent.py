@@ -88,3 +88,72 @@ def test_a_multi_turn_agent_trains_three_iterations_on_its_exact_tokens(
             assert first > 0 and all(mask[:first]) and all(mask[end:]) and end < len(ids)
     assert two_turn > 0, "no episode took a second turn: the test shows nothing"
     assert (run / f"checkpoints/iter-{ITERATIONS - 1:06d}/manifest.json").exists()
+
+
+KILL_CONFIG = """
+[run]
+actions = "rl"
+iterations = 1
+eval_interval = 0
+
+[model]
+path = "{model}"
+
+[rollout]
+group_size = 2
+tasks_per_iteration = 18
+agent = "tests.integration.counting_agent:CountingAgent"
+checkpoint_every_groups = 1
+concurrency = 1
+keep_rank_files = true
+
+[train]
+mini_batch_size = 8
+micro_batch_size = 64
+
+[coordination]
+heartbeat_interval_s = 0.5
+lease_s = {lease}
+"""
+
+
+def test_a_rank_killed_mid_rollout_never_runs_a_saved_episode_again(
+        tmp_path: Path, warm_model: Path) -> None:
+    import time
+
+    counts = tmp_path / "episodes.log"
+    config = tmp_path / "rl.toml"
+    config.write_text(KILL_CONFIG.format(model=warm_model, lease=LEASE))
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
+                     env={"COUNTING_AGENT_LOG": str(counts), "COUNTING_AGENT_SLEEP": "0.3"})
+    manifest = c.log_path / "iterations/000000/rollout/rank-2/manifest.json"
+
+    def saved() -> set[str]:
+        try:
+            body = json.loads(manifest.read_text())
+        except (FileNotFoundError, ValueError):
+            return set()
+        return {t for chunk in body["chunks"] for t in chunk["task_ids"]}
+
+    try:
+        c.start_all()
+        c.wait_until(lambda: len(saved()) >= 2, 300, "two of rank 2's groups saved")
+        c.kill(2)  # on_failure wait (the default): the others regroup
+        before = saved()
+        time.sleep(1.0)
+        c.start(2)
+        codes = c.wait_all(timeout=600)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+    finally:
+        c.close()
+    runs: dict[str, int] = {}
+    for line in counts.read_text().split():
+        runs[line] = runs.get(line, 0) + 1
+    # Every task's group ran; the groups saved before the kill ran exactly once.
+    # What ran again is what no checkpoint held yet: on each rank (the survivors
+    # regrouped too) at most the group in progress, one group of 2 episodes.
+    assert len(runs) == 18 and all(n >= 2 for n in runs.values())
+    assert before and all(runs[t] == 2 for t in before), (before, runs)
+    assert sum(n - 2 for n in runs.values()) <= 3 * 2, runs
+    metrics = json.loads((c.log_path / "iterations/000000/metrics/rollout.json").read_text())
+    assert metrics["num_samples"] == 36 and metrics["num_failed"] == 0
