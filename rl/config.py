@@ -85,7 +85,7 @@ class RolloutSection:
     # data-parallel replica (engine.data_parallel_size).
     concurrency: int = 0
     request_retries: int = 3
-    max_failed_fraction: float = 0.1  # more failed groups than this fail the phase
+    max_failed_fraction: float = 0.1  # more failed samples than this fail the phase
     progress_interval_s: float = 5.0
     keep_rank_files: bool = False  # rank trajectory files are removed once an iteration completes
     # An agent plugin ("package.module:Name", rollout/agents.py) that turns each

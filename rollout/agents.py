@@ -49,6 +49,27 @@ class Agent(Protocol):
     def run(self, task: Task, engine: EngineEndpoint) -> Episode: ...
 
 
+class GroupAgent(Protocol):
+    """An agent that produces a task's whole group itself (built-in sampling does:
+    rollout/sampling_agent.py), in task order."""
+
+    def run_groups(self, tasks: Sequence[Task], engine: EngineEndpoint, *, group_size: int,
+                   check_cancel: Callable[[], None],
+                   ) -> Iterator[tuple[Task, list[TrajectorySample]]]: ...
+
+
+def run_groups(agent: Agent | GroupAgent, tasks: Sequence[Task], engine: EngineEndpoint, *,
+               group_size: int, concurrency: int, timeout_s: float,
+               check_cancel: Callable[[], None]) -> Iterator[tuple[Task, list[TrajectorySample]]]:
+    """Every task's group of samples, in task order, from either kind of agent."""
+    if hasattr(agent, "run_groups"):
+        return agent.run_groups(tasks, engine, group_size=group_size,  # type: ignore[union-attr]
+                                check_cancel=check_cancel)
+    runner = EpisodeRunner(agent, engine, concurrency=concurrency,  # type: ignore[arg-type]
+                           timeout_s=timeout_s)
+    return runner.iter_groups(tasks, group_size, check_cancel)
+
+
 @dataclass(frozen=True)
 class EngineEndpoint:
     """The node's engine as an agent sees it."""
@@ -79,7 +100,7 @@ class _FunctionAgent:
         return self.fn(task, engine)
 
 
-def load_agent(spec: str) -> Agent:
+def load_agent(spec: str) -> Agent | GroupAgent:
     """The agent `module:name` names: a class is instantiated without arguments."""
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
@@ -91,7 +112,7 @@ def load_agent(spec: str) -> Agent:
                          f"{exc}): install the package on every node or fix the name") from exc
     if inspect.isclass(target):
         target = target()
-    if callable(getattr(target, "run", None)):
+    if callable(getattr(target, "run", None)) or callable(getattr(target, "run_groups", None)):
         return target  # type: ignore[no-any-return]
     if callable(target):
         return _FunctionAgent(target)

@@ -1,0 +1,70 @@
+"""Built-in rollout as an agent plugin: one sampled answer per episode, a group per request.
+
+Single-turn sampling is the plugin `rollout.agent = ""` stands for.  It
+implements the group-level side of the agent interface (`run_groups`, see
+rollout/agents.py) rather than one episode at a time, because one request
+for a task's n samples keeps the engine's batch full with one connection per
+group instead of a thread per episode: the httpx client holds hundreds of
+requests in flight (rollout/client.py).
+
+    text prompts      /v1/completions
+    chat messages     /v1/chat/completions (the engine applies the template)
+
+Each group samples with its own seed (a redone group samples the same way),
+each answer is scored by the task's reward, and a group whose request still
+fails after the client's retries comes back as failed samples carrying the
+error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from rollout.agents import EngineEndpoint
+from rollout.chunk_format import FinishReason, TrajectorySample
+from rollout.client import GroupResult
+from rollout.episode import failed_sample
+from rollout.rewards import default_reward_for, get_reward
+from rollout.tasks import Task
+from rollout.wire import Prompt
+
+
+@dataclass(frozen=True, kw_only=True)
+class SingleTurnSampler:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    reward: str  # a reward's name; "" picks each task's data_source default
+    seed_of: Callable[[Task], int]
+
+    def run_groups(self, tasks: Sequence[Task], engine: EngineEndpoint, *, group_size: int,
+                   check_cancel: Callable[[], None]) -> Iterator[tuple[Task, list[TrajectorySample]]]:
+        rewards: dict[str, Callable[[str, str], float]] = {}
+        prompts: list[Prompt] = [t.messages() or str(t.prompt) for t in tasks]
+        results = engine.client.iter_groups(
+            prompts, n=group_size, max_tokens=self.max_tokens, temperature=self.temperature,
+            top_p=self.top_p, seeds=[self.seed_of(t) for t in tasks])
+        try:
+            for task, group in zip(tasks, results, strict=True):
+                check_cancel()
+                name = self.reward or default_reward_for(task.data_source)
+                reward = rewards.setdefault(name, get_reward(name))
+                yield task, samples_of(task, group, group_size, reward)
+        finally:
+            results.close()  # a cancelled rollout stops the requests still in flight
+
+
+def samples_of(task: Task, group: GroupResult, group_size: int,
+               reward: Callable[[str, str], float]) -> list[TrajectorySample]:
+    """A group's answers as scored samples, or group_size failed ones with its error."""
+    if not group.ok:
+        error = f"task {task.task_id}: {group.error or 'no samples returned'}"
+        return [failed_sample(task.task_id, i, error) for i in range(group_size)]
+    return [TrajectorySample(
+        task_id=task.task_id, sample_index=i, prompt_token_ids=list(sample.prompt_token_ids),
+        response_token_ids=list(sample.token_ids), response_logprobs=list(sample.logprobs),
+        response_text=sample.text, reward=float(reward(sample.text, task.ground_truth)),
+        finish_reason=FinishReason(sample.finish_reason)
+        if sample.finish_reason in ("stop", "length") else FinishReason.STOP,
+    ) for i, sample in enumerate(group.samples)]
