@@ -32,7 +32,7 @@ from rl.contracts import PolicyChoice
 from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
-from rollout.agents import Agent, GroupAgent, load_agent, run_groups
+from rollout.agents import Agent, GroupAgent, check_failures, load_agent, run_groups
 from rollout.sampling_agent import SingleTurnSampler
 from rollout.tasks import Task
 from rollout.trajectory import RankCheckpointWriter
@@ -86,12 +86,11 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, A
     generated = _generate(loop, ctx, split, tasks, todo, writer, group_size, failed) if todo \
         else 0
     manifest = writer.finalize()
-    units = len(tasks) * group_size
-    if tasks and len(failed) > s.rollout.max_failed_fraction * units:
-        raise ActionError(
-            f"{len(failed)} of {units} {split.value} samples failed on rank {ctx.rank} "
-            f"(limit rollout.max_failed_fraction={s.rollout.max_failed_fraction}); first: "
-            f"{failed[0]}")
+    try:
+        check_failures(failed, samples=len(tasks) * group_size,
+                       fraction=s.rollout.max_failed_fraction, where=split.value)
+    except ValueError as exc:
+        raise ActionError(f"rank {ctx.rank}: {exc}") from exc
     elapsed = time.monotonic() - started
     return {"tasks": len(tasks), "samples": manifest.num_samples, "failed_samples": len(failed),
             "samples_per_second": generated / elapsed if generated and elapsed > 0 else None}
