@@ -15,7 +15,7 @@ compares this table with it):
 | phase | work (every rank) | decision (master) |
 |---|---|---|
 | 0 sync | `plan.publish_shard_plans` | `plan.choose_policy` |
-| 1 rollout | `rollouts.roll_out_train` | - |
+| 1 rollout | `rollouts.roll_out_train` | `rollouts.same_agent` |
 | 2 rollout_done | `rollouts.finish_train_rollout` | - |
 | 3 trajectories | `rollouts.report_trajectories` | - |
 | 4 aggregate | `aggregation.aggregate_train` | - |

@@ -34,7 +34,7 @@ class PhaseWork:
 
 PHASE_WORK: Final[Mapping[Phase, PhaseWork]] = {
     Phase.SYNC: PhaseWork(plan.publish_shard_plans, plan.choose_policy),
-    Phase.ROLLOUT: PhaseWork(rollouts.roll_out_train),
+    Phase.ROLLOUT: PhaseWork(rollouts.roll_out_train, rollouts.same_agent),
     Phase.ROLLOUT_DONE: PhaseWork(rollouts.finish_train_rollout),
     Phase.TRAJECTORIES: PhaseWork(rollouts.report_trajectories),
     Phase.AGGREGATE: PhaseWork(aggregation.aggregate_train),

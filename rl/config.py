@@ -45,6 +45,9 @@ NODE_LOCAL_KEYS: Final = (
     "engine.prewarm",
     "torchrun.extra_args",
     "checkpoint.local_cache",
+    # The agent plugin is code each node imports and runs: named by the node's
+    # own config, never by run.json (phase 1 checks every rank ran the same).
+    "rollout.agent",
 )
 
 

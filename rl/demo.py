@@ -200,8 +200,10 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
     started = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     for rank in range(nodes):
+        # Every daemon gets the extra settings: node-local ones (rollout.agent,
+        # engine.env, ...) are read from each node's own flags, never from run.json.
         who = ["--master", "--num-nodes", str(nodes), "--config", str(config), *extra_args] \
-            if rank == 0 else ["--worker", str(rank)]
+            if rank == 0 else ["--worker", str(rank), *extra_args]
         cmd = [sys.executable, "-m", "rl", "run", "--log-path", str(log_path), *who]
         with open(logs / f"rank-{rank}.log", "wb") as out:
             procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator.actions import StepContext
-from coordinator.errors import ActionError
+from coordinator.errors import ActionError, UsageError
+from coordinator.records import Arrival
 from coordinator.store import read_document
 from rl import layout
 from rl.config import requests_in_flight
@@ -38,11 +39,30 @@ from rollout.tasks import Task
 from rollout.trajectory import RankCheckpointWriter
 
 log = logging.getLogger(__name__)
+BUILTIN_AGENT = "builtin"  # what phase 1 reports without rollout.agent
 
 
 def roll_out_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 1: this rank's train shard."""
     return roll_out_shard(loop, ctx, Split.TRAIN) if loop.trains else {}
+
+
+def same_agent(loop: Loop, ctx: StepContext, arrivals: Mapping[int, Arrival],
+               ) -> Mapping[str, Any]:
+    """Phase 1's decision: every rank rolled out with the same agent.  rollout.agent
+    is node-local (each node names the code it runs), so a node started without
+    it would silently sample instead: refused, naming the ranks (exit 2)."""
+    used = {rank: a.payload["agent"] for rank, a in arrivals.items()
+            if isinstance(a.payload.get("agent"), str)}
+    if len(set(used.values())) > 1:
+        by_agent: dict[str, list[int]] = {}
+        for rank, agent in sorted(used.items()):
+            by_agent.setdefault(agent, []).append(rank)
+        raise UsageError(
+            "the ranks rolled out with different agents ("
+            + "; ".join(f"ranks {', '.join(map(str, r))}: {a}" for a, r in by_agent.items())
+            + "): rollout.agent is node-local, give every node the same --set rollout.agent=...")
+    return {}
 
 
 def finish_train_rollout(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
@@ -92,7 +112,8 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, A
     except ValueError as exc:
         raise ActionError(f"rank {ctx.rank}: {exc}") from exc
     elapsed = time.monotonic() - started
-    return {"tasks": len(tasks), "samples": manifest.num_samples, "failed_samples": len(failed),
+    return {"agent": s.rollout.agent or BUILTIN_AGENT, "tasks": len(tasks),
+            "samples": manifest.num_samples, "failed_samples": len(failed),
             "samples_per_second": generated / elapsed if generated and elapsed > 0 else None}
 
 

@@ -30,7 +30,8 @@ path = "{model}"
 [rollout]
 group_size = 4
 tasks_per_iteration = 6
-agent = "examples.feedback_agent:FeedbackAgent"
+max_tokens = 6
+agent = "{agent}"
 episode_timeout_s = 120.0
 keep_rank_files = true
 
@@ -47,6 +48,17 @@ on_failure = "exit"
 """
 
 
+AGENT = "examples.feedback_agent:FeedbackAgent"
+
+
+def start_with_agent(c: LocalCluster, agent: str, *, without: tuple[int, ...] = ()) -> None:
+    """rollout.agent is node-local: each worker is given it on its own command line
+    (the master has it in its config)."""
+    for rank in range(3):
+        extra = [] if rank == 0 or rank in without else ["--set", f"rollout.agent={agent}"]
+        c.start(rank, [*c.command(rank), *extra])
+
+
 def test_a_multi_turn_agent_trains_three_iterations_on_its_exact_tokens(
         tmp_path: Path, warm_model: Path) -> None:
     from transformers import AutoTokenizer
@@ -54,10 +66,11 @@ def test_a_multi_turn_agent_trains_three_iterations_on_its_exact_tokens(
     from rollout.train_batch import load_train_batch
 
     config = tmp_path / "rl.toml"
-    config.write_text(CONFIG.format(iterations=ITERATIONS, model=warm_model, lease=LEASE))
+    config.write_text(CONFIG.format(iterations=ITERATIONS, model=warm_model, lease=LEASE,
+                                    agent=AGENT))
     c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
     try:
-        c.start_all()
+        start_with_agent(c, AGENT)
         codes = c.wait_all(timeout=600)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
     finally:
@@ -135,13 +148,14 @@ def test_a_rank_killed_mid_rollout_never_runs_a_saved_episode_again(
             return set()
         return {t for chunk in body["chunks"] for t in chunk["task_ids"]}
 
+    agent = "tests.integration.counting_agent:CountingAgent"
     try:
-        c.start_all()
+        start_with_agent(c, agent)
         c.wait_until(lambda: len(saved()) >= 2, 300, "two of rank 2's groups saved")
         c.kill(2)  # on_failure wait (the default): the others regroup
         before = saved()
         time.sleep(1.0)
-        c.start(2)
+        c.start(2, [*c.command(2), "--set", f"rollout.agent={agent}"])
         codes = c.wait_all(timeout=600)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
     finally:
@@ -157,3 +171,19 @@ def test_a_rank_killed_mid_rollout_never_runs_a_saved_episode_again(
     assert sum(n - 2 for n in runs.values()) <= 3 * 2, runs
     metrics = json.loads((c.log_path / "iterations/000000/metrics/rollout.json").read_text())
     assert metrics["num_samples"] == 36 and metrics["num_failed"] == 0
+
+
+def test_a_node_started_without_the_agent_stops_the_run_naming_it(
+        tmp_path: Path, warm_model: Path) -> None:
+    config = tmp_path / "rl.toml"
+    config.write_text(CONFIG.format(iterations=1, model=warm_model, lease=LEASE, agent=AGENT))
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
+    try:
+        start_with_agent(c, AGENT, without=(2,))
+        codes = c.wait_all(timeout=300)
+    finally:
+        c.close()
+    assert codes[0] == 2, c.output(0)[-3000:]
+    assert f"different agents (ranks 0, 1: {AGENT}; ranks 2: builtin): rollout.agent is " \
+        "node-local" in c.output(0), c.output(0)[-3000:]
+    assert codes[1] != 0 and codes[2] != 0
