@@ -79,8 +79,9 @@ class EngineEndpoint:
     model: str
     client: CompletionClient = field(repr=False)
 
-    def conversation(self, messages: Sequence[Mapping[str, str]]) -> Conversation:
-        return Conversation(self.client, messages)
+    def conversation(self, start: Sequence[Mapping[str, str]] | str) -> Conversation:
+        """A token-exact exchange from chat messages, or from a text prompt."""
+        return Conversation(self.client, start)
 
     def openai(self) -> Any:
         """The official OpenAI client for this engine (`pip install openai`)."""

@@ -166,7 +166,15 @@ class CompletionClient:
         """POST /tokenize: the token ids the model's chat template makes of `messages`."""
         body = {"model": self.model, "messages": [dict(m) for m in messages],
                 "add_generation_prompt": add_generation_prompt}
-        answer = self.request("POST", "/tokenize", body)
+        return self._tokens(self.request("POST", "/tokenize", body))
+
+    def tokenize_text(self, text: str) -> list[int]:
+        """POST /tokenize of plain text, without the tokenizer's special tokens."""
+        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        return self._tokens(self.request("POST", "/tokenize", body))
+
+    @staticmethod
+    def _tokens(answer: Any) -> list[int]:
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
             raise ProtocolError(f"/tokenize answered without tokens: {str(answer)[:200]}")

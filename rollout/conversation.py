@@ -6,6 +6,10 @@
     turn = conv.generate(max_tokens=64)
     Episode(conv.turns, reward=...)             # rollout/episode.py
 
+A model without a chat format starts from a text prompt instead
+(`Conversation(client, "2+2=")`) and is continued with text (`conv.add("...")`,
+its tokens from the engine's /tokenize); text can be added to a chat as well.
+
 The first turn goes through the engine's chat endpoint (it applies the
 model's chat template).  After that the conversation continues at the token
 level: the next prompt is the previous context (prompt + the tokens the model
@@ -34,18 +38,23 @@ from rollout.episode import EpisodeError, Turn
 class Conversation:
     """Messages, the exact token context behind them, and the model turns so far."""
 
-    def __init__(self, client: CompletionClient, messages: Sequence[Mapping[str, str]]) -> None:
-        if not messages:
-            raise ValueError("a conversation starts with at least one message")
+    def __init__(self, client: CompletionClient,
+                 start: Sequence[Mapping[str, str]] | str) -> None:
+        """`start`: chat messages (the chat endpoint renders them), or a text prompt
+        for a model without a chat format (the completions endpoint)."""
+        if not start:
+            raise ValueError("a conversation starts with a message or a prompt")
         self.client = client
-        self.messages = [dict(m) for m in messages]
+        self.text = start if isinstance(start, str) else None
+        self.messages = [] if isinstance(start, str) else [dict(m) for m in start]
         self.context: list[int] | None = None  # None until the first turn
         self.turns: list[Turn] = []
 
     def generate(self, *, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  seed: int | None = None, stop: Sequence[str] | None = None) -> Turn:
         """One model turn; its text joins the messages as the assistant's."""
-        prompt: Any = self.messages if self.context is None else self.context
+        prompt: Any = self.context if self.context is not None else \
+            self.text if self.text is not None else self.messages
         (sample,) = self.client.complete_one(prompt, n=1, max_tokens=max_tokens,
                                              temperature=temperature, top_p=top_p, seed=seed,
                                              stop=stop)
@@ -56,8 +65,18 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": sample.text})
         return turn
 
-    def add(self, messages: Sequence[Mapping[str, str]]) -> None:
-        """Append the environment's (or the user's) messages before the next turn."""
+    def add(self, new: Sequence[Mapping[str, str]] | str) -> None:
+        """Append the environment's (or the user's) messages, or plain text (its
+        tokens as the engine's tokenizer makes them), before the next turn."""
+        if isinstance(new, str):
+            if self.context is None:
+                raise ValueError("add text after the first turn (start with the prompt)")
+            self.context += self.client.tokenize_text(new)
+            return
+        messages = new
+        if self.text is not None:
+            raise ValueError("a conversation started from a text prompt takes text, not "
+                             "chat messages")
         if self.context is None:
             self.messages += [dict(m) for m in messages]
             return

@@ -214,3 +214,26 @@ def test_an_agent_using_only_the_openai_client_runs_unchanged_through_the_runner
             assert not s.failed, s.error
             assert s.prompt_token_ids and s.response_token_ids and s.response_mask is None
             assert s.reward == float(len(s.response_text))
+
+
+def test_a_text_conversation_continues_with_the_engines_tokens_of_the_added_text(
+        client: openai.OpenAI, model_dir: Path) -> None:
+    from rollout.client import CompletionClient
+    from rollout.conversation import Conversation
+    from rollout.episode import Episode
+
+    rollout = CompletionClient(str(client.base_url).removesuffix("/v1/"), KEY, model="policy",
+                               retries=0)
+    conv = Conversation(rollout, "45>")
+    first = conv.generate(max_tokens=4, seed=5)
+    conv.add("\nwrong\n45>")
+    second = conv.generate(max_tokens=4, seed=6)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    added = tokenizer("\nwrong\n45>", add_special_tokens=False)["input_ids"]
+    assert second.prompt_token_ids == first.prompt_token_ids + first.response_token_ids + tuple(
+        added)
+    sample = Episode(tuple(conv.turns), reward=0.0).to_sample("t", 0)
+    assert sample.response_mask == [1] * len(first.response_token_ids) + [0] * len(added) + [
+        1] * len(second.response_token_ids)
+    with pytest.raises(ValueError, match="takes text, not chat messages"):
+        conv.add([{"role": "user", "content": "x"}])
