@@ -46,7 +46,6 @@ from coordinator.errors import (
     ExitCode,
     FencedError,
     Interrupted,
-    PeerLostError,
     storage_error,
 )
 from coordinator.group import GroupForming
@@ -320,9 +319,8 @@ class Daemon:
             progress_interval_s=self.coord.progress_interval_s,
             retry_s=self.coord.read_retry_s, clock=self.clock, waker=self.waker,
             heartbeat_path=lambda r: self.store.path(layout.heartbeat(r)),
-            failure_state=NodeState.REGROUPING if regroup.recoverable(
-                PeerLostError("a lost rank", rank=-1), self.coord, recoveries=self.recoveries,
-                quiet=True) else NodeState.FAILED,
+            failure_state=NodeState.REGROUPING if regroup.regroups(
+                self.coord, recoveries=self.recoveries) else NodeState.FAILED,
         )
         assert self.actions is not None
         stepper = PhaseStepper(

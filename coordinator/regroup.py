@@ -56,19 +56,19 @@ RECOVERABLE: Final = (ExitCode.PEER_LOST, ExitCode.PHASE_FAILED)
 MAX_CAUSE_CHARS: Final = 2000
 
 
-def recoverable(error: CoordinatorError, coord: CoordinationConfig, *, recoveries: int,
-                quiet: bool = False) -> bool:
+def regroups(coord: CoordinationConfig, *, recoveries: int) -> bool:
+    """Whether this daemon would regroup after a recoverable failure now."""
+    return coord.on_failure is OnFailure.WAIT and recoveries < coord.max_recoveries
+
+
+def recoverable(error: CoordinatorError, coord: CoordinationConfig, *, recoveries: int) -> bool:
     """Whether a daemon regroups after `error` instead of exiting."""
-    if coord.on_failure is not OnFailure.WAIT:
-        return False
     if isinstance(error, (Interrupted, FencedError)) or error.exit_code not in RECOVERABLE:
         return False  # this daemon was told to stop, is superseded, or the run dir is unusable
-    if recoveries >= coord.max_recoveries:
-        if not quiet:
-            log.error("coordination.max_recoveries=%d recoveries already made in this run: "
-                      "stopping instead", coord.max_recoveries)
-        return False
-    return True
+    if coord.on_failure is OnFailure.WAIT and not regroups(coord, recoveries=recoveries):
+        log.error("coordination.max_recoveries=%d recoveries already made in this run: "
+                  "stopping instead", coord.max_recoveries)
+    return regroups(coord, recoveries=recoveries)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

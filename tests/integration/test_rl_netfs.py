@@ -178,7 +178,6 @@ def restart_alone(c: LocalCluster, export_run: Path, killed: int, *, delay: floa
     c.wait_until(lambda: recoveries(export_run) > before, LEASE + 5 + 15,
                  f"the group re-formed with rank {killed}")
     took = time.monotonic() - restarted
-    assert took <= LEASE + 5 + 15, took
     print(f"\nrank {killed} restarted: the group resumed {took:.1f} s later")
     for rank, proc in survivors.items():
         assert proc.poll() is None, f"survivor {rank} exited:\n{c.output(rank)[-2000:]}"
