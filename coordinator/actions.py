@@ -48,6 +48,9 @@ class StepContext:
     host: str
     address: str
     runtime: Runtime
+    # The ranks of the current session, when the group went on without some
+    # (coordination.on_failure "shrink"); None: every rank of the run.
+    members: tuple[int, ...] | None = None
     # Release payloads of the phases already passed in this iteration.
     releases: dict[int, Mapping[str, Any]] = field(default_factory=dict)
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("coordinator.action"))
@@ -55,6 +58,11 @@ class StepContext:
     @property
     def is_master(self) -> bool:
         return self.rank == 0
+
+    @property
+    def active_ranks(self) -> tuple[int, ...]:
+        """The ranks working in this session, in order (all of them unless shrunk)."""
+        return self.members if self.members is not None else tuple(range(self.num_nodes))
 
     def check_cancel(self) -> None:
         self.runtime.check_cancel()

@@ -23,6 +23,7 @@ from typing import Any, Final, TypeVar, Union
 
 from coordinator.errors import UsageError
 from coordinator.phases import RlPhase, RolloutSplit, TimeoutKey
+from coordinator.records import MAX_RANKS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -57,6 +58,9 @@ class OnFailure(str, enum.Enum):
 
     EXIT = "exit"  # every daemon exits with the failure's code; `recover` by hand
     WAIT = "wait"  # survivors re-form the group and wait for the rank to come back
+    # as wait, then after shrink_after_s go on without the missing workers; they
+    # rejoin at the next iteration boundary once restarted
+    SHRINK = "shrink"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,18 +82,27 @@ class CoordinationConfig:
     on_failure: OnFailure = OnFailure.WAIT
     max_recoveries: int = 10  # per run, counted in recoveries.json
     rejoin_timeout_s: float = 1800.0
+    # on_failure "shrink": how long to wait for a missing worker before going on
+    # without it, and the fewest nodes (the master included) to go on with.
+    shrink_after_s: float = 300.0
+    min_nodes: int = 1
     phase_timeouts_s: PhaseTimeouts = dataclasses.field(default_factory=PhaseTimeouts)
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "lease_s", "poll_initial_s", "poll_ceiling_s",
                      "progress_interval_s", "join_timeout_s", "cancel_grace_s",
-                     "read_retry_s", "probe_timeout_s", "rejoin_timeout_s"):
+                     "read_retry_s", "probe_timeout_s", "rejoin_timeout_s", "shrink_after_s"):
             _positive(f"coordination.{name}", getattr(self, name))
         if not 0 <= self.max_recoveries <= MAX_RECOVERIES:
             raise UsageError(
                 f"coordination.max_recoveries={self.max_recoveries} is outside "
                 f"0..{MAX_RECOVERIES}: give how many automatic recoveries a run may make "
                 "before every node exits, e.g. --max-recoveries 10")
+        if not 1 <= self.min_nodes <= MAX_RANKS:
+            raise UsageError(
+                f"coordination.min_nodes={self.min_nodes} is outside 1..{MAX_RANKS}: give the "
+                "fewest nodes, the master included, a shrunk group may go on with, e.g. "
+                "--min-nodes 2")
         if self.heartbeat_interval_s >= self.lease_s:
             raise UsageError(
                 f"coordination.heartbeat_interval_s={self.heartbeat_interval_s} must be below "

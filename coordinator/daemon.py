@@ -67,6 +67,9 @@ from coordinator.store import FsStore, publish_record, read_record
 from coordinator.waker import LOCAL_FILESYSTEMS, Waker, filesystem_type
 
 log = logging.getLogger("coordinator")
+# The last phase's release names the ranks a shrunk group takes back before the
+# next iteration (docs/PROTOCOL.md, "Going on with fewer nodes").
+ADMIT = "admit"
 
 
 class Daemon:
@@ -110,8 +113,9 @@ class Daemon:
             self._start()
             while True:
                 try:
-                    self._run_session()
-                    break
+                    if not self._run_session():
+                        break
+                    self._take_back()
                 except CoordinatorError as exc:
                     error = self._cause(exc)
                     if not self._regroups_after(error):
@@ -146,13 +150,33 @@ class Daemon:
         failure = self.runtime.failure
         return failure if isinstance(exc, Cancelled) and failure is not None else exc
 
-    def _run_session(self) -> None:
+    def _run_session(self) -> bool:
+        """Run this session's iterations; True when it ended early, at an iteration
+        boundary, to take back ranks that returned to a shrunk group."""
         assert self.session is not None
         if self.session.start_iteration >= self.session.end_iteration:
             log.info("run %s is already complete (%d iterations); nothing to do",
                      self.manifest.run_id, self.session.end_iteration)
+            return False
+        return self._loop()
+
+    def _take_back(self) -> None:
+        """Between two iterations of a shrunk group: a new session with the ranks that
+        returned (regroup.py).  No failure: engines and actions stay as they are."""
+        assert self.heartbeat is not None and self.session is not None
+        if self.monitor is not None:
+            self.monitor.stop()
+        left = self.session.session
+        self.heartbeat.update(
+            state=NodeState.REGROUPING, session=None, arrived=None, released=None, error=None,
+            resume_iteration=self.journal.resume_iteration,
+            waiting_for="the group to take back the ranks that returned, between iterations")
+        if self.is_master:
+            self._form_session(admit=True)
         else:
-            self._loop()
+            assert self.group is not None
+            session, master_host = self.group.rejoin(left, self.membership.members[0])
+            self._enter_session(session, {0: master_host})
 
     def _regroups_after(self, error: CoordinatorError) -> bool:
         return regroup.recoverable(error, self.coord, recoveries=self.recoveries)
@@ -276,17 +300,20 @@ class Daemon:
             self.actions = None
 
     def _form_session(self, *, incident: regroup.Incident | None = None,
-                      started: float | None = None) -> None:
+                      started: float | None = None, admit: bool = False) -> None:
         """Master: see group.py; a restart of a lost master is recorded as a recovery."""
         assert self.group is not None
         session, hosts, self.history = self.group.form(
-            self.history, incident=incident, started=started, previous=self.previous_master)
+            self.history, incident=incident, started=started, previous=self.previous_master,
+            admit=admit)
         self.previous_master = None
         self._enter_session(session, hosts)
 
     def _enter_session(self, session: Session, hosts: Mapping[int, str]) -> None:
         assert self.heartbeat is not None
         self.session = session
+        self.journal.skip_to(session.start_iteration)
+        self.heartbeat.set(resume_iteration=self.journal.resume_iteration)
         members = {int(r): t for r, t in session.members.items()}
         tracker = PeerTracker(
             lease_s=self.coord.lease_s, run_id=self.manifest.run_id,
@@ -311,7 +338,7 @@ class Daemon:
         )
 
     # -- the phases -----------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self) -> bool:
         assert self.session is not None and self.heartbeat and self.monitor
         self.barrier = Barrier(
             self.store, self.membership, heartbeat=self.heartbeat, monitor=self.monitor,
@@ -328,7 +355,7 @@ class Daemon:
             barrier=self.barrier, heartbeat=self.heartbeat, runtime=self.runtime,
             journal=self.journal, timeouts=self.coord.phase_timeouts_s, phases=self.phases,
             context=self._context, monitor=self.monitor, lease_s=self.coord.lease_s,
-            beat_s=self.coord.heartbeat_interval_s,
+            beat_s=self.coord.heartbeat_interval_s, extra_release=self._admission,
         )
         for iteration in range(self.session.start_iteration, self.session.end_iteration):
             releases: dict[int, Mapping[str, Any]] = {}
@@ -342,6 +369,22 @@ class Daemon:
             total = time.monotonic() - started
             self._publish_timings(iteration, timings, total)
             log.info("rank %d completed iteration %d in %.2f s", self.rank, iteration, total)
+            admit = releases.get(int(self.phases[-1]), {}).get(ADMIT)
+            if admit and iteration + 1 < self.session.end_iteration:
+                log.info("rank %d: the group takes back rank(s) %s before iteration %d",
+                         self.rank, admit, iteration + 1)
+                return True
+        return False
+
+    def _admission(self, iteration: int, phase: Phase) -> dict[str, Any]:
+        """Master, the last phase's release: ranks that returned to a shrunk group."""
+        assert self.session is not None and self.group is not None
+        members = {int(r): t for r, t in self.session.members.items()}
+        if phase != self.phases[-1] or len(members) == self.manifest.num_nodes \
+                or iteration + 1 >= self.session.end_iteration:
+            return {}
+        back = self.group.returning(members)
+        return {ADMIT: back} if back else {}
 
     def _publish_timings(self, iteration: int, phases: dict[str, dict[str, float]],
                          total: float) -> None:
@@ -357,6 +400,8 @@ class Daemon:
             run_dir=self.plan.log_path, run_id=self.manifest.run_id, config=self.config,
             weights=self.manifest.rank_weights, host=self.host, address=self.address,
             runtime=self.runtime, releases=releases,
+            members=None if len(self.membership.members) == self.manifest.num_nodes
+            else tuple(sorted(self.membership.members)),
         )
 
     # -- failure, shutdown -------------------------------------------------------

@@ -20,18 +20,18 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from coordinator import membership, regroup
-from coordinator.config import CoordinationConfig
+from coordinator import layout, membership, regroup
+from coordinator.config import CoordinationConfig, OnFailure
 from coordinator.errors import PeerLostError, WaitTimeout
 from coordinator.liveness import HeartbeatPublisher
 from coordinator.phases import Phase
 from coordinator.polling import Backoff, Clock
 from coordinator.records import Claim, Heartbeat, Manifest, NodeState, Session
 from coordinator.runtime import Runtime
-from coordinator.store import Store
+from coordinator.store import Store, read_record
 
 log = logging.getLogger("coordinator")
 
@@ -56,16 +56,21 @@ class GroupForming:
 
     # -- master ---------------------------------------------------------------
     def form(self, history: regroup.RecoveryLog, *, incident: regroup.Incident | None,
-             started: float | None, previous: Heartbeat | None,
+             started: float | None, previous: Heartbeat | None, admit: bool = False,
              ) -> tuple[Session, dict[int, str], regroup.RecoveryLog]:
         """Publish a new session once every rank is in; returns it, the hosts and the
         recovery log (with this recovery appended, if it is one).
 
         `incident`: this master regroups after it.  `previous`: the last heartbeat
         of the master incarnation this one replaced, when it did not finish.
+        `admit`: a shrunk group takes back the ranks that returned, at an
+        iteration boundary (no failure: nothing is recorded).
         """
-        rejoin = incident is not None or previous is not None
+        rejoin = incident is not None or previous is not None or admit
         run_id = self.manifest.run_id
+        left = membership.read_session(self.store, run_id=run_id,
+                                       generation=self.manifest.generation,
+                                       retry_s=self.coord.read_retry_s)
 
         def waiting(missing: list[int]) -> str:
             return (f"rank(s) {missing} to rejoin run {run_id} after: "
@@ -82,6 +87,8 @@ class GroupForming:
                 backoff=self.backoff, progress_interval_s=self.coord.progress_interval_s,
                 retry_s=self.coord.read_retry_s, clock=self.clock, check=self.runtime.check,
                 describe_wait=waiting if rejoin else None,
+                quorum=self._quorum(after_failure=incident is not None or previous is not None,
+                                    admit=admit, left=left),
             )
         except WaitTimeout as exc:
             if not rejoin:
@@ -89,8 +96,8 @@ class GroupForming:
             raise regroup.rejoin_timeout("a rank", self.coord.rejoin_timeout_s) from exc
         members = {0: self.token} | {r: c.token for r, c in claims.items()}
         hosts = {0: self.host} | {r: c.host for r, c in claims.items()}
-        start = min(hb.resume_iteration for hb in beats.values())
-        if incident is None:
+        start = regroup.start_iteration(beats, left)
+        if incident is None and not admit:
             incident = regroup.incident_from_members(beats, previous)
         if incident is not None:
             history = self._record(history, incident, started, start, hosts)
@@ -107,6 +114,42 @@ class GroupForming:
                  session.end_iteration - 1)
         return session, hosts, history
 
+    def returning(self, members: Mapping[int, str]) -> list[int]:
+        """Master of a shrunk group, at an iteration boundary: the ranks out of the
+        session that are back (a current claim, a heartbeat out of any session), to
+        be taken back before the next iteration.  A hint: form(admit=True) checks
+        that each is alive."""
+        back = []
+        for rank in range(1, self.manifest.num_nodes):
+            if rank in members:
+                continue
+            claim = read_record(self.store, layout.claim(rank), Claim,
+                                retry_s=self.coord.read_retry_s)
+            if claim is None or claim.run_id != self.manifest.run_id \
+                    or claim.generation != self.manifest.generation:
+                continue
+            hb = read_record(self.store, layout.heartbeat(rank), Heartbeat,
+                             retry_s=self.coord.read_retry_s)
+            if hb is not None and hb.token == claim.token and hb.session is None \
+                    and hb.state in membership.JOINABLE_STATES:
+                back.append(rank)
+        return back
+
+    def _quorum(self, *, after_failure: bool, admit: bool,
+                left: Session | None) -> membership.Quorum | None:
+        """Whether this group may form without every rank: after a failure with
+        on_failure "shrink", once shrink_after_s passed; when a shrunk group takes
+        back returning ranks, as soon as they have had the time to show a live
+        heartbeat (whoever is not back by then waits for the next boundary)."""
+        coord = self.coord
+        if admit and left is not None:
+            return membership.Quorum(nodes=len(left.members), rule="the shrunk group",
+                                     after_s=coord.lease_s + 2 * coord.heartbeat_interval_s)
+        if coord.on_failure is OnFailure.SHRINK and after_failure:
+            return membership.Quorum(nodes=coord.min_nodes, after_s=coord.shrink_after_s,
+                                     rule=f"coordination.min_nodes={coord.min_nodes}")
+        return None
+
     def _record(self, history: regroup.RecoveryLog, incident: regroup.Incident,
                 started: float | None, start: int, hosts: dict[int, str]) -> regroup.RecoveryLog:
         now = time.time()
@@ -121,7 +164,8 @@ class GroupForming:
             pending=regroup.pending_phases(self.store, sorted(hosts), start, self.phases,
                                            run_id=self.manifest.run_id,
                                            retry_s=self.coord.read_retry_s),
-            members={str(r): h for r, h in sorted(hosts.items())}))
+            members={str(r): h for r, h in sorted(hosts.items())},
+            left_out=tuple(r for r in range(self.manifest.num_nodes) if r not in hosts)))
 
     # -- worker ---------------------------------------------------------------
     def await_first(self, master_claim: Claim) -> Session:

@@ -62,5 +62,16 @@ class JournalBook:
         self.record = self.record.with_completed(iteration)
         self._publish()
 
+    def skip_to(self, iteration: int) -> None:
+        """The group completed the iterations before `iteration` without this rank
+        (it went on without it: on_failure "shrink"): start there, never go back."""
+        if self.record.resume_iteration >= iteration:
+            return
+        log.warning("rank %d rejoins the group at iteration %d: iterations %d..%d were "
+                    "completed by the others without it", self.rank, iteration,
+                    self.record.resume_iteration, iteration - 1)
+        self.record = self.record.with_completed(iteration - 1)
+        self._publish()
+
     def _publish(self) -> None:
         publish_record(self.store, layout.journal(self.rank), self.record)

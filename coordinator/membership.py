@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import psutil
 
 from coordinator import layout, netaddr
-from coordinator.errors import PeerLostError, PhaseFailedError, RankHeldError
+from coordinator.errors import MalformedRecordError, PeerLostError, PhaseFailedError, RankHeldError
 from coordinator.polling import Backoff, Clock, Wait
 from coordinator.records import (
     JOINABLE_STATES,
@@ -246,15 +246,20 @@ def gather_members(
     store: Store, *, run_id: str, generation: int, num_nodes: int, own: Heartbeat,
     join_timeout_s: float, lease_s: float, backoff: Backoff, progress_interval_s: float,
     retry_s: float, clock: Clock | None = None, check: Callable[[], None] | None = None,
-    describe_wait: Callable[[list[int]], str] | None = None,
+    describe_wait: Callable[[list[int]], str] | None = None, quorum: Quorum | None = None,
 ) -> tuple[dict[int, Claim], dict[int, Heartbeat]]:
     """Master: wait until every rank has a current claim and a live heartbeat, out of
-    any session (starting, or regrouping after a failure: its work is stopped)."""
+    any session (starting, or regrouping after a failure: its work is stopped).
+
+    With a `quorum`, the ranks present once its `after_s` have passed are enough
+    if they are at least its `nodes` (the master included); fewer is a
+    PeerLostError naming the missing ranks (coordination.on_failure "shrink")."""
     clock = clock or Clock()
     claims: dict[int, Claim] = {}
     beats: dict[int, Heartbeat] = {0: own}
     progress: dict[int, _Progress] = {}
     missing = list(range(1, num_nodes))
+    started = clock.now()
 
     def probe() -> bool | None:
         now = clock.now()
@@ -278,6 +283,14 @@ def gather_members(
                 continue
             claims[rank], beats[rank] = claim, hb
             missing.remove(rank)
+        if missing and quorum is not None and now - started >= quorum.after_s:
+            if len(beats) < quorum.nodes:
+                raise PeerLostError(
+                    f"only {len(beats)} of {num_nodes} nodes are back after {quorum.after_s:g} s "
+                    f"(rank(s) {missing} missing) and {quorum.rule} needs {quorum.nodes}: "
+                    "restart the missing nodes with their original command (the run resumes "
+                    "where it stopped)", rank=missing[0])
+            return True
         return True if not missing else None
 
     def describe() -> str:
@@ -291,8 +304,30 @@ def gather_members(
     return claims, beats
 
 
+@dataclass(frozen=True, kw_only=True)
+class Quorum:
+    """When the master may form a group without every rank (gather_members)."""
+
+    nodes: int  # ranks present, the master included
+    after_s: float  # from the start of the wait
+    rule: str  # what asks for it, for the error: "coordination.min_nodes=2"
+
+
 def publish_session(store: Store, session: Session) -> None:
     publish_record(store, layout.SESSION, session)
+
+
+def read_session(store: Store, *, run_id: str, generation: int, retry_s: float,
+                 ) -> Session | None:
+    """The last session the master published in this run and generation, if any."""
+    try:
+        session = read_record(store, layout.SESSION, Session, retry_s=retry_s)
+    except MalformedRecordError as exc:
+        log.warning("ignoring an unreadable session record: %s", exc)
+        return None
+    if session is None or session.run_id != run_id or session.generation != generation:
+        return None
+    return session
 
 
 def wait_for_session(

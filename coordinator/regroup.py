@@ -47,7 +47,15 @@ from coordinator.errors import (
     PeerLostError,
 )
 from coordinator.phases import Phase
-from coordinator.records import Heartbeat, Journal, NodeState, Record, check_iteration, check_phase
+from coordinator.records import (
+    Heartbeat,
+    Journal,
+    NodeState,
+    Record,
+    Session,
+    check_iteration,
+    check_phase,
+)
 from coordinator.store import Store, publish_record, read_record
 
 log = logging.getLogger("coordinator")
@@ -58,14 +66,14 @@ MAX_CAUSE_CHARS: Final = 2000
 
 def regroups(coord: CoordinationConfig, *, recoveries: int) -> bool:
     """Whether this daemon would regroup after a recoverable failure now."""
-    return coord.on_failure is OnFailure.WAIT and recoveries < coord.max_recoveries
+    return coord.on_failure is not OnFailure.EXIT and recoveries < coord.max_recoveries
 
 
 def recoverable(error: CoordinatorError, coord: CoordinationConfig, *, recoveries: int) -> bool:
     """Whether a daemon regroups after `error` instead of exiting."""
     if isinstance(error, (Interrupted, FencedError)) or error.exit_code not in RECOVERABLE:
         return False  # this daemon was told to stop, is superseded, or the run dir is unusable
-    if coord.on_failure is OnFailure.WAIT and not regroups(coord, recoveries=recoveries):
+    if coord.on_failure is not OnFailure.EXIT and not regroups(coord, recoveries=recoveries):
         log.error("coordination.max_recoveries=%d recoveries already made in this run: "
                   "stopping instead", coord.max_recoveries)
     return regroups(coord, recoveries=recoveries)
@@ -115,6 +123,9 @@ class Recovery(Record):
     # which the group now runs (again, for the one that was interrupted).
     pending: dict[str, tuple[int, ...]]
     members: dict[str, str]  # rank -> host of the re-formed group
+    # Ranks the group went on without (on_failure "shrink"); they rejoin at an
+    # iteration boundary once restarted.
+    left_out: tuple[int, ...]
 
     def __post_init__(self) -> None:
         if not 1 <= self.number <= MAX_RECOVERIES:
@@ -132,8 +143,10 @@ class Recovery(Record):
             self.pending.items(), key=lambda kv: int(kv[0])))
         return (f"recovery {self.number}: {who} at iteration {self.iteration} "
                 f"{_label(self.phase)}: {self.cause} | group resumed after "
-                f"{self.resumed_after_s:.1f} s at iteration {self.resume_iteration}; to run: "
-                f"{pending}")
+                f"{self.resumed_after_s:.1f} s at iteration {self.resume_iteration}"
+                + (f" without rank(s) {list(self.left_out)} (their unfinished tasks go to the "
+                   "others)" if self.left_out else "")
+                + f"; to run: {pending}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,6 +190,16 @@ def pending_phases(store: Store, members: Iterable[int], iteration: int,
         else:
             out[str(rank)] = tuple(int(p) for p in phases if not journal.is_done(iteration, p))
     return out
+
+
+def start_iteration(beats: Mapping[int, Heartbeat], left: Session | None) -> int:
+    """Where a new session starts: the lowest iteration a member of the session the
+    group left has not completed.  A rank that was not in it (it returns to a group
+    that went on without it: on_failure "shrink") does not pull the group back; it
+    skips the iterations the group completed without it (JournalBook.skip_to)."""
+    carried = [hb.resume_iteration for r, hb in beats.items()
+               if left is not None and left.token_of(r) is not None]
+    return min(carried or [hb.resume_iteration for hb in beats.values()])
 
 
 def incident_from_members(beats: Mapping[int, Heartbeat], previous_master: Heartbeat | None,

@@ -82,6 +82,10 @@ def _plan_master(req: RunRequest) -> RunPlan:
     num_nodes = req.num_nodes or 1
     # The CLI checked the weights against the node count (rl/cli_args.py).
     weights = req.weights if req.weights is not None else tuple(1.0 for _ in range(num_nodes))
+    if config.coordination.min_nodes > num_nodes:
+        raise UsageError(
+            f"coordination.min_nodes={config.coordination.min_nodes} is above --num-nodes "
+            f"{num_nodes}: a shrunk group could never go on; give at most {num_nodes}")
     store = FsStore(req.log_path)
     existing = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if existing is not None and req.new_run:

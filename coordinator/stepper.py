@@ -68,6 +68,7 @@ class PhaseStepper:
         timeouts: PhaseTimeouts, phases: Sequence[Phase],
         context: Callable[[int, Phase, dict[int, Mapping[str, Any]]], StepContext],
         monitor: Monitor, lease_s: float, beat_s: float,
+        extra_release: Callable[[int, Phase], Mapping[str, Any]] | None = None,
     ) -> None:
         self.rank = rank
         self.is_master = rank == 0
@@ -83,6 +84,8 @@ class PhaseStepper:
         self.context = context
         self.monitor = monitor
         self.lease_s, self.beat_s = lease_s, beat_s
+        # Master: what the daemon adds to a release (ranks a shrunk group takes back).
+        self.extra_release = extra_release
 
     def step(self, iteration: int, phase: Phase,
              releases: dict[int, Mapping[str, Any]]) -> dict[str, float]:
@@ -181,6 +184,8 @@ class PhaseStepper:
             flags = collective_flags(self.phases, phase, arrivals)
             if flags is not None:
                 payload["run"] = flags.run
+            if self.extra_release is not None:
+                payload.update(self.extra_release(iteration, phase))
         except Exception as exc:
             cause = self._attribute(phase, exc)
             self._abort(iteration, phase, cause)

@@ -49,6 +49,7 @@ FLAG_KEYS = {
     "heartbeat_interval": "coordination.heartbeat_interval_s",
     "on_failure": "coordination.on_failure",
     "max_recoveries": "coordination.max_recoveries",
+    "min_nodes": "coordination.min_nodes",
     "model": "model.path",
     "data_path": "data.path",
     "engine": "engine.kind",
@@ -110,8 +111,9 @@ def run(
     seed: Annotated[int | None, typer.Option(help="Run seed.")] = None,
     lease: Annotated[float | None, typer.Option(help="Seconds without heartbeat before a node is lost.")] = None,
     heartbeat_interval: Annotated[float | None, typer.Option(help="Seconds between heartbeats.")] = None,
-    on_failure: Annotated[str | None, typer.Option(help="After a lost node or failed step: wait (re-form the group, default) or exit.")] = None,
+    on_failure: Annotated[str | None, typer.Option(help="After a lost node or failed step: wait (re-form the group, default), shrink (go on without a missing worker after coordination.shrink_after_s) or exit.")] = None,
     max_recoveries: Annotated[int | None, typer.Option(help="Automatic recoveries per run before every node exits.")] = None,
+    min_nodes: Annotated[int | None, typer.Option(help="With --on-failure shrink: the fewest nodes (master included) to go on with.")] = None,
     model: Annotated[Path | None, typer.Option(help="Hugging Face model directory (default: the tiny demo model).")] = None,
     data_path: Annotated[str | None, typer.Option(help="Task data: builtin:reverse, a parquet or JSONL file or directory.")] = None,
     engine: Annotated[str | None, typer.Option(help="Inference engine: hf or vllm.")] = None,
@@ -149,7 +151,7 @@ def run(
             "eval_before_train": eval_before_train, "rollout_split": rollout_split,
             "rl_phase": rl_phase, "actions": actions, "seed": seed, "lease": lease,
             "heartbeat_interval": heartbeat_interval, "on_failure": on_failure,
-            "max_recoveries": max_recoveries, "model": model, "data_path": data_path,
+            "max_recoveries": max_recoveries, "min_nodes": min_nodes, "model": model, "data_path": data_path,
             "engine": engine, "local_cache": local_cache, "keep_checkpoints": keep_checkpoints,
         })
         # Checked before anything is written: a wrong address must not leave a
