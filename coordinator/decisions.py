@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from coordinator.errors import (
     CoordinatorError,
     Interrupted,
+    MalformedRecordError,
     PeerLostError,
     WaitTimeout,
 )
@@ -57,17 +58,36 @@ class RunFlags(Record):
         return cls.from_fields({"run": payload.get("run", {})}, path)
 
 
-def step_action(*, collective: bool, journal_done: bool, run_flag: bool | None) -> StepAction:
+# A decision's release may name phases of the same iteration that every rank
+# runs again even if its journal marks them done (actions are idempotent): the
+# RL loop's phase 0 does, once a shrunk group has taken over a lost rank's tasks.
+RERUN = "rerun"
+
+
+def rerun_phases(releases: Mapping[int, Mapping[str, Any]], where: Path) -> frozenset[int]:
+    """The phases the releases passed so far in this iteration ask to run again."""
+    asked: set[int] = set()
+    for payload in releases.values():
+        phases = payload.get(RERUN, [])
+        if not isinstance(phases, list) or not all(
+                type(p) is int and 0 <= p < len(Phase) for p in phases):
+            raise MalformedRecordError(where, f"{RERUN} is {phases!r}: expected a list of phases")
+        asked.update(phases)
+    return frozenset(asked)
+
+
+def step_action(*, collective: bool, journal_done: bool, run_flag: bool | None,
+                rerun: bool = False) -> StepAction:
     """Run or skip this rank's action.
 
-    An ordinary action is skipped when this rank's journal marks it done.  A
-    collective one follows the master's flag from the previous release (a
-    missing flag means run), whatever this rank's journal says: if one rank
-    must redo it, all must.
+    An ordinary action is skipped when this rank's journal marks it done,
+    unless a release of this iteration asked to `rerun` it.  A collective one
+    follows the master's flag from the previous release (a missing flag means
+    run), whatever this rank's journal says: if one rank must redo it, all must.
     """
     if collective:
         return StepAction.SKIP_COLLECTIVE if run_flag is False else StepAction.RUN
-    return StepAction.SKIP_DONE if journal_done else StepAction.RUN
+    return StepAction.SKIP_DONE if journal_done and not rerun else StepAction.RUN
 
 
 class MasterAction(str, enum.Enum):

@@ -35,6 +35,7 @@ from coordinator.decisions import (
     StepAction,
     abort_kind,
     collective_flags,
+    rerun_phases,
     step_action,
 )
 from coordinator.errors import (
@@ -133,9 +134,11 @@ class PhaseStepper:
         if collective:
             where = self.run_dir / layout.release(iteration, max(int(phase) - 1, 0))
             run_flag = RunFlags.of(releases.get(int(phase) - 1, {}), where).runs(phase)
+        rerun = int(phase) in rerun_phases(releases, self.run_dir / layout.iteration_dir(
+            iteration))
         return step_action(collective=collective,
                            journal_done=self.journal.is_done(iteration, phase),
-                           run_flag=run_flag)
+                           run_flag=run_flag, rerun=rerun)
 
     def _act(self, plan: StepAction, iteration: int, phase: Phase,
              ctx: StepContext) -> tuple[ArrivalStatus, str | None, dict[str, Any]]:

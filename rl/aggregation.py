@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,25 @@ from rl.plan import shard_plan
 log = logging.getLogger(__name__)
 
 
-def merge_inputs(loop: Loop, iteration: int,
-                 split: Split) -> tuple[dict[int, Path], dict[int, Sequence[str]]]:
-    """Every rank's output directory and the task ids the plan assigned to it."""
+@dataclass(frozen=True)
+class MergeInputs:
+    """What the master merges for one split: per rank with tasks, its output
+    directory and the task ids the plan gives it, and for a rank the group went
+    on without, the frozen copy of the manifest of what it saved."""
+
+    rank_dirs: dict[int, Path]
+    assignments: dict[int, Sequence[str]]
+    frozen: dict[int, Path]
+
+
+def merge_inputs(loop: Loop, iteration: int, split: Split) -> MergeInputs:
     plan = shard_plan(loop, iteration, split)
-    assignments: dict[int, Sequence[str]] = {r: plan.tasks_for(r) for r in range(loop.num_nodes)}
-    dirs = {r: layout.rank_dir(loop.run_dir, iteration, split, r) for r in range(loop.num_nodes)}
-    return dirs, assignments
+    ranks = [r for r in range(plan.num_ranks) if plan.tasks_for(r)]
+    return MergeInputs(
+        rank_dirs={r: layout.rank_dir(loop.run_dir, iteration, split, r) for r in ranks},
+        assignments={r: plan.tasks_for(r) for r in ranks},
+        frozen={r: layout.frozen_manifest(loop.run_dir, iteration, split, r)
+                for r in plan.frozen if r in ranks})
 
 
 def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
@@ -39,10 +52,11 @@ def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
 
     if not ctx.is_master or not loop.trains:
         return {}
-    dirs, assignments = merge_inputs(loop, ctx.iteration, Split.TRAIN)
+    inputs = merge_inputs(loop, ctx.iteration, Split.TRAIN)
     started = time.monotonic()
     try:
-        metrics = aggregate_iteration(dirs, assignments, iteration=ctx.iteration,
+        metrics = aggregate_iteration(inputs.rank_dirs, inputs.assignments,
+                                      frozen=inputs.frozen, iteration=ctx.iteration,
                                       group_size=loop.s.rollout.group_size,
                                       out_path=layout.batch(loop.run_dir, ctx.iteration))
     except AggregationError as exc:

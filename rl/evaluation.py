@@ -56,9 +56,10 @@ def merge_eval(loop: Loop, ctx: StepContext,
 
     if not EvalDecision.read(ctx).eval:
         return {}
-    dirs, assignments = merge_inputs(loop, ctx.iteration, Split.EVAL)
+    inputs = merge_inputs(loop, ctx.iteration, Split.EVAL)
     try:
-        metrics = merge_eval_metrics(dirs, assignments, iteration=ctx.iteration,
+        metrics = merge_eval_metrics(inputs.rank_dirs, inputs.assignments,
+                                     frozen=inputs.frozen, iteration=ctx.iteration,
                                      group_size=loop.s.rollout.eval_group_size)
     except AggregationError as exc:
         raise ActionError(f"eval merge refused iteration {ctx.iteration}: {exc}") from exc

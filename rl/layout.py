@@ -5,7 +5,9 @@ from numbers checked by coordinator/layout.py, so no action code joins path
 pieces by hand.
 
     iterations/<N>/shard-{train,eval}.json       phase 0, master
-    iterations/<N>/{rollout,eval}/rank-<R>/      phases 1-2 and 6, rank R
+    iterations/<N>/{rollout,eval}/rank-<R>/      phases 1-3 and 6, rank R
+    iterations/<N>/{rollout,eval}/rank-<R>.frozen.json   phase 0 decision, master:
+                                                 what rank R saved before it was left out
     iterations/<N>/batch.pt                      phase 4, master
     iterations/<N>/metrics/{rollout,eval,train}.json
     iterations/<N>/train/job.json                phase 8, master
@@ -50,6 +52,11 @@ def split_dir(run_dir: Path, iteration: int, split: Split) -> Path:
 
 def rank_dir(run_dir: Path, iteration: int, split: Split, rank: int) -> Path:
     return split_dir(run_dir, iteration, split) / f"rank-{check_rank(rank)}"
+
+
+def frozen_manifest(run_dir: Path, iteration: int, split: Split, rank: int) -> Path:
+    """The master's copy of what a rank that left had saved (ShardPlan.frozen)."""
+    return split_dir(run_dir, iteration, split) / f"rank-{check_rank(rank)}.frozen.json"
 
 
 def metrics(run_dir: Path, iteration: int, name: str) -> Path:

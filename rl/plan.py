@@ -26,6 +26,7 @@ from rl.contracts import INITIAL_POLICY, PolicyChoice
 from rl.layout import Split
 from rl.locks import node_lock
 from rl.loop import Loop
+from rl.takeover import take_over_lost_tasks
 from rollout.sharding import ShardPlan, throughput_weights
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
             salt = ctx.iteration if split is Split.TRAIN else 0
             rng = random.Random(f"{seed}/{split.value}/{salt}")
             ids = rng.sample(ids, sizes[split])
-        plan = ShardPlan.build(ids, weights, seed=seed, iteration=ctx.iteration)
+        plan = ShardPlan.build(ids, weights, seed=seed, iteration=ctx.iteration,
+                               members=ctx.members)
         fsio.publish_bytes(layout.shard_plan(loop.run_dir, ctx.iteration, split),
                            plan.to_bytes())
     return {"weights": weights}
@@ -61,16 +63,20 @@ def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
 
 def choose_policy(loop: Loop, ctx: StepContext,
                   arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
-    """Phase 0's decision: the newest published checkpoint before this iteration."""
+    """Phase 0's decision: the newest published checkpoint before this iteration;
+    in a group that went on without some ranks, their unfinished tasks shared
+    out among the others (rl/takeover.py)."""
     from trainer.checkpoint import CheckpointError, read_manifest
 
+    rerun = take_over_lost_tasks(loop, ctx)
     for k in range(ctx.iteration - 1, -1, -1):
         try:
             read_manifest(layout.checkpoint(loop.run_dir, k))
         except (CheckpointError, OSError):
             continue
-        return PolicyChoice(policy=loop.relative(layout.checkpoint(loop.run_dir, k))).fields()
-    return PolicyChoice(policy=INITIAL_POLICY).fields()
+        return PolicyChoice(policy=loop.relative(layout.checkpoint(loop.run_dir, k))).fields() \
+            | rerun
+    return PolicyChoice(policy=INITIAL_POLICY).fields() | rerun
 
 
 def shard_plan(loop: Loop, iteration: int, split: Split) -> ShardPlan:

@@ -4,6 +4,9 @@
     2   all   make sure every assigned task is saved (redo groups a restart lost)
     3   all   report the digest of the rank manifest the master will aggregate
 
+After a shrink (rl/takeover.py) phase 0's release asks for phases 1-3 again:
+a member then also rolls out the tasks it took over from a rank that left.
+
 `roll_out_shard` serves the train split here and the eval split at phase 6
 (rl/evaluation.py): a restarted rank reads its manifest, verifies every
 chunk's checksum and generates only the groups that are not safely saved, so
@@ -98,6 +101,10 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, A
                                   iteration=ctx.iteration, every_s=s.rollout.checkpoint_every_s)
     done = writer.load_completed_task_ids()
     todo = [t for t in tasks if t.task_id not in done]
+    if todo and writer.manifest.complete:
+        log.info("rank %d %s rollout: %d more tasks given to this rank after a rank left the "
+                 "group", ctx.rank, split.value, len(todo))
+        writer.reopen()
     if done:
         log.info("rank %d %s rollout: %d of %d tasks already saved, %d to go", ctx.rank,
                  split.value, len(done & {t.task_id for t in tasks}), len(tasks), len(todo))

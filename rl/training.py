@@ -116,8 +116,11 @@ def train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
             raise ActionError("the master holds no training port: phase 9 must announce one")
         listen_fd = loop.listener.fileno()
         _set_aside_earlier_attempt(loop, ctx.iteration)
+    # A group that went on without some ranks trains on its members only.
+    members = ctx.active_ranks
     command = torchrun_command(
-        loop.s, rank=loop.rank, num_nodes=loop.num_nodes, master_addr=rendezvous.master_addr,
+        loop.s, rank=members.index(loop.rank), num_nodes=len(members),
+        master_addr=rendezvous.master_addr,
         master_port=rendezvous.train_port, job=layout.train_job(loop.run_dir, ctx.iteration),
         run_id=ctx.run_id, iteration=ctx.iteration, listen_fd=listen_fd)
     started = time.monotonic()

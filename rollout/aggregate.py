@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from coordinator.errors import MalformedRecordError
+from coordinator.store import read_document
 from rollout.accumulator import Accumulator, AggregateMetrics
 from rollout.chunk_format import Chunk, read_verified_chunk
 from rollout.errors import AggregationError
@@ -48,10 +49,12 @@ def _ids(ids: Sequence[str]) -> str:
 
 
 def _check_manifest(
-    rank: int, directory: Path, assigned: Sequence[str], iteration: int
+    rank: int, directory: Path, assigned: Sequence[str], iteration: int,
+    frozen: Path | None = None,
 ) -> RankManifest:
     try:
-        manifest = read_manifest(directory)
+        manifest = read_manifest(directory) if frozen is None else \
+            read_document(frozen, RankManifest.from_bytes)
     except MalformedRecordError as exc:
         raise AggregationError(f"rank {rank}: {exc}", rank=rank, path=exc.path) from exc
     if manifest is None:
@@ -137,6 +140,7 @@ def _merge(
     iteration: int,
     group_size: int,
     collect: bool,
+    frozen: Mapping[int, Path],
 ) -> tuple[Accumulator, dict[int, float]]:
     if type(group_size) is not int or group_size < 1:
         raise ValueError(f"group_size={group_size!r} is below 1: give the samples per task")
@@ -153,7 +157,8 @@ def _merge(
     speeds: dict[int, float] = {}
     for rank in sorted(rank_dirs):
         directory = Path(rank_dirs[rank])
-        manifest = _check_manifest(rank, directory, assignments[rank], iteration)
+        manifest = _check_manifest(rank, directory, assignments[rank], iteration,
+                                   frozen.get(rank))
         for entry in manifest.chunks:
             try:
                 chunk = read_verified_chunk(directory / entry.file, entry)
@@ -188,10 +193,15 @@ def aggregate_iteration(
     iteration: int,
     group_size: int,
     out_path: Path,
+    frozen: Mapping[int, Path] | None = None,
 ) -> AggregateMetrics:
-    """Check every rank's output against the plan, publish the training batch, give metrics."""
+    """Check every rank's output against the plan, publish the training batch, give metrics.
+
+    `frozen`: for a rank that left (ShardPlan.frozen), the master's copy of the
+    manifest of what it saved, read instead of the one in its directory."""
     acc, speeds = _merge(
-        rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=True
+        rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=True,
+        frozen=frozen or {},
     )
     with TrainBatchWriter(
         Path(out_path),
@@ -218,9 +228,11 @@ def merge_eval_metrics(
     *,
     iteration: int,
     group_size: int,
+    frozen: Mapping[int, Path] | None = None,
 ) -> AggregateMetrics:
     """The same checks as aggregate_iteration, for eval: metrics only, no batch."""
     acc, speeds = _merge(
-        rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=False
+        rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=False,
+        frozen=frozen or {},
     )
     return acc.metrics(iteration, speeds)

@@ -95,6 +95,9 @@ class ShardPlan(Record):
     seed: int
     weights: tuple[float, ...]
     assignments: tuple[tuple[str, ...], ...]
+    # Ranks the group went on without (on_failure "shrink"): each keeps only the
+    # tasks it had saved, read from the master's frozen copy of its manifest.
+    frozen: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.iteration, bool) or not isinstance(self.iteration, int):
@@ -117,18 +120,52 @@ class ShardPlan(Record):
             )
         if len(set(every)) != len(every):
             raise ShardingError("plan assigns a task id twice: every task goes to exactly one rank")
+        object.__setattr__(self, "frozen", tuple(sorted(set(self.frozen))))
+        outside = [r for r in self.frozen if not 0 <= r < len(self.weights)]
+        if outside:
+            raise ShardingError(f"frozen ranks {outside} are outside 0..{len(self.weights) - 1}")
 
     @classmethod
     def build(
-        cls, task_ids: Sequence[str], weights: Sequence[float], *, seed: int, iteration: int
+        cls, task_ids: Sequence[str], weights: Sequence[float], *, seed: int, iteration: int,
+        members: Sequence[int] | None = None,
     ) -> ShardPlan:
-        shards = shard_tasks(task_ids, weights, seed=seed, iteration=iteration)
-        return cls(
-            iteration=iteration,
-            seed=seed,
-            weights=tuple(weights),
-            assignments=tuple(tuple(s) for s in shards),
-        )
+        """The plan over every rank, or over `members` only (the others get no task)."""
+        ranks = list(range(len(weights))) if members is None else sorted(members)
+        shards = shard_tasks(task_ids, [weights[r] for r in ranks], seed=seed,
+                             iteration=iteration)
+        assignments: list[tuple[str, ...]] = [() for _ in weights]
+        for rank, shard in zip(ranks, shards, strict=True):
+            assignments[rank] = tuple(shard)
+        return cls(iteration=iteration, seed=seed, weights=tuple(weights),
+                   assignments=tuple(assignments))
+
+    def without(self, saved: Mapping[int, Sequence[str]], members: Sequence[int]) -> ShardPlan:
+        """The plan once the ranks of `saved` have left: each keeps only its saved task
+        ids, and its other tasks go to `members` in proportion to their weights
+        (keyed like every plan, so every node computes the same one)."""
+        ranks = sorted(members)
+        if not ranks or set(ranks) & set(saved):
+            raise ShardingError(f"members {ranks} must be non-empty and exclude the ranks "
+                                f"that left ({sorted(saved)})")
+        assignments = [list(a) for a in self.assignments]
+        orphans: list[str] = []
+        for rank, kept in sorted(saved.items()):
+            keep = set(kept)
+            foreign = keep - set(assignments[rank])
+            if foreign:
+                raise ShardingError(f"rank {rank} saved task ids it was not given: "
+                                    f"{sorted(foreign)[:5]}")
+            orphans += [t for t in assignments[rank] if t not in keep]
+            assignments[rank] = [t for t in assignments[rank] if t in keep]
+        if orphans:
+            shares = shard_tasks(orphans, [self.weights[r] for r in ranks], seed=self.seed,
+                                 iteration=self.iteration)
+            for rank, share in zip(ranks, shares, strict=True):
+                assignments[rank] += share
+        return ShardPlan(iteration=self.iteration, seed=self.seed, weights=self.weights,
+                         assignments=tuple(tuple(a) for a in assignments),
+                         frozen=(*self.frozen, *saved))
 
     @property
     def num_ranks(self) -> int:

@@ -109,25 +109,18 @@ class RankCheckpointWriter:
 
     def load_completed_task_ids(self) -> frozenset[str]:
         """Task ids whose groups are safely saved; chunks failing their checksum are dropped."""
-        kept = []
-        for entry in self._manifest.chunks:
-            path = self.directory / entry.file
-            try:
-                read_verified(path, size=entry.size, sha256=entry.sha256).close()
-            except (IntegrityError, FileNotFoundError, UnsafeFileError) as exc:
-                # Damaged, gone or replaced by something that is not a file:
-                # its groups are redone.  An I/O error is not damage and is
-                # not caught here: it fails the phase, naming the file.
-                logger.warning(
-                    "rank %d iteration %d: chunk %s cannot be used (%s); its %d groups will "
-                    "be redone", self.rank, self.iteration, path, exc, len(entry.task_ids))
-            else:
-                kept.append(entry)
+        kept = verified_chunks(self.directory, self._manifest)
         if len(kept) != len(self._manifest.chunks):
             self._publish_manifest(chunks=tuple(kept), complete=False)
         saved = self._manifest.task_ids()
         self._done = {*saved, *(g[0].task_id for g in self._pending)}
         return frozenset(saved)
+
+    def reopen(self) -> None:
+        """Take more groups after finalize: the rank was given more tasks (the group
+        went on without a lost rank and shared out its unfinished ones)."""
+        if self._manifest.complete:
+            self._publish_manifest(chunks=self._manifest.chunks, complete=False)
 
     def add_group(self, samples: Sequence[TrajectorySample]) -> None:
         """Queue the n samples of one task; publishes a chunk once K groups wait."""
@@ -247,3 +240,36 @@ class RankCheckpointWriter:
         for path in self.directory.glob(".*.tmp"):
             if path.name.startswith((".chunk-", f".{MANIFEST_NAME}.")):
                 path.unlink(missing_ok=True)
+
+
+def verified_chunks(directory: Path, manifest: RankManifest) -> tuple[ChunkEntry, ...]:
+    """The chunks of `manifest` whose file in `directory` matches its size and SHA-256."""
+    kept = []
+    for entry in manifest.chunks:
+        path = directory / entry.file
+        try:
+            read_verified(path, size=entry.size, sha256=entry.sha256).close()
+        except (IntegrityError, FileNotFoundError, UnsafeFileError) as exc:
+            # Damaged, gone or replaced by something that is not a file: its
+            # groups are redone.  An I/O error is not damage and is not caught
+            # here: it fails the phase, naming the file.
+            logger.warning(
+                "rank %d iteration %d: chunk %s cannot be used (%s); its %d groups will be "
+                "redone", manifest.rank, manifest.iteration, path, exc, len(entry.task_ids))
+        else:
+            kept.append(entry)
+    return tuple(kept)
+
+
+def saved_work(directory: Path, *, rank: int, iteration: int) -> RankManifest:
+    """What a rank that left has safely saved, as a complete manifest: its verified
+    chunks (none without a readable manifest of this rank and iteration).  Read
+    only: nothing is written in the rank's directory."""
+    try:
+        found = read_manifest(directory)
+    except MalformedRecordError as exc:
+        logger.warning("rank %d: %s; none of its groups are kept", rank, exc)
+        found = None
+    if found is None or found.rank != rank or found.iteration != iteration:
+        return RankManifest(rank=rank, iteration=iteration, complete=True)
+    return replace(found, chunks=verified_chunks(directory, found), complete=True)

@@ -14,6 +14,7 @@ from coordinator.decisions import (
     collective_flags,
     judge_arrivals,
     should_eval,
+    rerun_phases,
     step_action,
 )
 from coordinator.errors import (
@@ -113,3 +114,18 @@ def test_one_rule_decides_how_every_failure_reads_in_the_abort() -> None:
     assert abort_kind(ActionError("bad")) is AbortKind.FAILED
     assert abort_kind(CoordinatorError("x")) is AbortKind.FAILED
     assert abort_kind(RuntimeError("bug")) is AbortKind.INTERNAL
+
+
+def test_a_release_asking_for_a_rerun_runs_a_journal_done_action_again() -> None:
+    where = Path("run/iterations/000003")
+    releases = {0: {"policy": "initial", "rerun": [1, 2, 3]}}
+    asked = rerun_phases(releases, where)
+    assert asked == {1, 2, 3}
+    assert step_action(collective=False, journal_done=True, run_flag=None,
+                       rerun=1 in asked) is StepAction.RUN
+    assert step_action(collective=False, journal_done=True, run_flag=None,
+                       rerun=4 in asked) is StepAction.SKIP_DONE
+    assert rerun_phases({0: {"policy": "initial"}}, where) == frozenset()
+    for bad in ("1", [1, "2"], [99], [True]):
+        with pytest.raises(MalformedRecordError, match="rerun is"):
+            rerun_phases({0: {"rerun": bad}}, where)

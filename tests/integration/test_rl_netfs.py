@@ -62,7 +62,8 @@ on_failure = "{on_failure}"
 def netfs_cluster(tmp_path: Path, fs: NetFs, model: Path, *, iterations: int = 2,
                   eval_before_train: bool = False, tasks: int = 12, every: int = 4,
                   concurrency: int = 4, max_tokens: int = 6,
-                  weights: str = "1,1,1", on_failure: str = "exit") -> LocalCluster:
+                  weights: str = "1,1,1", on_failure: str = "exit",
+                  master_args: tuple[str, ...] = ()) -> LocalCluster:
     config = tmp_path / "rl.toml"
     config.write_text(CONFIG.format(
         model=model, iterations=iterations, lease=LEASE, tasks=tasks, every=every,
@@ -70,7 +71,7 @@ def netfs_cluster(tmp_path: Path, fs: NetFs, model: Path, *, iterations: int = 2
         eval_before_train=str(eval_before_train).lower()))
     (fs.mounts[0] / "run").mkdir()
     cluster = LocalCluster(fs.mounts[0] / "run", tmp_path, num_nodes=3, config=config,
-                           master_args=("--rank-weights", weights))
+                           master_args=("--rank-weights", weights, *master_args))
     cluster.mount_paths = [m / "run" for m in fs.mounts]  # type: ignore[attr-defined]
     return cluster
 

@@ -109,7 +109,8 @@ def test_shard_plan_round_trips_through_versioned_json() -> None:
     data = plan.to_bytes()
     body = json.loads(data)
     assert body["schema"] == "coordinator/shard-plan" and body["version"] == 1
-    assert list(body) == ["schema", "version", "iteration", "seed", "weights", "assignments"]
+    assert list(body) == ["schema", "version", "iteration", "seed", "weights", "assignments",
+                          "frozen"]
     assert body["weights"] == [2.0, 1.0, 0.5] and body["assignments"][1] == list(plan.tasks_for(1))
     assert ShardPlan.from_bytes(data, PLAN) == plan
     assert plan.as_mapping()[1] == plan.tasks_for(1)
@@ -181,3 +182,43 @@ def test_throughput_of_an_unknown_rank_is_refused() -> None:
         throughput_weights({5: 1.0}, 2)
     with pytest.raises(ShardingError, match="num_ranks=0 is below 1"):
         throughput_weights({}, 0)
+
+
+def test_a_plan_over_members_gives_the_others_nothing() -> None:
+    plan = ShardPlan.build(ids(12), [2.0, 1.0, 1.0], seed=3, iteration=2, members=[0, 2])
+    assert plan.tasks_for(1) == ()
+    assert [len(plan.tasks_for(r)) for r in (0, 2)] == [8, 4]
+    assert sorted(t for a in plan.assignments for t in a) == sorted(ids(12))
+
+
+@given(
+    total=st.integers(0, 60),
+    weights=st.lists(st.floats(0.1, 10.0), min_size=2, max_size=6),
+    data=st.data(),
+)
+def test_a_plan_without_lost_ranks_places_every_task_exactly_once(
+        total: int, weights: list[float], data: st.DataObject) -> None:
+    plan = ShardPlan.build(ids(total), weights, seed=1, iteration=7)
+    ranks = list(range(len(weights)))
+    lost = data.draw(st.lists(st.sampled_from(ranks[1:]), min_size=1, unique=True))
+    members = [r for r in ranks if r not in lost]
+    saved = {r: data.draw(st.lists(st.sampled_from(plan.tasks_for(r)), unique=True))
+             if plan.tasks_for(r) else [] for r in lost}
+    after = plan.without(saved, members)
+    assert sorted(t for a in after.assignments for t in a) == sorted(ids(total))
+    for r in lost:
+        assert set(after.tasks_for(r)) == set(saved[r])  # what it saved, nothing more
+    for r in members:
+        assert after.tasks_for(r)[: len(plan.tasks_for(r))] == plan.tasks_for(r)  # own first
+    assert after.frozen == tuple(sorted(lost))
+    assert ShardPlan.from_bytes(after.to_bytes(), PLAN) == after
+    # Deterministic: every node computes the same plan.
+    assert plan.without(saved, members) == after
+
+
+def test_a_plan_refuses_a_rank_that_saved_tasks_it_was_not_given() -> None:
+    plan = ShardPlan.build(ids(6), [1, 1], seed=0, iteration=0)
+    with pytest.raises(ShardingError, match="saved task ids it was not given"):
+        plan.without({1: [plan.tasks_for(0)[0]]}, [0])
+    with pytest.raises(ShardingError, match="exclude the ranks that left"):
+        plan.without({1: []}, [0, 1])

@@ -1,0 +1,111 @@
+"""coordination.on_failure "shrink" on the real loop, each node on its own sshfs mount.
+
+Node 2 is SIGKILLed mid-rollout in iteration 0 (some of its chunks saved) and
+not restarted: after shrink_after_s the master and node 1 go on.  Phase 0's
+decision of the resumed iteration freezes what node 2 saved and gives its
+other tasks to nodes 0 and 1 (rl/takeover.py); they roll them out, the master
+merges every task exactly once, and torchrun trains on two nodes.  Iteration 1
+runs on the two alone.  Node 2 is then restarted with its original command
+and taken back at the next iteration boundary: iteration 2 runs on three
+nodes again, node 2 with its share of the tasks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rollout.train_batch import load_train_batch
+from tests.integration.test_rl_netfs import (
+    chunks,
+    freeze_mid_rollout,
+    kill_node,
+    netfs_cluster,
+    recoveries,
+    start_all,
+)
+from tests.support.netfs import NetFs
+
+pytestmark = [pytest.mark.slow, pytest.mark.netfs]
+TASKS = 9
+GROUP = 4
+SHRINK_AFTER_S = 3.0
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def merged_task_ids(it_dir: Path, plan: dict) -> list[str]:
+    """Every task id the aggregation took, rank by rank: a frozen rank's from the
+    master's copy of its manifest, the others' from their own."""
+    out = []
+    for rank, assigned in enumerate(plan["assignments"]):
+        if not assigned:
+            continue
+        manifest = it_dir / (f"rollout/rank-{rank}.frozen.json" if rank in plan["frozen"]
+                             else f"rollout/rank-{rank}/manifest.json")
+        ids = [t for c in read(manifest)["chunks"] for t in c["task_ids"]]
+        assert sorted(ids) == sorted(assigned), f"rank {rank}: {manifest}"
+        out += ids
+    return out
+
+
+def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
+    tmp_path: Path, warm_model: Path
+) -> None:
+    with NetFs(tmp_path / "fs", mounts=3) as fs:
+        c = netfs_cluster(tmp_path, fs, warm_model, iterations=3, tasks=TASKS, every=1,
+                          concurrency=1, max_tokens=12, on_failure="shrink",
+                          master_args=("--min-nodes", "2", "--set",
+                                       f"coordination.shrink_after_s={SHRINK_AFTER_S}"))
+        run = fs.export / "run"
+        it0 = run / "iterations/000000"
+        try:
+            start_all(c)
+            freeze_mid_rollout(c, run, 2, it0 / "rollout/rank-2/manifest.json")
+            planned = read(it0 / "shard-train.json")
+            saved = {p: v for p, v in chunks(run).items() if "rank-2" in str(p)}
+            kill_node(c, run, 2)
+            c.wait_until(lambda: recoveries(run) == 1, 120, "the group going on without 2")
+            c.wait_until(lambda: c.at_phase(0, 1, 1), 600, "iteration 1 on nodes 0 and 1")
+            c.start(2, c.command(2, log_path=c.mount_paths[2]))  # type: ignore[attr-defined]
+            codes = c.wait_all(timeout=900)
+            assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+        finally:
+            c.close()
+
+        (recovery,) = read(run / "recoveries.json")["recoveries"]
+        assert (recovery["rank"], recovery["iteration"], recovery["left_out"]) == (2, 0, [2])
+        assert recovery["members"].keys() == {"0", "1"}
+
+        # Iteration 0: node 2's saved chunks kept as they were, its other tasks
+        # taken over, every planned task merged exactly once.
+        plan = read(it0 / "shard-train.json")
+        assert plan["frozen"] == [2]
+        frozen = read(it0 / "rollout/rank-2.frozen.json")
+        assert {(it0 / "rollout/rank-2" / e["file"], e["sha256"]) for e in frozen["chunks"]} == \
+            {(p, sha) for p, (sha, _) in saved.items()}
+        assert 0 < len(plan["assignments"][2]) < len(planned["assignments"][2])
+        every = sorted(t for a in planned["assignments"] for t in a)
+        assert sorted(merged_task_ids(it0, plan)) == every
+        batch = load_train_batch(it0 / "batch.pt")
+        assert sorted(batch.group_task_ids) == every
+        assert read(it0 / "metrics/rollout.json")["num_samples"] == TASKS * GROUP
+
+        # Training ran on the members only, then on all three once 2 was back.
+        sizes = [read(run / f"iterations/{it:06d}/metrics/train.json")["world_size"]
+                 for it in range(3)]
+        assert sizes == [2, 2, 3]
+        it1, it2 = (read(run / f"iterations/{it:06d}/shard-train.json") for it in (1, 2))
+        assert it1["assignments"][2] == [] and it1["frozen"] == []
+        assert len(it2["assignments"][2]) == TASKS // 3
+        for it, plan_n in ((1, it1), (2, it2)):
+            assert sorted(merged_task_ids(run / f"iterations/{it:06d}", plan_n)) == sorted(
+                t for a in plan_n["assignments"] for t in a)
+        timings = {int(p.parent.parent.name) for p in run.glob("iterations/*/timings/rank-2.json")}
+        assert timings == {2}  # killed in 0, left out of 1, back at the boundary of 2
+        journal = read(run / "ranks/2/journal.json")
+        assert journal["completed_iteration"] == 2
