@@ -26,14 +26,11 @@ every worker stops too.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
-import signal
 import time
-from collections.abc import Mapping
-from types import FrameType
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from coordinator import fsio, layout, membership, netaddr, regroup
@@ -46,11 +43,12 @@ from coordinator.errors import (
     ExitCode,
     FencedError,
     Interrupted,
+    RunCompleted,
     storage_error,
 )
 from coordinator.group import GroupForming
 from coordinator.journal import JournalBook
-from coordinator.liveness import HeartbeatPublisher, Monitor, PeerTracker, fence_check
+from coordinator.liveness import HeartbeatPublisher, Monitor, fence_check, session_monitor
 from coordinator.phases import Phase, RlPhase
 from coordinator.polling import Backoff, Clock
 from coordinator.records import (
@@ -61,8 +59,8 @@ from coordinator.records import (
     Session,
 )
 from coordinator.runplan import RunPlan
-from coordinator.runtime import Runtime
-from coordinator.stepper import PhaseStepper
+from coordinator.runtime import Runtime, install_signal_handlers
+from coordinator.stepper import PhaseStepper, publish_timings
 from coordinator.store import FsStore, publish_record, read_record
 from coordinator.waker import LOCAL_FILESYSTEMS, Waker, filesystem_type
 
@@ -108,19 +106,13 @@ class Daemon:
 
     # -- lifecycle ------------------------------------------------------------
     def run(self) -> ExitCode:
-        self._install_signals()
+        install_signal_handlers()
         try:
             self._start()
-            while True:
-                try:
-                    if not self._run_session():
-                        break
-                    self._take_back()
-                except CoordinatorError as exc:
-                    error = self._cause(exc)
-                    if not self._regroups_after(error):
-                        raise error from exc if error is not exc else None
-                    self._regroup(error)
+            try:
+                self._run_sessions()
+            except RunCompleted as exc:  # while this rank waited to be taken back
+                log.info("rank %d: %s", self.rank, exc)
             self._finish(NodeState.FINISHED, None)
             log.info("rank %d finished run %s", self.rank, self.manifest.run_id)
             return ExitCode.OK
@@ -150,6 +142,20 @@ class Daemon:
         failure = self.runtime.failure
         return failure if isinstance(exc, Cancelled) and failure is not None else exc
 
+    def _run_sessions(self) -> None:
+        """Sessions until the run is done: after a recoverable failure the group
+        re-forms (regroup.py); a shrunk group takes back ranks between iterations."""
+        while True:
+            try:
+                if not self._run_session():
+                    return
+                self._take_back()
+            except CoordinatorError as exc:
+                error = self._cause(exc)
+                if not self._regroups_after(error):
+                    raise error from exc if error is not exc else None
+                self._regroup(error)
+
     def _run_session(self) -> bool:
         """Run this session's iterations; True when it ended early, at an iteration
         boundary, to take back ranks that returned to a shrunk group."""
@@ -160,56 +166,52 @@ class Daemon:
             return False
         return self._loop()
 
-    def _take_back(self) -> None:
-        """Between two iterations of a shrunk group: a new session with the ranks that
-        returned (regroup.py).  No failure: engines and actions stay as they are."""
-        assert self.heartbeat is not None and self.session is not None
-        if self.monitor is not None:
-            self.monitor.stop()
-        left = self.session.session
-        self.heartbeat.update(
-            state=NodeState.REGROUPING, session=None, arrived=None, released=None, error=None,
-            resume_iteration=self.journal.resume_iteration,
-            waiting_for="the group to take back the ranks that returned, between iterations")
-        if self.is_master:
-            self._form_session(admit=True)
-        else:
-            assert self.group is not None
-            session, master_host = self.group.rejoin(left, self.membership.members[0])
-            self._enter_session(session, {0: master_host})
-
     def _regroups_after(self, error: CoordinatorError) -> bool:
         return regroup.recoverable(error, self.coord, recoveries=self.recoveries)
 
     def _regroup(self, error: CoordinatorError) -> None:
         """Stop this session's work and wait for the group to re-form (regroup.py)."""
-        assert self.heartbeat is not None and self.session is not None
+        assert self.heartbeat is not None
         started = time.monotonic()
         incident = regroup.Incident.of(error, by=self.rank, where=self.heartbeat.record)
         self.runtime.fail(error)  # peers learn it now, if nobody published it yet
         self.runtime.resume()
-        if self.monitor is not None:
-            self.monitor.stop()
         self.runtime.kill_children()
         self._close_actions()
         self.recoveries += 1
+        log.warning("rank %d: %s; stopped this rank's work, waiting up to %.0f s for the group "
+                    "to re-form", self.rank, error, self.coord.rejoin_timeout_s)
+        self._next_session(
+            error=str(error)[:regroup.MAX_CAUSE_CHARS],
+            waiting_for="the group to re-form after a failure (coordination.on_failure)",
+            form=lambda: self._form_session(incident=incident, started=started))
+        self._build_actions()
+
+    def _take_back(self) -> None:
+        """Between two iterations of a shrunk group: a new session with the ranks that
+        returned (regroup.py).  No failure: engines and actions stay as they are."""
+        self._next_session(
+            error=None, form=lambda: self._form_session(admit=True),
+            waiting_for="the group to take back the ranks that returned, between iterations")
+
+    def _next_session(self, *, error: str | None, waiting_for: str,
+                      form: Callable[[], None]) -> None:
+        """Leave this session and join the next: the master forms it, a worker waits."""
+        assert self.heartbeat is not None and self.session is not None
+        if self.monitor is not None:
+            self.monitor.stop()
         left = self.session.session
         # session None: out of any session now, its work stopped; the master may
         # form the next one with it (membership.gather_members).
-        self.heartbeat.update(
-            state=NodeState.REGROUPING, error=str(error)[:regroup.MAX_CAUSE_CHARS],
-            session=None, arrived=None, released=None,
-            resume_iteration=self.journal.resume_iteration,
-            waiting_for="the group to re-form after a failure (coordination.on_failure wait)")
-        log.warning("rank %d: %s; stopped this rank's work, waiting up to %.0f s for the group "
-                    "to re-form", self.rank, error, self.coord.rejoin_timeout_s)
+        self.heartbeat.update(state=NodeState.REGROUPING, error=error, session=None,
+                              arrived=None, released=None, waiting_for=waiting_for,
+                              resume_iteration=self.journal.resume_iteration)
         if self.is_master:
-            self._form_session(incident=incident, started=started)
+            form()
         else:
             assert self.group is not None
             session, master_host = self.group.rejoin(left, self.membership.members[0])
             self._enter_session(session, {0: master_host})
-        self._build_actions()
 
     def _start(self) -> None:
         run_id, generation = self.manifest.run_id, self.manifest.generation
@@ -315,22 +317,9 @@ class Daemon:
         self.journal.skip_to(session.start_iteration)
         self.heartbeat.set(resume_iteration=self.journal.resume_iteration)
         members = {int(r): t for r, t in session.members.items()}
-        tracker = PeerTracker(
-            lease_s=self.coord.lease_s, run_id=self.manifest.run_id,
-            generation=self.manifest.generation,
-            attribute_s=self.coord.lease_s + self.coord.heartbeat_interval_s
-            if self.is_master else None)
-        watched = [r for r in members if r != self.rank] if self.is_master else [0]
-        now = self.clock.now()
-        for r in watched:
-            tracker.expect(r, token=members[r], host=hosts.get(r, "?"), now=now)
-        self.monitor = Monitor(
-            self.store, tracker, self.runtime,
-            interval_s=min(1.0, self.coord.heartbeat_interval_s),
-            retry_s=self.coord.read_retry_s, clock=self.clock.now,
-            master_rank=None if self.is_master else 0,
-        )
-        self.monitor.start()
+        self.monitor = session_monitor(
+            self.store, self.runtime, self.coord, rank=self.rank, run_id=self.manifest.run_id,
+            generation=self.manifest.generation, members=members, hosts=hosts, clock=self.clock)
         self.membership = Membership(
             run_id=self.manifest.run_id, generation=self.manifest.generation,
             session=session.session, rank=self.rank, token=self.token, members=members,
@@ -367,7 +356,8 @@ class Daemon:
             # A group re-formed after a failure starts where its members' journals say.
             self.heartbeat.set(resume_iteration=self.journal.resume_iteration)
             total = time.monotonic() - started
-            self._publish_timings(iteration, timings, total)
+            publish_timings(self.store, run_id=self.manifest.run_id, iteration=iteration,
+                            rank=self.rank, phases=timings, total_s=total)
             log.info("rank %d completed iteration %d in %.2f s", self.rank, iteration, total)
             admit = releases.get(int(self.phases[-1]), {}).get(ADMIT)
             if admit and iteration + 1 < self.session.end_iteration:
@@ -379,19 +369,10 @@ class Daemon:
     def _admission(self, iteration: int, phase: Phase) -> dict[str, Any]:
         """Master, the last phase's release: ranks that returned to a shrunk group."""
         assert self.session is not None and self.group is not None
-        members = {int(r): t for r, t in self.session.members.items()}
-        if phase != self.phases[-1] or len(members) == self.manifest.num_nodes \
-                or iteration + 1 >= self.session.end_iteration:
+        if phase != self.phases[-1] or iteration + 1 >= self.session.end_iteration:
             return {}
-        back = self.group.returning(members)
+        back = self.group.returning(self.session)
         return {ADMIT: back} if back else {}
-
-    def _publish_timings(self, iteration: int, phases: dict[str, dict[str, float]],
-                         total: float) -> None:
-        body = {"schema": "coordinator/timings", "version": 1, "run_id": self.manifest.run_id,
-                "iteration": iteration, "rank": self.rank, "total_s": total, "phases": phases}
-        self.store.publish(layout.timings(iteration, self.rank),
-                           json.dumps(body).encode())
 
     def _context(self, iteration: int, phase: Phase,
                  releases: dict[int, Mapping[str, Any]]) -> StepContext:
@@ -439,11 +420,3 @@ class Daemon:
             self.waker.close()
         if self.probe_server is not None:
             self.probe_server.close()
-
-    def _install_signals(self) -> None:
-        def handler(signum: int, frame: FrameType | None) -> None:
-            signal.signal(signum, signal.SIG_DFL)  # a second signal kills at once
-            raise Interrupted(signum)
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)

@@ -166,6 +166,13 @@ class PhaseFailedError(CoordinatorError):
         self.rank, self.iteration, self.phase, self.cause = rank, iteration, phase, cause
 
 
+class RunCompleted(CoordinatorError):
+    """The run completed while this daemon waited to be taken back into the group
+    (on_failure "shrink"): nothing is left for it to do."""
+
+    exit_code = ExitCode.OK
+
+
 class FencedError(CoordinatorError):
     """This daemon is superseded and must stop writing."""
 

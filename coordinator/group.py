@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator import layout, membership, regroup
@@ -114,14 +114,14 @@ class GroupForming:
                  session.end_iteration - 1)
         return session, hosts, history
 
-    def returning(self, members: Mapping[int, str]) -> list[int]:
+    def returning(self, session: Session) -> list[int]:
         """Master of a shrunk group, at an iteration boundary: the ranks out of the
         session that are back (a current claim, a heartbeat out of any session), to
         be taken back before the next iteration.  A hint: form(admit=True) checks
         that each is alive."""
-        back = []
+        back: list[int] = []
         for rank in range(1, self.manifest.num_nodes):
-            if rank in members:
+            if session.token_of(rank) is not None:
                 continue
             claim = read_record(self.store, layout.claim(rank), Claim,
                                 retry_s=self.coord.read_retry_s)

@@ -21,8 +21,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from coordinator import fsio, layout
+from coordinator.config import CoordinationConfig
 from coordinator.errors import CoordinatorError, FencedError, PeerLostError, PhaseFailedError
 from coordinator.phases import Phase
+from coordinator.polling import Clock
 from coordinator.records import (
     JOINABLE_STATES,
     Abort,
@@ -356,3 +358,22 @@ class Monitor:
                     self.sweep()
             except Exception as exc:  # a bad read must not kill the watcher
                 log.warning("heartbeat sweep failed (will retry): %s", exc)
+
+
+def session_monitor(store: Store, runtime: Runtime, coord: CoordinationConfig, *, rank: int,
+                    run_id: str, generation: int, members: Mapping[int, str],
+                    hosts: Mapping[int, str], clock: Clock) -> Monitor:
+    """The watch a daemon keeps over one session: the master watches every other
+    member, a worker the master.  Started."""
+    is_master = rank == 0
+    tracker = PeerTracker(
+        lease_s=coord.lease_s, run_id=run_id, generation=generation,
+        attribute_s=coord.lease_s + coord.heartbeat_interval_s if is_master else None)
+    now = clock.now()
+    for r in ([r for r in members if r != rank] if is_master else [0]):
+        tracker.expect(r, token=members[r], host=hosts.get(r, "?"), now=now)
+    monitor = Monitor(store, tracker, runtime, interval_s=min(1.0, coord.heartbeat_interval_s),
+                      retry_s=coord.read_retry_s, clock=clock.now,
+                      master_rank=None if is_master else 0)
+    monitor.start()
+    return monitor

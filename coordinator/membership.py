@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import psutil
 
 from coordinator import layout, netaddr
-from coordinator.errors import MalformedRecordError, PeerLostError, PhaseFailedError, RankHeldError
+from coordinator.errors import (
+    MalformedRecordError,
+    PeerLostError,
+    PhaseFailedError,
+    RankHeldError,
+    RunCompleted,
+)
 from coordinator.polling import Backoff, Clock, Wait
 from coordinator.records import (
     JOINABLE_STATES,
@@ -198,13 +204,14 @@ def wait_for_master(
             return None
         claim = read_record(store, layout.claim(0), Claim, retry_s=retry_s)
         hb = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
+        # Before the claim: a master that stopped for good has released it.
+        if hb is not None and hb.token == gave_up_token and hb.state is NodeState.FAILED:
+            raise master_gave_up(hb)
         if claim is None or hb is None or claim.run_id != manifest.run_id or \
                 hb.token != claim.token or claim.generation != manifest.generation:
             state["why"] = (f"the master of run {manifest.run_id}: it has not registered yet "
                             f"(no current {log_path}/ranks/0/claim.json and heartbeat)")
             return None
-        if hb.token == gave_up_token and hb.state is NodeState.FAILED:
-            raise master_gave_up(hb)
         if hb.state not in LIVE_STATES:
             state["why"] = (f"the master of run {manifest.run_id}: its last heartbeat says "
                             f"{hb.state.value} (pid {hb.pid} on {hb.host}); restart it")
@@ -351,6 +358,10 @@ def wait_for_session(
         hb = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
         now = clock.now()
         if hb is not None and hb.token == master_token:
+            if hb.state is NodeState.FINISHED:
+                raise RunCompleted(
+                    f"the master (pid {hb.pid} on {hb.host}) completed run {run_id} without "
+                    f"rank {rank}: nothing is left for it to do")
             if hb.state not in LIVE_STATES:
                 raise PeerLostError(
                     f"the master (pid {hb.pid} on {hb.host}) stopped before the group formed: "

@@ -22,10 +22,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 
 import psutil
 
-from coordinator.errors import Cancelled, CoordinatorError
+from coordinator.errors import Cancelled, CoordinatorError, Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -151,3 +152,13 @@ class Runtime:
         """For actions: raise Cancelled once the group is stopping."""
         if self.cancel.is_set():
             raise Cancelled(str(self._failure) if self._failure else "cancelled")
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGINT raise Interrupted in the main thread; a second one kills at once."""
+    def handler(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

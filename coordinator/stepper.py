@@ -20,6 +20,7 @@ does the calls and the I/O around them.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -54,6 +55,7 @@ from coordinator.liveness import HeartbeatPublisher, Monitor
 from coordinator.phases import Phase, spec
 from coordinator.records import Abort, ArrivalStatus, NodeState
 from coordinator.runtime import Runtime
+from coordinator.store import Store
 
 log = logging.getLogger("coordinator")
 
@@ -224,3 +226,11 @@ class PhaseStepper:
             self.barrier.abort(iteration, phase, abort)
         except Exception as err:  # shutdown path: the daemon exits with the cause anyway
             log.error("could not publish the abort: %s", err)
+
+
+def publish_timings(store: Store, *, run_id: str, iteration: int, rank: int,
+                    phases: Mapping[str, Mapping[str, float]], total_s: float) -> None:
+    """iterations/<N>/timings/rank-<R>.json: what each phase of the iteration cost."""
+    body = {"schema": "coordinator/timings", "version": 1, "run_id": run_id,
+            "iteration": iteration, "rank": rank, "total_s": total_s, "phases": phases}
+    store.publish(layout.timings(iteration, rank), json.dumps(body).encode())

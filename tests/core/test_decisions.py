@@ -13,8 +13,8 @@ from coordinator.decisions import (
     abort_kind,
     collective_flags,
     judge_arrivals,
-    should_eval,
     rerun_phases,
+    should_eval,
     step_action,
 )
 from coordinator.errors import (

@@ -88,3 +88,46 @@ def test_a_lost_worker_is_left_out_then_taken_back_at_an_iteration_boundary(
         assert scripted_log(c.log_path, rank) == [
             (it, int(p)) for it in range(ITERATIONS) for p in Phase]
     assert all(n == 1 for n in runs.values()), {k: n for k, n in runs.items() if n != 1}
+
+
+def test_a_rank_back_during_the_last_iteration_exits_0_when_the_run_completes(
+        tmp_path: Path) -> None:
+    """No boundary is left to take it back at: the master completes the run without
+    it, and the waiting rank exits 0 saying so (a requeue loop must not restart it)."""
+    last = 2
+    config = write_config(tmp_path / "c.toml", iterations=last + 1, lease=LEASE,
+                          scripted=f'sleeps = ["2:{last}:1:1.5", "0:{last}:5:4.0"]',
+                          on_failure="shrink")
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
+                     master_args=["--set", f"coordination.shrink_after_s={SHRINK_AFTER_S}"])
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(2, last, 1, "running"), 120, "rank 2 in phase 1")
+        c.kill(2)
+        c.wait_until(lambda: len(recoveries(c.log_path)) == 1, 60, "the shrunk group")
+        c.start(2)
+        codes = c.wait_all(timeout=120)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+    finally:
+        c.close()
+    assert f"completed run {session(c.log_path)['run_id']} without rank 2" in c.output(2)
+    assert timings(c.log_path, 2) == list(range(last))
+
+
+def test_fewer_nodes_back_than_min_nodes_stop_every_daemon_with_exit_3(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.toml", iterations=3, lease=LEASE,
+                          scripted='sleeps = ["2:0:1:1.5"]', on_failure="shrink")
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
+                     master_args=["--set", f"coordination.shrink_after_s={SHRINK_AFTER_S}",
+                                  "--min-nodes", "3"])
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(2, 0, 1, "running"), 120, "rank 2 in phase 1")
+        c.kill(2)
+        codes = {r: c.wait(r, 60) for r in (0, 1)}
+    finally:
+        c.close()
+    assert codes == {0: 3, 1: 3}, {r: c.output(r)[-3000:] for r in codes}
+    assert "only 2 of 3 nodes are back" in c.output(0)
+    assert "coordination.min_nodes=3 needs 3" in c.output(0)
+    assert "coordination.min_nodes=3" in c.output(1)  # the worker says why the master stopped
