@@ -27,7 +27,8 @@ class ExitCode(enum.IntEnum):
 
 
 EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
-    ExitCode.OK: "every iteration completed (or the run was already complete)",
+    ExitCode.OK: "every iteration completed (or the run was already complete, or it completed "
+                 "while this rank waited to be taken back into a shrunk group)",
     ExitCode.INTERNAL: "an unexpected error; the message and traceback say where",
     ExitCode.USAGE: "a bad flag or config value, or the rank is already held by a live daemon",
     ExitCode.PEER_LOST: "a rank was lost (lease expired), left, or was restarted under us",
