@@ -21,7 +21,7 @@ from coordinator.actions import kind, resolve_config
 from coordinator.config import RunConfig
 from coordinator.errors import UsageError
 from coordinator.phases import Phase
-from coordinator.records import MAX_ITERATIONS, Heartbeat, Journal, Manifest
+from coordinator.records import MAX_ITERATIONS, Heartbeat, Journal, Manifest, Session
 from coordinator.status import collect
 from coordinator.store import FsStore, publish_record, read_record
 
@@ -59,6 +59,33 @@ def _furthest_iteration(store: FsStore, manifest: Manifest, limit: int) -> int:
         if _ITERATION_DIR.match(name):
             furthest = max(furthest, int(name))
     return min(furthest, limit)
+
+
+def failed_iteration(log_path: Path) -> tuple[int, str]:
+    """The iteration to recover when none is given, from the journals, and why: the
+    lowest one a rank has not completed (ranks of the last session only, when the
+    group had gone on without some: coordination.on_failure "shrink")."""
+    store = FsStore(log_path)
+    manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
+    if manifest is None:
+        raise UsageError(f"--log-path {log_path} holds no run (no run.json): nothing to recover")
+    iterations = resolve_config(manifest.config).run.iterations
+    session = read_record(store, layout.SESSION, Session, retry_s=2.0)
+    ranks = [r for r in range(manifest.num_nodes)
+             if session is None or session.run_id != manifest.run_id
+             or session.token_of(r) is not None]
+    resume: dict[int, int] = {}
+    for rank in ranks:
+        journal = read_record(store, layout.journal(rank), Journal, retry_s=1.0)
+        ok = journal is not None and journal.run_id == manifest.run_id
+        resume[rank] = journal.resume_iteration if journal is not None and ok else 0
+    lowest = min(resume.values())
+    if lowest >= iterations:
+        raise UsageError(f"run {manifest.run_id} is complete (every journal completed its "
+                         f"{iterations} iterations): nothing to recover")
+    behind = [r for r, it in sorted(resume.items()) if it == lowest]
+    return lowest, (f"the lowest iteration a journal has not completed: rank(s) {behind} "
+                    f"stopped in iteration {lowest}")
 
 
 def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None) -> RecoveryPlan:

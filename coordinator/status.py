@@ -15,6 +15,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -209,6 +210,9 @@ def render(report: StatusReport) -> str:
     if report.session:
         title += (f" - iterations {report.session.start_iteration}.."
                   f"{report.session.end_iteration - 1}")
+        out = [r for r in range(m.num_nodes) if report.session.token_of(r) is None]
+        if out and report.session.run_id == m.run_id:
+            title += f" - going on without rank(s) {out} (on_failure shrink)"
     table = Table(title=plain(title))
     for column in ("rank", "host", "address", "iteration", "phase", "state", "heartbeat",
                    "waiting for"):
@@ -240,3 +244,38 @@ def render(report: StatusReport) -> str:
 
 def render_json(report: StatusReport) -> str:
     return json.dumps(report.to_json(), indent=2)
+
+
+def stopped(report: StatusReport) -> bool:
+    """Every rank of the run has stopped (finished, failed, left, or never came)."""
+    return report.manifest is not None and not report.live() and all(
+        r.state in (RankState.FINISHED, RankState.FAILED, RankState.LEFT, RankState.ABSENT,
+                    RankState.LOST) for r in report.ranks)
+
+
+def watch(log_path: Path, *, interval_s: float, terminal: bool,
+          echo: Callable[[str], None]) -> StatusReport:
+    """`status --watch`: the table again every `interval_s` (each refresh watches the
+    heartbeats advance for that long), until every daemon has stopped.  On a
+    terminal the table is redrawn in place; otherwise each refresh is printed
+    after a timestamp line, for a log file."""
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    def refresh() -> tuple[StatusReport, str]:
+        report = collect(log_path, window_s=interval_s)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        return report, f"{stamp} (refreshed every {interval_s:g} s)\n{render(report)}"
+
+    report, text = collect(log_path), ""
+    if not terminal:
+        while not stopped(report):
+            report, text = refresh()
+            echo(text)
+        return report
+    with Live(Text(""), console=Console(), auto_refresh=False) as live:
+        while not stopped(report):
+            report, text = refresh()
+            live.update(Text(text), refresh=True)
+    return report

@@ -176,8 +176,12 @@ def status(
     log_path: Annotated[str | None, typer.Option(help="Run directory.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     window: Annotated[float, typer.Option(help="Seconds to watch heartbeats advance (0: one read).")] = 0.0,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until every daemon has stopped.")] = False,
+    interval: Annotated[float, typer.Option(help="With --watch: seconds between refreshes.")] = 2.0,
 ) -> None:
     """Show every rank: host, address, iteration, phase, state, heartbeat age, what it waits for."""
+    import sys
+
     from coordinator import beneath
     from coordinator import status as status_mod
 
@@ -185,19 +189,59 @@ def status(
         path = existing_run_dir(log_path)
         if not 0 <= window <= 600:
             raise UsageError(f"--window {window:g} is outside 0..600 seconds: give e.g. 3")
+        if watch and not 0.1 <= interval <= 600:
+            raise UsageError(f"--interval {interval:g} is outside 0.1..600 seconds: give e.g. 2")
+        if watch and as_json:
+            raise UsageError("--watch and --json do not go together: poll `status --json` instead")
         beneath.confine(path)
-        report_ = status_mod.collect(path, window_s=window)
+        if watch:
+            report_ = status_mod.watch(path, interval_s=interval, terminal=sys.stdout.isatty(),
+                                       echo=typer.echo)
+        else:
+            report_ = status_mod.collect(path, window_s=window)
     except CoordinatorError as exc:
         raise report(exc) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+    if watch:
+        states = sorted({r.state.value for r in report_.ranks})
+        typer.echo(f"every daemon has stopped ({', '.join(states)})")
+        return
     typer.echo(status_mod.render_json(report_) if as_json else status_mod.render(report_))
     if report_.problems:
         raise typer.Exit(int(ExitCode.CORRUPT))
 
 
 @app.command()
+def timeline(
+    log_path: Annotated[str | None, typer.Option(help="Run directory.")] = None,
+    out: Annotated[Path, typer.Option(help="Output file: .png or .html.")] = Path("timeline.html"),
+) -> None:
+    """Draw every rank's phases in every iteration (action and barrier wait), with recoveries."""
+    from coordinator import beneath
+    from coordinator import timeline as timeline_mod
+
+    setup_logging(False)
+    try:
+        path = existing_run_dir(log_path)
+        if out.suffix not in timeline_mod.FORMATS:
+            raise UsageError(f"--out {out}: give a file ending in "
+                             f"{' or '.join(timeline_mod.FORMATS)}")
+        beneath.confine(path)
+        drawn = timeline_mod.load(path)
+        timeline_mod.write(drawn, out)
+    except CoordinatorError as exc:
+        raise report(exc) from None
+    iterations = len({s.iteration for s in drawn.spans})
+    typer.echo(f"wrote {out}: {drawn.num_nodes} ranks, {iterations} iterations, "
+               f"{len(drawn.recoveries)} recoveries"
+               + (f", {drawn.skipped} unreadable timing files skipped" if drawn.skipped else ""))
+
+
+@app.command()
 def recover(
     log_path: Annotated[str | None, typer.Option(help="Run directory.")] = None,
-    iteration: Annotated[int | None, typer.Option(help="The iteration that failed.")] = None,
+    iteration: Annotated[int | None, typer.Option(help="The iteration that failed (default: found from the journals).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List, do not remove.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Proceed even if daemons still heartbeat.")] = False,
     window: Annotated[float | None, typer.Option(help="Seconds to watch heartbeats advance (default: heartbeat interval + 1).")] = None,
@@ -209,10 +253,10 @@ def recover(
     setup_logging(False)
     try:
         path = existing_run_dir(log_path)
-        if iteration is None:
-            raise UsageError("--iteration is required: the iteration that failed, as "
-                             "`coordinator status` shows it")
         beneath.confine(path)
+        if iteration is None:
+            iteration, why = recover_mod.failed_iteration(path)
+            typer.echo(f"recovering iteration {iteration}: {why} (pass --iteration N to choose)")
         plan = recover_mod.plan(path, iteration, force=force, window_s=window)
         if not dry_run:
             recover_mod.apply(plan)

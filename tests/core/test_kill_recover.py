@@ -56,10 +56,14 @@ def test_survivors_exit_naming_the_dead_rank_and_recover_resumes_the_run(
         before = _outputs(c.log_path)
         assert before, "some actions completed before the kill"
 
+        # No --iteration: recover finds it from the journals and says which.
         recover = subprocess.run(
-            [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path),
-             "--iteration", "1"], capture_output=True, text=True, timeout=60)
+            [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path)],
+            capture_output=True, text=True, timeout=60)
         assert recover.returncode == 0, recover.stderr
+        assert "recovering iteration 1: the lowest iteration a journal has not completed" \
+            in recover.stdout
+        assert "recovery of" in recover.stdout and "at iteration 1:" in recover.stdout
         assert "generation is now 1" in recover.stdout
 
         c.start_all()

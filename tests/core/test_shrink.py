@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.phases import Phase
+from coordinator.status import collect, render
 from tests.core.cluster import LocalCluster, scripted_log, scripted_runs, write_config
 from tests.core.test_regroup import recoveries
 
@@ -58,6 +59,9 @@ def test_a_lost_worker_is_left_out_then_taken_back_at_an_iteration_boundary(
         c.wait_until(lambda: c.at_phase(0, KILLED_AT[0] + 1, 5), 60, "iteration 2 without 2")
         for rank in (0, 1):
             assert c.procs[rank].poll() is None, c.output(rank)[-2000:]
+        shown = " ".join(render(collect(c.log_path)).split())
+        assert "going on without rank(s) [2] (on_failure shrink)" in shown
+        assert "without rank(s) [2] (their unfinished tasks go to the others)" in shown
         c.start(2)
         codes = c.wait_all(timeout=120)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}

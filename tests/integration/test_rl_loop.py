@@ -131,6 +131,22 @@ def test_three_nodes_run_two_full_iterations(tmp_path: Path, warm_model: Path) -
         log = (run / f"ranks/{rank}/logs/hf_server.log").read_text()
         assert "iter-000000-" in log
     assert not trainers(run)
+    # The timeline has every rank's every phase of both iterations, action and wait.
+    from coordinator.timeline import SpanKind, load
+
+    drawn = load(run)
+    assert {(s.rank, s.iteration, s.phase, s.kind) for s in drawn.spans} == {
+        (r, it, p, k) for r in range(3) for it in (0, 1) for p in range(14) for k in SpanKind}
+    assert drawn.skipped == 0 and not drawn.recoveries
+    for out in (tmp_path / "timeline.png", tmp_path / "timeline.html"):
+        done = subprocess.run([sys.executable, "-m", "rl", "timeline", "--log-path", str(run),
+                               "--out", str(out)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "3 ranks, 2 iterations, 0 recoveries" in done.stdout
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (tmp_path / "timeline.html").read_text()
+    assert all(f"rank {r} iteration {it} phase {p} (" in page
+               for r in range(3) for it in (0, 1) for p in range(14))
 
 
 # A whole node killed on the real loop: tests/integration/test_rl_netfs.py
