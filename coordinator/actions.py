@@ -53,6 +53,8 @@ class StepContext:
     members: tuple[int, ...] | None = None
     # Release payloads of the phases already passed in this iteration.
     releases: dict[int, Mapping[str, Any]] = field(default_factory=dict)
+    # This rank's timings of those phases ("action_s", "wait_s": PROTOCOL.md, timings).
+    timings: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("coordinator.action"))
 
     @property

@@ -103,6 +103,7 @@ class Daemon:
         # did not stop cleanly (a restart after a loss: recorded as a recovery).
         self.previous_master: Heartbeat | None = None
         self.group: GroupForming | None = None
+        self.timings: dict[str, dict[str, float]] = {}  # of the current iteration
 
     # -- lifecycle ------------------------------------------------------------
     def run(self) -> ExitCode:
@@ -349,6 +350,7 @@ class Daemon:
         for iteration in range(self.session.start_iteration, self.session.end_iteration):
             releases: dict[int, Mapping[str, Any]] = {}
             timings: dict[str, dict[str, float]] = {}
+            self.timings = timings  # what actions see of the phases passed (StepContext)
             started = time.monotonic()
             for phase in self.phases:
                 timings[str(int(phase))] = stepper.step(iteration, phase, releases)
@@ -380,7 +382,7 @@ class Daemon:
             rank=self.rank, num_nodes=self.manifest.num_nodes, iteration=iteration, phase=phase,
             run_dir=self.plan.log_path, run_id=self.manifest.run_id, config=self.config,
             weights=self.manifest.rank_weights, host=self.host, address=self.address,
-            runtime=self.runtime, releases=releases,
+            runtime=self.runtime, releases=releases, timings=self.timings,
             members=None if len(self.membership.members) == self.manifest.num_nodes
             else tuple(sorted(self.membership.members)),
         )

@@ -27,6 +27,6 @@ compares this table with it):
 | 10 train | `training.train` | - |
 | 11 publish_checkpoint | `training.verify_new_checkpoint` | `training.announce_checkpoint` |
 | 12 restart_engine | `engines.serve_new_policy` | - |
-| 13 final_sync | `plan.prune` | - |
+| 13 final_sync | `reporting.end_iteration` | - |
 <!-- rl-phases:end -->
 """

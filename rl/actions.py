@@ -18,7 +18,7 @@ from coordinator.actions import ActionKind, StepContext
 from coordinator.config import RunConfig
 from coordinator.phases import Phase
 from coordinator.records import Arrival
-from rl import aggregation, engines, evaluation, layout, plan, rollouts, training
+from rl import aggregation, engines, evaluation, layout, plan, reporting, rollouts, training
 from rl.config import NODE_LOCAL_KEYS, resolve_sections
 from rl.loop import Loop
 
@@ -47,7 +47,7 @@ PHASE_WORK: Final[Mapping[Phase, PhaseWork]] = {
     Phase.PUBLISH_CHECKPOINT: PhaseWork(training.verify_new_checkpoint,
                                         training.announce_checkpoint),
     Phase.RESTART_ENGINE: PhaseWork(engines.serve_new_policy),
-    Phase.FINAL_SYNC: PhaseWork(plan.prune),
+    Phase.FINAL_SYNC: PhaseWork(reporting.end_iteration),
 }
 assert list(PHASE_WORK) == list(Phase), "PHASE_WORK must map every phase, in order"
 

@@ -24,7 +24,8 @@ from coordinator.errors import UsageError
 from rollout.engine import EngineConfig
 from trainer.config import ConfigError, TrainConfig
 
-SECTIONS: Final = ("model", "data", "rollout", "engine", "train", "torchrun", "checkpoint")
+SECTIONS: Final = ("model", "data", "rollout", "engine", "train", "torchrun", "checkpoint",
+                   "metrics")
 
 # Each node's own business, never written to run.json and never taken from it
 # (docs/PROTOCOL.md, node-local keys): what a node executes and with which
@@ -163,6 +164,16 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsSection:
+    """Where the master reports each iteration's metrics besides metrics/*.json."""
+
+    tensorboard: bool = True  # event files in <run dir>/tensorboard/
+    # Weights & Biases (pip install 'coordinator[wandb]'): a project name turns it on.
+    wandb_project: str = ""
+    wandb_entity: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RlSections:
     model: ModelSection
     data: DataSection
@@ -171,6 +182,7 @@ class RlSections:
     train: TrainConfig
     torchrun: TorchrunSection
     checkpoint: CheckpointSection
+    metrics: MetricsSection
 
 
 def parse_sections(raw: Mapping[str, Any]) -> RlSections:
@@ -196,6 +208,7 @@ def parse_sections(raw: Mapping[str, Any]) -> RlSections:
         train=train,
         torchrun=from_mapping(TorchrunSection, raw.get("torchrun", {}), "torchrun"),
         checkpoint=from_mapping(CheckpointSection, raw.get("checkpoint", {}), "checkpoint"),
+        metrics=from_mapping(MetricsSection, raw.get("metrics", {}), "metrics"),
     )
 
 

@@ -13,6 +13,7 @@ pieces by hand.
     iterations/<N>/train/job.json                phase 8, master
     checkpoints/iter-<N>/                        phase 10, trainer rank 0
     optim/rank-<R>.pt                            phase 10, trainer rank R
+    tensorboard/                                 phase 13, master (event files)
     model-init/                                  phase 0 of iteration 0 (demo model)
     ranks/<R>/logs/<name>.log                    rank R's children
     ranks/<R>/engine.json                        rank R's engine (port, pid)
@@ -29,6 +30,7 @@ from coordinator.records import check_rank
 
 INITIAL_MODEL: Final = "model-init"
 OPTIM_DIR: Final = "optim"
+TENSORBOARD_DIR: Final = "tensorboard"
 
 
 class Split(str, Enum):
@@ -79,6 +81,10 @@ def checkpoint(run_dir: Path, iteration: int) -> Path:
 
 def checkpoints(run_dir: Path) -> Path:
     return run_dir / layout.CHECKPOINTS
+
+
+def tensorboard_dir(run_dir: Path) -> Path:
+    return run_dir / TENSORBOARD_DIR
 
 
 def optim_dir(run_dir: Path) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from coordinator.actions import StepContext
 from coordinator.beneath import relative_inside
@@ -37,6 +38,7 @@ class Loop:
         self.listener: Listener | None = None  # master, phases 9-10: the training port
         self._tasks: TaskSource | None = None
         self._by_id: dict[str, dict[str, Task]] = {}
+        self.wandb: Any = None  # master: the Weights & Biases run, once opened (rl/reporting.py)
 
     @property
     def trains(self) -> bool:
@@ -73,3 +75,9 @@ class Loop:
     def close(self) -> None:
         self.close_listener()
         self.engines.close()
+        if self.wandb is not None:
+            try:
+                self.wandb.finish()
+            except Exception:  # closing path: a reporting service must not stop the daemon
+                log.exception("closing the Weights & Biases run failed")
+            self.wandb = None

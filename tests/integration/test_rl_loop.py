@@ -131,6 +131,15 @@ def test_three_nodes_run_two_full_iterations(tmp_path: Path, warm_model: Path) -
         log = (run / f"ranks/{rank}/logs/hf_server.log").read_text()
         assert "iter-000000-" in log
     assert not trainers(run)
+    # TensorBoard has each iteration's scalars, read back with tensorboard's reader.
+    from tests.integration.test_rl_reporting import scalars
+
+    board = scalars(run)
+    for tag in ("rollout/reward_mean", "rollout/accuracy", "train/loss", "train/kl",
+                "train/tokens_per_second", "phase_s/10_train"):
+        assert [step for step, _ in board[tag]] == [0, 1], (tag, board.get(tag))
+    assert [step for step, _ in board["eval/accuracy"]] == [1]
+    assert [v for _, v in board["train/world_size"]] == [3.0, 3.0]
     # The timeline has every rank's every phase of both iterations, action and wait.
     from coordinator.timeline import SpanKind, load
 

@@ -1,0 +1,120 @@
+"""Phase 13: the iteration's metrics where researchers look, then the clean-up.
+
+    13  master   one set of scalars per iteration (step = iteration):
+                   rollout/*  reward, accuracy, response lengths, samples per second
+                   eval/*     the same for the eval split, when it ran
+                   train/*    loss, KL, grad norm, clip fraction, lr, tokens per second,
+                              world size
+                   phase_s/*  seconds of each phase 0-12 as the master saw it (its
+                              action plus its wait for the others: the group's time)
+                 --> TensorBoard event files in <run dir>/tensorboard/ (torch's
+                     SummaryWriter, which writes with tensorboard's own event-file
+                     writer), unless metrics.tensorboard = false
+                 --> Weights & Biases when metrics.wandb_project is set and wandb is
+                     installed (the optional extra `coordinator[wandb]`)
+                 then prune (rl/plan.py)
+
+A rerun of phase 13 (after a failure) reopens the writer with purge_step at
+the iteration, so TensorBoard keeps one point per iteration.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from coordinator.actions import StepContext
+from coordinator.phases import Phase
+from coordinator.store import read_document
+from rl import layout, plan
+from rl.loop import Loop
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_KEYS = ("reward_mean", "reward_std", "accuracy", "response_length_mean",
+                "response_length_max", "num_failed", "num_dropped_groups")
+TRAIN_KEYS = ("loss", "kl", "grad_norm", "clip_fraction", "ratio_mean", "lr", "world_size",
+              "samples", "tokens", "seconds")
+
+
+def end_iteration(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 13 (master): report the iteration's scalars, then prune."""
+    if ctx.is_master:
+        scalars = iteration_scalars(loop, ctx)
+        if loop.s.metrics.tensorboard:
+            write_tensorboard(loop, ctx.iteration, scalars)
+        if loop.s.metrics.wandb_project:
+            log_wandb(loop, ctx, scalars)
+    return plan.prune(loop, ctx)
+
+
+def iteration_scalars(loop: Loop, ctx: StepContext) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, keys in (("rollout", ROLLOUT_KEYS), ("eval", ROLLOUT_KEYS),
+                       ("train", TRAIN_KEYS)):
+        metrics = _metrics(loop, ctx.iteration, name)
+        for key in keys:
+            _put(out, f"{name}/{key}", metrics.get(key))
+        if name != "train":
+            speeds = metrics.get("samples_per_second")
+            if isinstance(speeds, dict) and speeds:
+                _put(out, f"{name}/samples_per_second",
+                     sum(v for v in speeds.values() if isinstance(v, int | float)))
+    train = _metrics(loop, ctx.iteration, "train")
+    if isinstance(train.get("tokens"), int | float) and isinstance(train.get("seconds"),
+                                                                    int | float):
+        _put(out, "train/tokens_per_second", train["tokens"] / max(train["seconds"], 1e-9))
+    for phase in Phase:
+        timing = ctx.timings.get(str(int(phase)))
+        if timing is not None:
+            _put(out, f"phase_s/{int(phase):02d}_{phase.name.lower()}",
+                 timing.get("action_s", 0.0) + timing.get("wait_s", 0.0))
+    return out
+
+
+def _put(out: dict[str, float], key: str, value: object) -> None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        out[key] = float(value)
+
+
+def _metrics(loop: Loop, iteration: int, name: str) -> dict[str, Any]:
+    path = layout.metrics(loop.run_dir, iteration, name)
+    try:
+        found = read_document(path, lambda raw, _where: json.loads(raw), retry_s=1.0)
+    except (OSError, ValueError) as exc:
+        log.warning("no %s metrics for the report: %s", name, exc)
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def write_tensorboard(loop: Loop, iteration: int, scalars: Mapping[str, float]) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(layout.tensorboard_dir(loop.run_dir)),
+                           purge_step=iteration)
+    try:
+        for key, value in sorted(scalars.items()):
+            writer.add_scalar(key, value, global_step=iteration)
+    finally:
+        writer.close()
+
+
+def log_wandb(loop: Loop, ctx: StepContext, scalars: Mapping[str, float]) -> None:
+    """One W&B run per coordinator run (its id), resumed by a restarted master."""
+    if loop.wandb is None:
+        try:
+            wandb = importlib.import_module("wandb")
+        except ImportError:
+            log.warning("metrics.wandb_project=%r is set but wandb is not installed: pip "
+                        "install 'coordinator[wandb]' on the master; reporting to TensorBoard "
+                        "only", loop.s.metrics.wandb_project)
+            return
+        loop.wandb = wandb.init(
+            project=loop.s.metrics.wandb_project, entity=loop.s.metrics.wandb_entity or None,
+            id=ctx.run_id, name=f"coordinator-{ctx.run_id}", resume="allow",
+            dir=str(loop.run_dir), config=dict(loop.config.sections))
+    loop.wandb.log(dict(scalars), step=ctx.iteration)
