@@ -49,6 +49,7 @@ from coordinator.errors import (
 from coordinator.group import GroupForming
 from coordinator.journal import JournalBook
 from coordinator.liveness import HeartbeatPublisher, Monitor, fence_check, session_monitor
+from coordinator.mounts import LOCAL_FILESYSTEMS, filesystem_type
 from coordinator.phases import Phase, RlPhase
 from coordinator.polling import Backoff, Clock
 from coordinator.records import (
@@ -62,7 +63,7 @@ from coordinator.runplan import RunPlan
 from coordinator.runtime import Runtime, install_signal_handlers
 from coordinator.stepper import PhaseStepper, publish_timings
 from coordinator.store import FsStore, publish_record, read_record
-from coordinator.waker import LOCAL_FILESYSTEMS, Waker, filesystem_type
+from coordinator.waker import Waker
 
 log = logging.getLogger("coordinator")
 # The last phase's release names the ranks a shrunk group takes back before the

@@ -34,7 +34,6 @@ import enum
 import errno
 import logging
 import os
-import re
 import select
 import struct
 import sys
@@ -52,36 +51,7 @@ IN_ONLYDIR: Final = 0x01000000
 IN_NONBLOCK: Final = os.O_NONBLOCK
 IN_CLOEXEC: Final = os.O_CLOEXEC
 _EVENT: Final = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
-_OCTAL: Final = re.compile(r"\\([0-7]{3})")  # mountinfo escapes space, tab, newline, backslash
 # Filesystems whose every writer is this kernel, so inotify sees every rename.
-LOCAL_FILESYSTEMS: Final = frozenset(
-    {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay", "zfs", "f2fs"})
-
-
-def filesystem_type(path: Path, mountinfo: str | None = None) -> str:
-    """The type of the filesystem holding `path`, per /proc/self/mountinfo ("" if unknown)."""
-    try:
-        text = mountinfo if mountinfo is not None else \
-            Path("/proc/self/mountinfo").read_text()
-    except OSError:
-        return ""
-    target = os.path.realpath(path)
-    best, best_type = "", ""
-    for line in text.splitlines():
-        fields = line.split()
-        if "-" not in fields:
-            continue
-        sep = fields.index("-")
-        if len(fields) <= sep + 1 or len(fields) < 5:
-            continue
-        # Field 5 is the mount point, with spaces and the like octal-escaped.
-        mount = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
-        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):
-            best, best_type = mount, fields[sep + 1]
-    return best_type
-
-
 class _Backend(Protocol):
     def add_dir(self, directory: str) -> None: ...
     def close(self) -> None: ...

@@ -213,6 +213,43 @@ def status(
 
 
 @app.command()
+def doctor(
+    log_path: Annotated[str | None, typer.Option(help="Run directory, as `run` will use it.")] = None,
+    master: Annotated[bool, typer.Option("--master", help="This node is the master (rank 0).")] = False,
+    worker: Annotated[int | None, typer.Option(help="This node is worker rank R (1..N-1).")] = None,
+    num_nodes: Annotated[int | None, typer.Option(help="Number of nodes (master).")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the other nodes and for each probe.")] = 60.0,
+    need_gb: Annotated[float, typer.Option(help="Free space the run needs in the run directory (GiB).")] = 20.0,
+    node_ip: Annotated[str | None, typer.Option(help="Master: the address workers will use.")] = None,
+    ifname: Annotated[str | None, typer.Option(help="Master: interface whose IPv4 address to use.")] = None,
+) -> None:
+    """Prove the run directory is shared and coherent among the nodes (start it on every node)."""
+    from coordinator import beneath, netaddr
+    from coordinator.doctor import Doctor
+
+    setup_logging(False)
+    try:
+        path = log_path_arg(log_path)
+        rank = resolve_rank(master, worker)
+        num_nodes = check_num_nodes(num_nodes)
+        if rank == 0 and num_nodes is None:
+            raise UsageError("the master needs --num-nodes: how many nodes take part, e.g. 3")
+        if not 1 <= timeout <= 3600:
+            raise UsageError(f"--timeout {timeout:g} is outside 1..3600 seconds: give e.g. 60")
+        if need_gb < 0:
+            raise UsageError(f"--need-gb {need_gb:g} is negative: give the GiB a run needs")
+        check_log_path(path)
+        beneath.confine(path)
+        address = netaddr.choose_address(node_ip=node_ip, ifname=ifname) if rank == 0 else ""
+        ok = Doctor(log_path=path, rank=rank, num_nodes=num_nodes, timeout_s=timeout,
+                    need_bytes=int(need_gb * 2**30), address=address, echo=typer.echo).run()
+    except CoordinatorError as exc:
+        raise report(exc) from None
+    if not ok:
+        raise typer.Exit(int(ExitCode.PEER_LOST))
+
+
+@app.command()
 def timeline(
     log_path: Annotated[str | None, typer.Option(help="Run directory.")] = None,
     out: Annotated[Path, typer.Option(help="Output file: .png or .html.")] = Path("timeline.html"),

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.fsio import publish_bytes
-from coordinator.waker import Backend, Waker, filesystem_type
+from coordinator.mounts import filesystem_type
+from coordinator.waker import Backend, Waker
 
 # Events arrive within milliseconds; the generous timeout only absorbs a busy CI box.
 EVENT_TIMEOUT_S = 5.0

@@ -1,0 +1,398 @@
+"""`coordinator doctor`: prove that a run directory is shared and coherent among the nodes.
+
+Started on every node the way `run` is; everything goes through <P>/doctor/:
+
+    every node   node-<R>.json       its nonce, host, address, mount, free space
+                                     (re-published every second until the round names it)
+    master       round.json          a fresh round id and every node's nonce: a node
+                                     that reads its own nonce there knows the round is
+                                     this one, not a file left by an earlier doctor
+    worker       TCP to the master's probe port and a held "training" port
+    master       probe s = 1..3K, K of each kind, one at a time:
+                   replace   probe.json replaced by rename (the worker opens and reads it)
+                   new       new-<round>-<s>.json created (the worker has been opening
+                             that name since before it existed: a negative lookup cache
+                             shows here)
+                   list      list-<round>-<s>.json created (the worker lists the directory)
+    worker       answer-<R>.json replaced by rename once it sees probe s
+    master       round trip of each probe per rank, from publish to the answer seen
+                 (publish-to-visible is about half of it); result.json with the verdict
+    every node   prints the verdict table; exit 0, or 3 when a node could not see the
+                 others (not shared, or not coherent within --timeout)
+
+Clock skew is estimated from the answers' wall times (for information only:
+the protocol never compares clocks).  Mount options are read from
+/proc/self/mountinfo and explained by coordinator/mounts.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar, Final
+
+from coordinator import fsio, mounts, netaddr
+from coordinator.errors import MalformedRecordError, PeerLostError, WaitTimeout
+from coordinator.polling import Backoff, Wait
+from coordinator.records import Record, check_rank
+from coordinator.store import FsStore, publish_record, read_record
+
+log = logging.getLogger(__name__)
+
+DIRECTORY: Final = "doctor"
+KINDS: Final = ("replace", "new", "list")
+ROUNDS_PER_KIND: Final = 3
+# Listings are hints (PROTOCOL.md rule 4): a worker waits this long for a new name
+# to show in one, then answers anyway (FUSE and NFS cache listings for 30-60 s).
+LIST_WAIT_S: Final = 2.0
+# A lag above this shows in the verdict: joins and barriers will feel it.
+SLOW_LAG_S: Final = 1.0
+SLOW_FIX: Final = {
+    "new": "a file another node creates shows late here: failed lookups are cached (NFS "
+           "lookupcache=all, the default: mount with lookupcache=positive; FUSE: "
+           "negative_timeout=0)",
+    "replace": "a file replaced on another node shows late: attributes or data are cached (NFS: "
+               "actimeo of 60 or less, no nocto; FUSE: direct_io or a lower attr_timeout)",
+    "list": "directory listings show new files late (NFS acdirmax, FUSE directory caches): the "
+            "protocol never relies on listings, information only",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DoctorNode(Record):
+    SCHEMA: ClassVar[str] = "coordinator/doctor-node"
+    rank: int
+    nonce: str
+    host: str
+    pid: int
+    mount: str
+    free_bytes: int
+    risks: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        check_rank(self.rank)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DoctorRound(Record):
+    SCHEMA: ClassVar[str] = "coordinator/doctor-round"
+    round: str
+    num_nodes: int
+    nonces: dict[str, str]  # rank -> the nonce its node published
+    address: str
+    probe_port: int
+    train_port: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DoctorProbe(Record):
+    SCHEMA: ClassVar[str] = "coordinator/doctor-probe"
+    round: str
+    seq: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DoctorAnswer(Record):
+    SCHEMA: ClassVar[str] = "coordinator/doctor-answer"
+    round: str
+    rank: int
+    seq: int
+    wall_time: float
+    reach: str  # "" when the master's ports answered, else what failed
+    listed: bool  # a list probe: whether the listing showed the file in LIST_WAIT_S
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DoctorResult(Record):
+    SCHEMA: ClassVar[str] = "coordinator/doctor-result"
+    round: str
+    ok: bool
+    lines: tuple[str, ...]  # the verdict table, one line per check
+
+
+@dataclasses.dataclass(kw_only=True)
+class Doctor:
+    log_path: Path
+    rank: int
+    num_nodes: int | None  # the master's; workers learn it from the round
+    timeout_s: float
+    need_bytes: int
+    address: str
+    echo: Callable[[str], None]
+    host: str = dataclasses.field(default_factory=socket.gethostname)
+    mountinfo: str | None = None  # tests: a /proc/self/mountinfo to read instead
+    nonce: str = dataclasses.field(default_factory=lambda: secrets.token_hex(8))
+
+    def __post_init__(self) -> None:
+        self.dir = self.log_path / DIRECTORY
+        self.store = FsStore(self.log_path)
+        self.backoff = Backoff(initial_s=0.005, factor=1.5, ceiling_s=0.2)
+
+    # -- both sides -------------------------------------------------------------
+    def run(self) -> bool:
+        """This node's part; True when the directory can carry a run."""
+        mount = mounts.mount_of(self.log_path, self.mountinfo)
+        self.mount = mount.describe() if mount else "unknown (no /proc/self/mountinfo)"
+        self.risks = mounts.risks(mount, num_nodes=self.num_nodes or 2) if mount else []
+        self.free = shutil.disk_usage(self.log_path).free
+        if self.rank == 0:
+            return self._master()
+        return self._worker()
+
+    def _key(self, name: str) -> str:
+        return f"{DIRECTORY}/{name}"
+
+    def _node(self) -> DoctorNode:
+        return DoctorNode(rank=self.rank, nonce=self.nonce, host=self.host, pid=os.getpid(),
+                          mount=self.mount, free_bytes=self.free,
+                          risks=tuple(f"{r.level.value}: {r.what}; fix: {r.fix}"
+                                      for r in self.risks))
+
+    def _read(self, name: str, cls: type[Record]) -> Record | None:
+        try:
+            return read_record(self.store, self._key(name), cls, retry_s=0.2)
+        except MalformedRecordError as exc:
+            log.warning("ignoring %s", exc)
+            return None
+
+    def _wait(self, what: Callable[[], str], probe: Callable[[], object],
+              deadline_s: float | None = None) -> object:
+        return Wait(deadline_s=min(deadline_s or self.timeout_s, self.timeout_s),
+                    backoff=self.backoff, progress_interval_s=5.0, describe=what).until(probe)
+
+    # -- master -----------------------------------------------------------------
+    def _master(self) -> bool:
+        assert self.num_nodes is not None
+        fsio.remove_tree(self.dir)  # an earlier doctor's files: nothing to trust there
+        fsio.ensure_dir(self.dir)
+        publish_record(self.store, self._key("node-0.json"), self._node())
+        nodes: dict[int, DoctorNode] = {0: self._node()}
+        missing = list(range(1, self.num_nodes))
+
+        def gather() -> bool | None:
+            for rank in list(missing):
+                node = self._read(f"node-{rank}.json", DoctorNode)
+                if isinstance(node, DoctorNode) and node.rank == rank:
+                    nodes[rank] = node
+                    missing.remove(rank)
+            return True if not missing else None
+
+        try:
+            self._wait(lambda: f"node file(s) of rank(s) {missing} in {self.dir}", gather)
+        except WaitTimeout:
+            self._publish_result(False, [
+                f"FAIL shared: rank(s) {missing} never appeared in {self.dir} within "
+                f"{self.timeout_s:g} s: those nodes do not see this node's directory (it is not "
+                "shared with them, or they cannot write it): check that --log-path is the "
+                "same network mount on every node"])
+            return False
+        server = netaddr.ProbeServer(self.address)
+        train = netaddr.Listener(self.address)
+        try:
+            round_id = secrets.token_hex(6)
+            publish_record(self.store, self._key("round.json"), DoctorRound(
+                round=round_id, num_nodes=self.num_nodes,
+                nonces={str(r): n.nonce for r, n in nodes.items()}, address=self.address,
+                probe_port=server.port, train_port=train.port))
+            trips, answers, failure = self._probes(round_id)
+        finally:
+            server.close()
+            train.close()
+        lines, ok = self._verdict(nodes, trips, answers, failure)
+        self._publish_result(ok, lines, round_id)
+        return ok
+
+    def _probes(self, round_id: str) -> tuple[dict[str, dict[int, list[float]]],
+                                              dict[int, DoctorAnswer], str]:
+        """Round trips per kind and rank; each rank's last answer, its `wall_time` turned
+        into the rank's clock offset from the master's, taken from the probe with the
+        shortest round trip (the least uncertain, as NTP does)."""
+        assert self.num_nodes is not None
+        trips: dict[str, dict[int, list[float]]] = {k: {} for k in KINDS}
+        answers: dict[int, DoctorAnswer] = {}
+        offsets: dict[int, list[tuple[float, float]]] = {}  # (round trip, offset)
+        unlisted: set[int] = set()
+        for seq in range(1, len(KINDS) * ROUNDS_PER_KIND + 1):
+            kind = KINDS[(seq - 1) % len(KINDS)]
+            started, wall = time.monotonic(), time.time()
+            if kind == "replace":
+                publish_record(self.store, self._key("probe.json"),
+                               DoctorProbe(round=round_id, seq=seq))
+            else:
+                publish_record(self.store, self._key(f"{kind}-{round_id}-{seq}.json"),
+                               DoctorProbe(round=round_id, seq=seq))
+            waiting = list(range(1, self.num_nodes))
+
+            def answered(seq: int = seq, started: float = started, kind: str = kind,
+                         waiting: list[int] = waiting, wall: float = wall) -> bool | None:
+                for rank in list(waiting):
+                    answer = self._read(f"answer-{rank}.json", DoctorAnswer)
+                    if isinstance(answer, DoctorAnswer) and answer.round == round_id and \
+                            answer.seq >= seq:
+                        trip = time.monotonic() - started
+                        if answer.listed:
+                            trips[kind].setdefault(rank, []).append(trip)
+                        else:
+                            unlisted.add(rank)
+                        # It answered between our publish and our read: the midpoint.
+                        offsets.setdefault(rank, []).append(
+                            (trip, answer.wall_time - (wall + trip / 2)))
+                        answers[rank] = dataclasses.replace(
+                            answer, wall_time=min(offsets[rank])[1])
+                        waiting.remove(rank)
+                return True if not waiting else None
+
+            def what(waiting: list[int] = waiting, kind: str = kind) -> str:
+                return f"rank(s) {waiting} to see a {kind} probe"
+
+            try:
+                self._wait(what, answered)
+            except WaitTimeout:
+                return trips, answers, (f"rank(s) {waiting} did not see probe {seq} ({kind}) "
+                                        f"within {self.timeout_s:g} s")
+        for rank in sorted(unlisted):
+            trips["list"].setdefault(rank, [])
+        return trips, answers, ""
+
+    def _verdict(self, nodes: dict[int, DoctorNode], trips: dict[str, dict[int, list[float]]],
+                 answers: dict[int, DoctorAnswer], failure: str) -> tuple[list[str], bool]:
+        ok = not failure
+        lines = [f"{'OK  ' if ok else 'FAIL'} shared: {len(nodes)} node(s) see each other's "
+                 f"files in {self.log_path}" + (f"; {failure}" if failure else "")]
+        for kind in KINDS:
+            for rank, values in sorted(trips[kind].items()):
+                if len(values) < ROUNDS_PER_KIND:  # list probes the listing did not show
+                    lines.append(f"INFO {kind:<7} rank {rank} ({nodes[rank].host}): "
+                                 f"{ROUNDS_PER_KIND - len(values)} of {ROUNDS_PER_KIND} new "
+                                 f"files did not show in a listing within {LIST_WAIT_S:g} s; "
+                                 f"{SLOW_FIX['list']}")
+                    if not values:
+                        continue
+                lag = statistics.median(values) / 2
+                slow = lag > SLOW_LAG_S
+                status = ("INFO" if kind == "list" else "WARN") if slow else "OK  "
+                lines.append(f"{status} {kind:<7} rank {rank} ({nodes[rank].host}): "
+                             f"publish-to-visible ~{lag * 1000:.0f} ms (round trips "
+                             + ", ".join(f"{v * 1000:.0f}" for v in values) + " ms)"
+                             + (f"; {SLOW_FIX[kind]}" if slow else ""))
+        for rank, answer in sorted(answers.items()):
+            if answer.reach:
+                ok = False
+                lines.append(f"FAIL network rank {rank} ({nodes[rank].host}): {answer.reach}")
+            else:
+                lines.append(f"OK   network rank {rank} ({nodes[rank].host}) reaches the "
+                             f"master's address {self.address} and a held training port")
+            lines.append(f"INFO clock   rank {rank} ({nodes[rank].host}): about "
+                         f"{answer.wall_time:+.3f} s from the master's clock (information "
+                         "only: the protocol never compares clocks)")
+        for rank, node in sorted(nodes.items()):
+            lines.append(f"INFO mount   rank {rank} ({node.host}): {node.mount}")
+            for risk in node.risks:
+                lines.append(f"{risk.split(':', 1)[0].upper():<4} mount   rank {rank}: "
+                             f"{risk.split(':', 1)[1].strip()}")
+                ok = ok and not risk.startswith("fail")
+            enough = node.free_bytes >= self.need_bytes
+            lines.append(f"{'OK  ' if enough else 'WARN'} space   rank {rank}: "
+                         f"{node.free_bytes / 2**30:.1f} GiB free in the run directory"
+                         + ("" if enough else f", below the {self.need_bytes / 2**30:.0f} GiB "
+                            "asked for (--need-gb): checkpoints and trajectories may not fit"))
+        return lines, ok
+
+    def _publish_result(self, ok: bool, lines: list[str], round_id: str = "") -> None:
+        result = DoctorResult(round=round_id, ok=ok, lines=tuple(lines))
+        publish_record(self.store, self._key("result.json"), result)
+        self._print(result)
+
+    def _print(self, result: DoctorResult) -> None:
+        self.echo(f"doctor of {self.log_path} (rank {self.rank} on {self.host}):")
+        for line in result.lines:
+            self.echo(f"  {line}")
+        self.echo("verdict: " + ("the directory can carry a run" if result.ok else
+                                 "the directory cannot carry a run (see FAIL above)"))
+
+    # -- worker -----------------------------------------------------------------
+    def _worker(self) -> bool:
+        fsio.ensure_dir(self.dir)
+        last = 0.0
+
+        def named() -> DoctorRound | None:
+            nonlocal last
+            if time.monotonic() - last > 1.0:  # the master clears the directory at its start
+                publish_record(self.store, self._key(f"node-{self.rank}.json"), self._node())
+                last = time.monotonic()
+            found = self._read("round.json", DoctorRound)
+            if isinstance(found, DoctorRound) and found.nonces.get(str(self.rank)) == self.nonce:
+                return found
+            return None
+
+        try:
+            round_ = self._wait(lambda: f"the master's round naming this node in {self.dir}",
+                                named)
+        except WaitTimeout:
+            self._print(DoctorResult(round="", ok=False, lines=(
+                f"FAIL shared: no round from the master naming rank {self.rank} appeared in "
+                f"{self.dir} within {self.timeout_s:g} s: this node does not see the "
+                "master's directory (not shared, or the master is not running doctor)",)))
+            return False
+        assert isinstance(round_, DoctorRound)
+        reach = self._reach(round_)
+        for seq in range(1, len(KINDS) * ROUNDS_PER_KIND + 1):
+            kind = KINDS[(seq - 1) % len(KINDS)]
+            def what(seq: int = seq, kind: str = kind) -> str:
+                return f"probe {seq} ({kind}) from the master"
+
+            def sees(seq: int = seq, kind: str = kind) -> bool | None:
+                return self._sees(round_.round, seq, kind)
+
+            listed = True
+            try:
+                self._wait(what, sees, LIST_WAIT_S if kind == "list" else None)
+            except WaitTimeout:
+                if kind != "list":
+                    break  # the master reports it; its result says why
+                listed = False
+            publish_record(self.store, self._key(f"answer-{self.rank}.json"), DoctorAnswer(
+                round=round_.round, rank=self.rank, seq=seq, wall_time=time.time(),
+                reach=reach, listed=listed))
+        try:
+            result = self._wait(lambda: "the master's verdict", lambda: self._result(round_))
+        except WaitTimeout:
+            raise PeerLostError(f"the master published no verdict within {self.timeout_s:g} s",
+                                rank=0) from None
+        assert isinstance(result, DoctorResult)
+        self._print(result)
+        return result.ok
+
+    def _sees(self, round_id: str, seq: int, kind: str) -> bool | None:
+        if kind == "replace":
+            probe = self._read("probe.json", DoctorProbe)
+            return True if isinstance(probe, DoctorProbe) and probe.round == round_id and \
+                probe.seq >= seq else None
+        name = f"{kind}-{round_id}-{seq}.json"
+        if kind == "new":
+            return True if self._read(name, DoctorProbe) is not None else None
+        return True if name in self.store.listdir(DIRECTORY) else None
+
+    def _result(self, round_: DoctorRound) -> DoctorResult | None:
+        found = self._read("result.json", DoctorResult)
+        return found if isinstance(found, DoctorResult) and found.round == round_.round \
+            else None
+
+    def _reach(self, round_: DoctorRound) -> str:
+        problems = []
+        for what, port in (("probe", round_.probe_port), ("training", round_.train_port)):
+            try:
+                netaddr.probe(round_.address, port, timeout_s=5.0)
+            except OSError as exc:
+                problems.append(f"cannot connect to the master's {what} port "
+                                f"{round_.address}:{port} ({exc}): open it in the firewall or "
+                                "pass --node-ip / --ifname to the master")
+        return "; ".join(problems)
