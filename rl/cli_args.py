@@ -20,7 +20,7 @@ from coordinator.errors import ExitCode, UsageError
 from coordinator.records import MAX_RANKS
 from coordinator.weights import Weights
 
-RANK_ENV_VARS = ("RANK", "NODE_RANK", "SLURM_PROCID")
+RANK_ENV_VARS = ("RANK", "NODE_RANK", "SLURM_PROCID", "SKYPILOT_NODE_RANK")
 
 
 def fail_usage(message: str) -> typer.Exit:
