@@ -177,6 +177,10 @@ class Daemon:
         started = time.monotonic()
         incident = regroup.Incident.of(error, by=self.rank, where=self.heartbeat.record)
         self.runtime.fail(error)  # peers learn it now, if nobody published it yet
+        # The monitor first: still running, it would record the same failure again
+        # after resume() cleared it, and the wait for the next session would raise it.
+        if self.monitor is not None:
+            self.monitor.stop()
         self.runtime.resume()
         self.runtime.kill_children()
         self._close_actions()

@@ -23,7 +23,7 @@ from rollout.batch_format import TrainBatch
 from trainer import grpo
 from trainer.checkpoint import MANIFEST_NAME, verify_checkpoint
 from trainer.config import Strategy
-from trainer.distributed import DistContext, unwrap
+from trainer.distributed import DistContext, unwrap, wrap_model
 from trainer.errors import TrainError
 from trainer.grpo import shard
 
@@ -43,6 +43,37 @@ def load_model(model_dir: Path, ctx: DistContext) -> tuple[Any, Any]:
     model.to(ctx.device)  # type: ignore[arg-type]  # transformers' stub is wrong
     model.config.use_cache = False  # no KV cache while training
     return model, tokenizer
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Activation checkpointing per decoder layer (transformers' own, non-reentrant)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def load_policy(model_dir: Path, ctx: DistContext, *, trainable: bool,
+                dtype: torch.dtype = torch.float32,
+                checkpointing: bool = False) -> tuple[Any, Any]:
+    """The model ready to train (or, not `trainable`, frozen for reference log-probs)
+    and its tokenizer.  Under FSDP2 each rank reads only its own shards
+    (trainer/sharded_load.py); otherwise the whole model, wrapped for DDP."""
+    if not (ctx.is_distributed and ctx.strategy == Strategy.FSDP2):
+        model, tokenizer = load_model(model_dir, ctx)
+        model.train(trainable)
+        if checkpointing:
+            enable_checkpointing(model)
+        return wrap_model(model, ctx, trainable=trainable), tokenizer
+    from transformers import AutoTokenizer
+
+    from trainer.sharded_load import load_sharded_model
+
+    if (model_dir / MANIFEST_NAME).exists():
+        verify_checkpoint(model_dir)
+    elif not model_dir.is_dir():
+        raise TrainError(f"model_dir {model_dir} does not exist")
+    wrapped = load_sharded_model(model_dir, ctx, trainable=trainable, dtype=dtype,
+                                 prepare=enable_checkpointing if checkpointing else None)
+    wrapped.train(trainable)
+    return wrapped, AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
 def autocast(ctx: DistContext) -> contextlib.AbstractContextManager[Any]:

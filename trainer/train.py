@@ -61,12 +61,11 @@ from trainer.distributed import (
     gathered_state,
     init_distributed,
     unwrap,
-    wrap_model,
 )
 from trainer.grpo import plan_steps, shard
 from trainer.lifeline import die_with_parent
 from trainer.optim_state import restore_optimizer, save_optimizer
-from trainer.policy import autocast, load_model, param_digest, policy_logprobs
+from trainer.policy import autocast, load_policy, param_digest, policy_logprobs
 from trainer.probes import ProbeSet, make_probe_set
 from trainer.update import Inputs, Sums, optimizer_step
 
@@ -104,11 +103,10 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
         "batch %s: %d samples, %d response tokens", job.batch_path, batch.num_samples, sum(lens)
     )
 
-    model, tokenizer = load_model(job.model_dir, ctx)
-    check_vocab(batch, model.get_input_embeddings().num_embeddings, job.batch_path)
+    wrapped, tokenizer = load_policy(job.model_dir, ctx, trainable=True,
+                                     checkpointing=config.activation_checkpointing)
+    check_vocab(batch, unwrap(wrapped).get_input_embeddings().num_embeddings, job.batch_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    model.train()
-    wrapped = wrap_model(model, ctx, trainable=True)
     optimizer = torch.optim.AdamW(
         wrapped.parameters(),
         lr=config.lr,
@@ -188,11 +186,11 @@ def fixed_inputs(
     ref = None
     if config.kl_coef > 0 and training:
         assert job.ref_model_dir is not None  # TrainJob enforces it
-        ref_model, _ = load_model(job.ref_model_dir, ctx)
-        ref_model.eval()
-        ref_wrapped = wrap_model(ref_model, ctx, trainable=False)
+        # Frozen: in the compute dtype (bf16 on GPUs), sharded like the policy under FSDP2.
+        ref_wrapped, _ = load_policy(job.ref_model_dir, ctx, trainable=False,
+                                     dtype=ctx.compute_dtype)
         ref = policy_logprobs(ref_wrapped, batch, own, ctx, config.micro_batch_size, pad_id)
-        del ref_model, ref_wrapped
+        del ref_wrapped
     log.info(
         "old log-probs ready; engine mismatch mean %.3g max %.3g",
         mismatch_sum / max(1, sum(lens)),
