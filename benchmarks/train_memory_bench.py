@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from trainer.config import TrainConfig
     from trainer.distributed import init_distributed, unwrap
-    from trainer.policy import load_model
+    from trainer.policy import enable_checkpointing, load_model
     from trainer.sharded_load import load_sharded_model
 
     config = TrainConfig.from_dict({"strategy": "fsdp2", "device": "cpu"})
@@ -79,8 +79,7 @@ def worker(args: argparse.Namespace) -> None:
         del full
     load_peak = _status("VmHWM") - before
     if args.checkpointing:
-        unwrap(model).gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(unwrap(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
     before = _reset_peak()

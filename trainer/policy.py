@@ -46,8 +46,13 @@ def load_model(model_dir: Path, ctx: DistContext) -> tuple[Any, Any]:
 
 
 def enable_checkpointing(model: Any) -> None:
-    """Activation checkpointing per decoder layer (transformers' own, non-reentrant)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """Activation checkpointing per decoder layer (transformers' own, non-reentrant;
+    `activation_checkpointing_enable` since transformers 5, the older name before)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def load_policy(model_dir: Path, ctx: DistContext, *, trainable: bool,
