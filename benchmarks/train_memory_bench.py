@@ -13,7 +13,8 @@ many gloo ranks on this machine, each of which, in turn:
               to_empty, each rank reading only its rows with safe_open
 
 and reports the growth of its peak resident memory (VmHWM after the kernel's
-peak was reset through /proc/self/clear_refs, minus VmRSS before) while loading,
+peak was reset through /proc/self/clear_refs, minus VmRSS before) while loading
+(the full path's mapped weights touched, as a GPU rank copies them all),
 and then during one forward, backward and AdamW step on a random batch (with and
 without activation checkpointing).  Printed against the model's full fp32 size:
 the sharded load at 4 ranks should grow each rank by about 1/4 of it.
@@ -75,9 +76,21 @@ def worker(args: argparse.Namespace) -> None:
         from trainer.distributed import wrap_model
 
         full, _ = load_model(Path(args.model), ctx)
+        # transformers maps the safetensors file and reads pages on first use; a GPU
+        # rank copies every weight to the device at once: touch them all here too.
+        with torch.no_grad():
+            for p in full.parameters():
+                p.sum()
         model = wrap_model(full, ctx, trainable=True)
         del full
     load_peak = _status("VmHWM") - before
+    ref_peak = 0
+    if args.mode == "sharded" and args.reference:
+        # kl_coef > 0: the frozen reference model, loaded the same way next to it.
+        before = _reset_peak()
+        reference = load_sharded_model(Path(args.model), ctx, trainable=False)
+        ref_peak = _status("VmHWM") - before
+        del reference
     if args.checkpointing:
         enable_checkpointing(unwrap(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -90,7 +103,8 @@ def worker(args: argparse.Namespace) -> None:
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4
                 for p in model.parameters())
     print(json.dumps({"rank": ctx.rank, "mode": args.mode, "checkpointing": args.checkpointing,
-                      "load_peak": load_peak, "step_peak": step_peak, "local_bytes": local,
+                      "load_peak": load_peak, "ref_peak": ref_peak, "step_peak": step_peak,
+                      "local_bytes": local,
                       "loss": float(out.loss)}), flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -129,6 +143,8 @@ def main() -> None:
     parser.add_argument("--model", default="")
     parser.add_argument("--mode", default="sharded", choices=("full", "sharded"))
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--reference", action="store_true",
+                        help="worker: also load the frozen reference model (sharded path)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=0, help="default 4 x hidden")
     parser.add_argument("--layers", type=int, default=8)

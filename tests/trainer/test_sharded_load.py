@@ -4,7 +4,8 @@
   the model from_pretrained reads, and the sharded model's logits equal the
   whole model's.
 - At 4 ranks, the growth of each rank's peak resident memory while loading is
-  at most 0.4x the model's fp32 size (1/4 plus slack), measured by
+  at most 0.4x the model's fp32 size (1/4 plus slack), and the frozen
+  reference model (kl_coef > 0) adds at most as much again, measured by
   benchmarks/train_memory_bench.py's worker (VmHWM reset through clear_refs).
 - Activation checkpointing gives the same loss and gradients.
 - A malformed safetensors header is refused with the file named.
@@ -92,10 +93,13 @@ def test_each_rank_holds_exactly_its_rows_and_the_logits_match(model: Path,
 def test_loading_on_4_ranks_grows_each_rank_by_about_a_quarter(model: Path) -> None:
     size = (model / "model.safetensors").stat().st_size
     rows = torchrun(4, str(BENCH), "--worker", "--model", str(model), "--mode", "sharded",
-                    "--seq", "16", "--batch", "1")
+                    "--seq", "16", "--batch", "1", "--reference")
     growth = [r["load_peak"] / size for r in rows]
-    print(f"\nload peak growth per rank at 4 ranks: {[f'{g:.3f}' for g in growth]} x model")
+    reference = [r["ref_peak"] / size for r in rows]  # kl_coef > 0: the frozen reference
+    print(f"\nload peak growth per rank at 4 ranks: {[f'{g:.3f}' for g in growth]} x model, "
+          f"reference {[f'{g:.3f}' for g in reference]}")
     assert len(rows) == 4 and max(growth) <= 0.4, growth
+    assert max(reference) <= 0.4, reference
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(model: Path) -> None:
@@ -141,3 +145,19 @@ def test_shard_rows_cut_dim_0_like_torch_chunk(rows: int, world: int) -> None:
         start, end = shard_rows(rows, world, rank)
         expected = chunks[rank].tolist() if rank < len(chunks) else []
         assert list(range(start, end)) == expected
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_its_path_on_gloo_and_refuses_without_a_gpu() -> None:
+    """benchmarks/gpu_check.py: on CPU ranks the same load, step, save and reload (the
+    checkpoint's logits match the trainer's model); asked for CUDA here, it says why not."""
+    script = ROOT / "benchmarks" / "gpu_check.py"
+    small = ["--hidden", "128", "--layers", "2", "--heads", "4", "--seq", "32"]
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", *small],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "on 2 cpu rank(s)" in done.stdout and "(OK, tolerance 0.0001)" in done.stdout
+    if not torch.cuda.is_available():
+        refused = subprocess.run([sys.executable, str(script), *small], capture_output=True,
+                                 text=True, timeout=120)
+        assert refused.returncode == 2 and "no CUDA device is visible here" in refused.stderr
