@@ -8,7 +8,8 @@ Each GPU is one torchrun rank.  A Llama of the given shape (random weights) is
 written as safetensors; every rank loads only its shards
 (trainer/sharded_load.py), runs one forward, backward and AdamW step on a
 random batch in bf16 compute, then the checkpoint is saved the way the trainer
-publishes it (trainer/checkpoint.py, SHA-256 manifest) and loaded back with
+publishes it (every rank its shards, rank 0 consolidating them:
+trainer/sharded_save.py; SHA-256 manifest) and loaded back with
 from_pretrained, and the logits of both are compared.  Printed per rank: peak
 GPU memory (torch.cuda.max_memory_allocated) after loading and after the step,
 the step time, and the logit difference.  Exit 0 when the checkpoint matches.
@@ -39,9 +40,10 @@ def worker(args: argparse.Namespace) -> None:
 
     from trainer.checkpoint import publish_checkpoint, verify_checkpoint
     from trainer.config import TrainConfig
-    from trainer.distributed import gathered_state, init_distributed, unwrap
+    from trainer.distributed import init_distributed, unwrap
     from trainer.grpo import collate
     from trainer.policy import forward_logits, load_policy
+    from trainer.sharded_save import stage_sharded_weights
 
     cuda = args.device == "cuda"
     config = TrainConfig.from_dict({"strategy": "fsdp2", "device": args.device,
@@ -66,11 +68,13 @@ def worker(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
     step_s = time.monotonic() - started
     step_peak = torch.cuda.max_memory_allocated() if cuda else 0
-    full = gathered_state(model, ctx)  # every rank takes part
+    # As the trainer publishes it: shards saved by every rank, consolidated by rank 0.
+    staged = stage_sharded_weights(model, ctx, out_dir) if ctx.is_distributed else None
     if ctx.rank == 0:
-        publish_checkpoint(unwrap(model), None, out_dir, iteration=0, state_dict=full,
-                           carry_files_from=model_dir)
-    dist.barrier()
+        publish_checkpoint(unwrap(model), None, out_dir, iteration=0,
+                           carry_files_from=model_dir, weights_from=staged)
+    if ctx.is_distributed:
+        dist.barrier()
     verify_checkpoint(out_dir)
     probe = collate([[5, 6, 7, 8]] * 2, [[9, 10, 11]] * 2, pad_id=0)
     model.eval()
@@ -88,7 +92,8 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps({"rank": ctx.rank, "load_peak": load_peak, "step_peak": step_peak,
                       "step_s": step_s, "loss": float(out.loss.detach()), "max_logit_diff": diff}),
           flush=True)
-    dist.destroy_process_group()
+    if ctx.is_distributed:
+        dist.destroy_process_group()
 
 
 def main() -> int:

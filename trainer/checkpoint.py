@@ -263,15 +263,31 @@ def write_model_files(
     *,
     state_dict: dict[str, Any] | None = None,
     carry_files_from: Path | None = None,
+    weights_from: Path | None = None,
 ) -> None:
     """Config, safetensors weights and tokenizer files.
+
+    With `weights_from` (a directory of consolidated safetensors files and their
+    index, trainer/sharded_save.py), those files are moved in as the weights and
+    only the config is written from the model.
 
     With `carry_files_from`, every non-weight file of that checkpoint is copied
     byte for byte over what transformers wrote: training changes only weights,
     and the source's files may be written for other readers (vLLM pinning
     transformers 4.x) in ways a 5.x save_pretrained would not reproduce.
     """
-    model.save_pretrained(directory, state_dict=state_dict)
+    if weights_from is None:
+        model.save_pretrained(directory, state_dict=state_dict)
+    else:
+        ensure_dir(directory)
+        model.config.save_pretrained(directory)
+        moved = [p for p in sorted(weights_from.iterdir())
+                 if p.is_file() and not p.is_symlink() and p.name.endswith(_WEIGHT_SUFFIXES)]
+        if not any(p.name.endswith(".safetensors") for p in moved):
+            raise CheckpointError(f"{weights_from} holds no consolidated safetensors file",
+                                  path=weights_from)
+        for src in moved:
+            rename(src, directory / src.name)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     if carry_files_from is not None:
@@ -310,6 +326,7 @@ def publish_checkpoint(
     state_dict: dict[str, Any] | None = None,
     carry_files_from: Path | None = None,
     probes: ProbeSet | None = None,
+    weights_from: Path | None = None,
 ) -> Manifest:
     """Write model + tokenizer to final_dir atomically with a manifest.
 
@@ -323,11 +340,15 @@ def publish_checkpoint(
     tmp = tmp_sibling(final_dir)
     try:
         write_model_files(
-            model, tokenizer, tmp, state_dict=state_dict, carry_files_from=carry_files_from
+            model, tokenizer, tmp, state_dict=state_dict, carry_files_from=carry_files_from,
+            weights_from=weights_from,
         )
     except BaseException:
         remove_tree(tmp)
         raise
+    finally:
+        if weights_from is not None:
+            remove_tree(weights_from)  # the staged shards: its consolidated files moved in
     return seal_directory(tmp, final_dir, iteration=iteration, probes=probes)
 
 

@@ -2,10 +2,10 @@
 
 Everything here is collective-aware: joining the group and choosing device,
 strategy and compute dtype (`init_distributed`), summing scalars over ranks
-(`all_reduce`), wrapping the model for DDP or FSDP2 (`wrap_model`), skipping
-gradient sync between micro-batches (`grad_sync`) and gathering the full
-state for saving (`gathered_state`).  A single process (WORLD_SIZE unset or 1)
-runs the same code with every collective a no-op.
+(`all_reduce`), wrapping the model for DDP or FSDP2 (`wrap_model`) and
+skipping gradient sync between micro-batches (`grad_sync`).  Loading and saving
+an FSDP2 model shard by shard: sharded_load.py, sharded_save.py.  A single
+process (WORLD_SIZE unset or 1) runs the same code with every collective a no-op.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from trainer.config import Device, DType, Strategy, TrainConfig
 from trainer.errors import TrainError
@@ -134,15 +133,3 @@ def grad_sync(model: Any, ctx: DistContext, enabled: bool) -> Iterator[None]:
     else:
         with model.no_sync():
             yield
-
-
-def gathered_state(model: Any, ctx: DistContext) -> dict[str, Tensor] | None:
-    """Full CPU state dict for saving (FSDP2 needs every rank to take part)."""
-    if ctx.is_distributed and ctx.strategy == Strategy.FSDP2:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        return dict(state)  # type: ignore[arg-type]
-    return None

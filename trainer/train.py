@@ -53,12 +53,11 @@ from rollout.errors import CheckpointError
 from trainer import grpo
 from trainer.batch import check_vocab, load_batch
 from trainer.checkpoint import publish_checkpoint
-from trainer.config import TrainerError, TrainJob
+from trainer.config import Strategy, TrainerError, TrainJob
 from trainer.distributed import (
     DistContext,
     all_reduce,
     env_int,
-    gathered_state,
     init_distributed,
     unwrap,
 )
@@ -67,6 +66,7 @@ from trainer.lifeline import die_with_parent
 from trainer.optim_state import restore_optimizer, save_optimizer
 from trainer.policy import autocast, load_policy, param_digest, policy_logprobs
 from trainer.probes import ProbeSet, make_probe_set
+from trainer.sharded_save import stage_sharded_weights
 from trainer.update import Inputs, Sums, optimizer_step
 
 log = logging.getLogger("trainer")
@@ -261,7 +261,10 @@ def finish(
     digest = param_digest(model)
     log.info("params sha256 %s", digest)
     probes = score_probes(model, ctx)  # every rank: FSDP all-gathers inside the forward
-    full_state = gathered_state(model, ctx)
+    # FSDP2: every rank saves its shards, rank 0 consolidates (trainer/sharded_save.py);
+    # nothing gathers the whole model.  DDP and a single process: the model as it is.
+    staged = stage_sharded_weights(model, ctx, job.out_dir) if ctx.is_distributed and \
+        ctx.strategy == Strategy.FSDP2 else None
     save_optimizer(optimizer, job, ctx, metrics["optimizer_step_end"])
     if ctx.is_distributed:
         dist.barrier()  # every rank's optimizer state is durable before the checkpoint appears
@@ -272,9 +275,9 @@ def finish(
             None,
             job.out_dir,
             iteration=job.iteration,
-            state_dict=full_state,
             carry_files_from=job.model_dir,
             probes=probes,
+            weights_from=staged,
         )
         metrics["checkpoint_digest"] = manifest.digest
         metrics["params_sha256"] = digest

@@ -58,6 +58,28 @@ torch.distributed.destroy_process_group()
 """
 
 
+SAVE = r"""
+import sys
+from pathlib import Path
+import torch.distributed as dist
+from trainer.checkpoint import publish_checkpoint
+from trainer.config import TrainConfig
+from trainer.distributed import init_distributed, unwrap
+from trainer.sharded_load import load_sharded_model
+from trainer.sharded_save import stage_sharded_weights
+
+model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+ctx = init_distributed(TrainConfig.from_dict({"strategy": "fsdp2", "device": "cpu"}))
+model = load_sharded_model(model_dir, ctx, trainable=True)
+staged = stage_sharded_weights(model, ctx, out)
+if ctx.rank == 0:
+    publish_checkpoint(unwrap(model), None, out, iteration=5, carry_files_from=model_dir,
+                       weights_from=staged)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
 def torchrun(ranks: int, *args: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -161,3 +183,29 @@ def test_the_gpu_check_runs_its_path_on_gloo_and_refuses_without_a_gpu() -> None
         refused = subprocess.run([sys.executable, str(script), *small], capture_output=True,
                                  text=True, timeout=120)
         assert refused.returncode == 2 and "no CUDA device is visible here" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_shard_by_shard_verifies_and_loads_in_the_hf_engine(
+        model: Path, tmp_path: Path) -> None:
+    """3 ranks save their shards, rank 0 consolidates and publishes: the manifest
+    verifies, the staging directory is gone, and the hf engine's loader reads back
+    exactly the weights that were loaded."""
+    from safetensors.torch import load_file
+
+    from rollout.hf_weights import load_safetensors
+    from trainer.checkpoint import verify_checkpoint
+    from trainer.sharded_save import staging_dir
+
+    script = tmp_path / "save.py"
+    script.write_text(SAVE)
+    out = tmp_path / "checkpoints" / "iter-000005"
+    out.parent.mkdir()
+    torchrun(3, str(script), str(model), str(out))
+    assert verify_checkpoint(out).iteration == 5
+    assert not staging_dir(out).exists()
+    saved = load_safetensors(out, torch=torch)
+    original = load_file(str(model / "model.safetensors"))
+    assert saved.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(saved[name], tensor), name
