@@ -195,10 +195,22 @@ class Daemon:
 
     def _take_back(self) -> None:
         """Between two iterations of a shrunk group: a new session with the ranks that
-        returned (regroup.py).  No failure: engines and actions stay as they are."""
-        self._next_session(
-            error=None, form=lambda: self._form_session(admit=True),
-            waiting_for="the group to take back the ranks that returned, between iterations")
+        returned (regroup.py).  No failure: engines and actions stay as they are.
+
+        The master's heartbeat stays in the old session until the new one is formed:
+        a member still finishing the iteration reads the last release from it, and
+        its monitor has no reason to take the master for gone."""
+        assert self.heartbeat is not None
+        if not self.is_master:
+            self._next_session(
+                error=None, form=lambda: None,
+                waiting_for="the group to take back the ranks that returned, between iterations")
+            return
+        if self.monitor is not None:
+            self.monitor.stop()
+        self.heartbeat.set(waiting_for="the members and the ranks that returned, to form the "
+                           "next session")
+        self._form_session(admit=True)
 
     def _next_session(self, *, error: str | None, waiting_for: str,
                       form: Callable[[], None]) -> None:

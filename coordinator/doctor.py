@@ -49,10 +49,10 @@ log = logging.getLogger(__name__)
 
 DIRECTORY: Final = "doctor"
 KINDS: Final = ("replace", "new", "list")
-ROUNDS_PER_KIND: Final = 3
+ROUNDS_PER_KIND: Final = 2
 # Listings are hints (PROTOCOL.md rule 4): a worker waits this long for a new name
 # to show in one, then answers anyway (FUSE and NFS cache listings for 30-60 s).
-LIST_WAIT_S: Final = 2.0
+LIST_WAIT_S: Final = 1.0
 # A lag above this shows in the verdict: joins and barriers will feel it.
 SLOW_LAG_S: Final = 1.0
 SLOW_FIX: Final = {

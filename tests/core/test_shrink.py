@@ -68,6 +68,8 @@ def test_a_lost_worker_is_left_out_then_taken_back_at_an_iteration_boundary(
     finally:
         c.close()
 
+    # Taking rank 2 back is no failure: nobody took the master for gone meanwhile.
+    assert "to re-form the group: no reason given" not in c.output(1), c.output(1)[-3000:]
     (recovery,) = recoveries(c.log_path)
     assert recovery["rank"] == 2 and recovery["left_out"] == [2], recovery
     assert recovery["members"].keys() == {"0", "1"}

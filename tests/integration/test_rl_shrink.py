@@ -77,6 +77,8 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
         finally:
             c.close()
 
+        # Taking node 2 back is no failure: nobody took the master for gone meanwhile.
+        assert "to re-form the group: no reason given" not in c.output(1), c.output(1)[-3000:]
         (recovery,) = read(run / "recoveries.json")["recoveries"]
         assert (recovery["rank"], recovery["iteration"], recovery["left_out"]) == (2, 0, [2])
         assert recovery["members"].keys() == {"0", "1"}
