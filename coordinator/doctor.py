@@ -171,8 +171,14 @@ class Doctor:
     # -- master -----------------------------------------------------------------
     def _master(self) -> bool:
         assert self.num_nodes is not None
-        fsio.remove_tree(self.dir)  # an earlier doctor's files: nothing to trust there
+        # An earlier doctor's files: nothing to trust there.  The workers' answer files
+        # stay (an answer names its round, so an old one is ignored): unlinking them
+        # would leave this client a cached failed lookup of each, and the first answer
+        # of this round would show late for a reason that is not the filesystem's lag.
         fsio.ensure_dir(self.dir)
+        for name in self.store.listdir(DIRECTORY):
+            if not name.startswith("answer-"):
+                fsio.remove_tree(self.dir / name)
         publish_record(self.store, self._key("node-0.json"), self._node())
         nodes: dict[int, DoctorNode] = {0: self._node()}
         missing = list(range(1, self.num_nodes))
@@ -198,6 +204,10 @@ class Doctor:
         train = netaddr.Listener(self.address)
         try:
             round_id = secrets.token_hex(6)
+            # probe.json exists before any worker looks for it: its first replacement
+            # then measures a replaced file, not a new one.
+            publish_record(self.store, self._key("probe.json"),
+                           DoctorProbe(round=round_id, seq=0))
             publish_record(self.store, self._key("round.json"), DoctorRound(
                 round=round_id, num_nodes=self.num_nodes,
                 nonces={str(r): n.nonce for r, n in nodes.items()}, address=self.address,
@@ -277,7 +287,9 @@ class Doctor:
                     if not values:
                         continue
                 lag = statistics.median(values) / 2
-                slow = lag > SLOW_LAG_S
+                # A new file: one late probe is the cache of failed lookups at work.
+                slow = (max(values) if kind == "new" else statistics.median(values)) / 2 \
+                    > SLOW_LAG_S
                 status = ("INFO" if kind == "list" else "WARN") if slow else "OK  "
                 lines.append(f"{status} {kind:<7} rank {rank} ({nodes[rank].host}): "
                              f"publish-to-visible ~{lag * 1000:.0f} ms (round trips "
@@ -326,8 +338,19 @@ class Doctor:
         def named() -> DoctorRound | None:
             nonlocal last
             if time.monotonic() - last > 1.0:  # the master clears the directory at its start
-                publish_record(self.store, self._key(f"node-{self.rank}.json"), self._node())
                 last = time.monotonic()
+                try:
+                    fsio.ensure_dir(self.dir)
+                    # The answer file first: it exists before the master learns of this
+                    # node, so the master's first read of it is never a failed lookup a
+                    # client cache could keep.
+                    publish_record(self.store, self._key(f"answer-{self.rank}.json"),
+                                   DoctorAnswer(round="", rank=self.rank, seq=0,
+                                                wall_time=time.time(), reach="", listed=True))
+                    publish_record(self.store, self._key(f"node-{self.rank}.json"),
+                                   self._node())
+                except FileNotFoundError:
+                    return None  # the master cleared the directory under the rename: again
             found = self._read("round.json", DoctorRound)
             if isinstance(found, DoctorRound) and found.nonces.get(str(self.rank)) == self.nonce:
                 return found
@@ -359,6 +382,11 @@ class Doctor:
                 if kind != "list":
                     break  # the master reports it; its result says why
                 listed = False
+            following = KINDS[seq % len(KINDS)]
+            if following == "new" and seq < len(KINDS) * ROUNDS_PER_KIND:
+                # Look the next new file up before the master can create it, as a waiter
+                # polling for a file does: a cache of failed lookups then shows.
+                self._sees(round_.round, seq + 1, "new")
             publish_record(self.store, self._key(f"answer-{self.rank}.json"), DoctorAnswer(
                 round=round_.round, rank=self.rank, seq=seq, wall_time=time.time(),
                 reach=reach, listed=listed))
