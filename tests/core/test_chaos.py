@@ -61,7 +61,7 @@ def test_ten_random_kills_on_network_mounts_and_the_run_completes(tmp_path: Path
                 c.start(rank, c.command(rank, log_path=paths[rank]))
             c.wait_until(lambda: iteration_of(c) >= 1, 120, "the first iteration")
             for n in range(1, KILLS + 1):
-                time.sleep(rng.uniform(0.0, 3.0))
+                time.sleep(rng.uniform(0.0, 2.0))
                 assert iteration_of(c) < ITERATIONS - 2, "the run outpaced the kills"
                 victim = rng.randrange(3)
                 kills.append((victim, iteration_of(c)))
