@@ -121,6 +121,9 @@ class TrainConfig:
     # Recompute each decoder layer's activations in the backward pass instead of
     # keeping them: less memory for long responses, about a third more compute.
     activation_checkpointing: bool = False
+    # The parameters' dtype: float32, or bfloat16 with the optimizer's copies and
+    # moments in float32 (trainer/master_weights.py); the checkpoint holds it too.
+    param_dtype: DType = DType.FLOAT32
 
     def __post_init__(self) -> None:
         for name in ("lr", "adam_eps", "weight_decay", "clip_eps", "kl_coef", "adv_eps"):
@@ -167,6 +170,7 @@ class TrainConfig:
             ("dtype", DType),
             ("strategy", Strategy),
             ("loss_agg", LossAgg),
+            ("param_dtype", DType),
         ):
             value = getattr(self, name)
             try:
@@ -174,6 +178,9 @@ class TrainConfig:
             except ValueError:
                 allowed = ", ".join(k.value for k in kind)
                 raise ConfigError(f"{name}={value!r} is not one of: {allowed}") from None
+        _check(self.param_dtype in (DType.FLOAT32, DType.BFLOAT16),
+               f"param_dtype={self.param_dtype.value!r} is not float32 or bfloat16: give "
+               "param_dtype = 'bfloat16' for bf16 parameters with fp32 optimizer state")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (1-based, counted over the whole run)."""
@@ -184,7 +191,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["betas"] = list(self.betas)
-        for name in ("device", "dtype", "strategy", "loss_agg"):
+        for name in ("device", "dtype", "strategy", "loss_agg", "param_dtype"):
             out[name] = getattr(self, name).value
         return out
 

@@ -28,16 +28,17 @@ from trainer.errors import TrainError
 from trainer.grpo import shard
 
 
-def load_model(model_dir: Path, ctx: DistContext) -> tuple[Any, Any]:
+def load_model(model_dir: Path, ctx: DistContext,
+               dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if (model_dir / MANIFEST_NAME).exists():
         verify_checkpoint(model_dir)
     elif not model_dir.is_dir():
         raise TrainError(f"model_dir {model_dir} does not exist")
-    # fp32 master weights everywhere; FSDP2 casts to bf16 for compute on GPUs.
+    # fp32 weights unless asked (train.param_dtype); FSDP2 casts to bf16 for compute on GPUs.
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, local_files_only=True, use_safetensors=True
+        model_dir, dtype=dtype, local_files_only=True, use_safetensors=True
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model.to(ctx.device)  # type: ignore[arg-type]  # transformers' stub is wrong
@@ -62,7 +63,7 @@ def load_policy(model_dir: Path, ctx: DistContext, *, trainable: bool,
     and its tokenizer.  Under FSDP2 each rank reads only its own shards
     (trainer/sharded_load.py); otherwise the whole model, wrapped for DDP."""
     if not (ctx.is_distributed and ctx.strategy == Strategy.FSDP2):
-        model, tokenizer = load_model(model_dir, ctx)
+        model, tokenizer = load_model(model_dir, ctx, dtype)
         model.train(trainable)
         if checkpointing:
             enable_checkpointing(model)

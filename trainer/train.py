@@ -53,7 +53,7 @@ from rollout.errors import CheckpointError
 from trainer import grpo
 from trainer.batch import check_vocab, load_batch
 from trainer.checkpoint import publish_checkpoint
-from trainer.config import Strategy, TrainerError, TrainJob
+from trainer.config import DType, Strategy, TrainerError, TrainJob
 from trainer.distributed import (
     DistContext,
     all_reduce,
@@ -63,6 +63,7 @@ from trainer.distributed import (
 )
 from trainer.grpo import plan_steps, shard
 from trainer.lifeline import die_with_parent
+from trainer.master_weights import MasterWeightsAdamW
 from trainer.optim_state import restore_optimizer, save_optimizer
 from trainer.policy import autocast, load_policy, param_digest, policy_logprobs
 from trainer.probes import ProbeSet, make_probe_set
@@ -103,11 +104,14 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
         "batch %s: %d samples, %d response tokens", job.batch_path, batch.num_samples, sum(lens)
     )
 
+    bf16 = config.param_dtype == DType.BFLOAT16
     wrapped, tokenizer = load_policy(job.model_dir, ctx, trainable=True,
+                                     dtype=torch.bfloat16 if bf16 else torch.float32,
                                      checkpointing=config.activation_checkpointing)
     check_vocab(batch, unwrap(wrapped).get_input_embeddings().num_embeddings, job.batch_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    optimizer = torch.optim.AdamW(
+    # bf16 parameters keep fp32 copies and moments in the optimizer (master_weights.py).
+    optimizer = (MasterWeightsAdamW if bf16 else torch.optim.AdamW)(
         wrapped.parameters(),
         lr=config.lr,
         betas=config.betas,

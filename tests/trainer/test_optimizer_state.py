@@ -222,11 +222,16 @@ def torchrun_pair(job: Path, tmp: Path, name: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_fsdp2_shards_of_the_optimizer_state_carry_over_on_both_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_fsdp2_shards_of_the_optimizer_state_carry_over_on_both_ranks(
+        tmp_path: Path, param_dtype: str) -> None:
+    """Also with train.param_dtype bfloat16: bf16 parameters (and checkpoint), the
+    optimizer's copies and moments in fp32 (trainer/master_weights.py)."""
     model_dir = create_tiny_model(tmp_path / "model", seed=0)
     write_batches(tmp_path, model_dir)
     config = dict(
-        strategy="fsdp2", epochs=2, micro_batch_size=2, lr=1e-3, warmup_steps=0, kl_coef=0.05
+        strategy="fsdp2", epochs=2, micro_batch_size=2, lr=1e-3, warmup_steps=0, kl_coef=0.05,
+        param_dtype=param_dtype,
     )
     jobs = []
     for it, source in ((1, model_dir), (2, tmp_path / "ckpt-1")):
@@ -245,3 +250,10 @@ def test_fsdp2_shards_of_the_optimizer_state_carry_over_on_both_ranks(tmp_path: 
     for rank in (0, 1):
         saved = torch.load(optimizer_state_path(tmp_path / "optim", rank), weights_only=True)
         assert saved["world_size"] == 2 and saved["step"] == 4
+        moments = [v["exp_avg"] for v in saved["optimizer"]["state"].values()]
+        assert moments and all(m.dtype == torch.float32 for m in moments)
+    from trainer.sharded_load import read_header
+
+    stored = {span.dtype for span in read_header(next((tmp_path / "ckpt-2").glob(
+        "*.safetensors"))).values()}
+    assert stored == {torch.bfloat16 if param_dtype == "bfloat16" else torch.float32}
