@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -121,23 +119,20 @@ def main() -> int:
               "--device cpu to run the same path on gloo ranks)", file=sys.stderr)
         return 2
     ranks = args.ranks or (torch.cuda.device_count() if args.device == "cuda" else 2)
-    from benchmarks.train_memory_bench import build_model
+    from benchmarks.train_memory_bench import build_model, torchrun_rows
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         model, out = Path(tmp) / "model", Path(tmp) / "checkpoint"
         size = build_model(model, hidden=args.hidden, intermediate=4 * args.hidden,
                            layers=args.layers, heads=args.heads)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-             "--master-port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-             str(Path(__file__).resolve()), "--worker", "--model", str(model), "--out", str(out),
-             "--device", args.device, "--batch", str(args.batch), "--seq", str(args.seq),
-             "--vocab", str(args.vocab)], capture_output=True, text=True, env=env, timeout=3600)
-        if done.returncode != 0:
-            print(done.stderr[-4000:], file=sys.stderr)
+        try:
+            rows = torchrun_rows(
+                ranks, Path(__file__).resolve(), "--worker", "--model", str(model), "--out",
+                str(out), "--device", args.device, "--batch", str(args.batch), "--seq",
+                str(args.seq), "--vocab", str(args.vocab), timeout_s=3600)
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
             return 1
-        rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     print(f"model {size / 2**20:.0f} MiB fp32 on {ranks} {args.device} rank(s), batch "
           f"{args.batch} x {args.seq}")
     for r in sorted(rows, key=lambda r: r["rank"]):

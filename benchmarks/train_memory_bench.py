@@ -121,19 +121,25 @@ def build_model(out: Path, *, hidden: int, intermediate: int, layers: int, heads
     return (out / "model.safetensors").stat().st_size
 
 
-def measure(model: Path, *, ranks: int, mode: str, checkpointing: bool, batch: int, seq: int,
-            vocab: int) -> list[dict[str, Any]]:
+def torchrun_rows(ranks: int, script: Path, *args: str, timeout_s: float = 1800
+                  ) -> list[dict[str, Any]]:
+    """`script` on `ranks` local torchrun ranks; the JSON line each rank printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               "127.0.0.1:0", str(Path(__file__).resolve()), "--worker", "--model", str(model),
-               "--mode", mode, "--batch", str(batch), "--seq", str(seq), "--vocab", str(vocab)]
-    if checkpointing:
-        command.append("--checkpointing")
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+         "--master-port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+         str(script), *args], capture_output=True, text=True, env=env, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"torchrun failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def measure(model: Path, *, ranks: int, mode: str, checkpointing: bool, batch: int, seq: int,
+            vocab: int) -> list[dict[str, Any]]:
+    return torchrun_rows(
+        ranks, Path(__file__).resolve(), "--worker", "--model", str(model), "--mode", mode,
+        "--batch", str(batch), "--seq", str(seq), "--vocab", str(vocab),
+        *(["--checkpointing"] if checkpointing else []))
 
 
 def main() -> None:

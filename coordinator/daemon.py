@@ -30,7 +30,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from coordinator import fsio, layout, membership, netaddr, regroup
@@ -187,10 +187,13 @@ class Daemon:
         self.recoveries += 1
         log.warning("rank %d: %s; stopped this rank's work, waiting up to %.0f s for the group "
                     "to re-form", self.rank, error, self.coord.rejoin_timeout_s)
-        self._next_session(
+        left = self._leave_session(
             error=str(error)[:regroup.MAX_CAUSE_CHARS],
-            waiting_for="the group to re-form after a failure (coordination.on_failure)",
-            form=lambda: self._form_session(incident=incident, started=started))
+            waiting_for="the group to re-form after a failure (coordination.on_failure)")
+        if self.is_master:
+            self._form_session(incident=incident, started=started)
+        else:
+            self._rejoin(left)
         self._build_actions()
 
     def _take_back(self) -> None:
@@ -202,9 +205,9 @@ class Daemon:
         its monitor has no reason to take the master for gone."""
         assert self.heartbeat is not None
         if not self.is_master:
-            self._next_session(
-                error=None, form=lambda: None,
-                waiting_for="the group to take back the ranks that returned, between iterations")
+            self._rejoin(self._leave_session(
+                error=None,
+                waiting_for="the group to take back the ranks that returned, between iterations"))
             return
         if self.monitor is not None:
             self.monitor.stop()
@@ -212,24 +215,22 @@ class Daemon:
                            "next session")
         self._form_session(admit=True)
 
-    def _next_session(self, *, error: str | None, waiting_for: str,
-                      form: Callable[[], None]) -> None:
-        """Leave this session and join the next: the master forms it, a worker waits."""
+    def _leave_session(self, *, error: str | None, waiting_for: str) -> str:
+        """Out of this session (heartbeat regrouping, session null: the master may form
+        the next one with this rank, membership.gather_members); returns its id."""
         assert self.heartbeat is not None and self.session is not None
         if self.monitor is not None:
             self.monitor.stop()
-        left = self.session.session
-        # session None: out of any session now, its work stopped; the master may
-        # form the next one with it (membership.gather_members).
         self.heartbeat.update(state=NodeState.REGROUPING, error=error, session=None,
                               arrived=None, released=None, waiting_for=waiting_for,
                               resume_iteration=self.journal.resume_iteration)
-        if self.is_master:
-            form()
-        else:
-            assert self.group is not None
-            session, master_host = self.group.rejoin(left, self.membership.members[0])
-            self._enter_session(session, {0: master_host})
+        return self.session.session
+
+    def _rejoin(self, left: str) -> None:
+        """Worker: the next session, from the same master or a restarted one."""
+        assert self.group is not None
+        session, master_host = self.group.rejoin(left, self.membership.members[0])
+        self._enter_session(session, {0: master_host})
 
     def _start(self) -> None:
         run_id, generation = self.manifest.run_id, self.manifest.generation

@@ -2,7 +2,7 @@
 
 Started on every node the way `run` is; everything goes through <P>/doctor/:
 
-    every node   node-<R>.json       its nonce, host, address, mount, free space
+    every worker node-<R>.json       its nonce, host, mount, free space, risks
                                      (re-published every second until the round names it)
     master       round.json          a fresh round id and every node's nonce: a node
                                      that reads its own nonce there knows the round is
@@ -75,7 +75,7 @@ class DoctorNode(Record):
     pid: int
     mount: str
     free_bytes: int
-    risks: tuple[str, ...]
+    risks: tuple[mounts.Risk, ...]
 
     def __post_init__(self) -> None:
         check_rank(self.rank)
@@ -85,7 +85,6 @@ class DoctorNode(Record):
 class DoctorRound(Record):
     SCHEMA: ClassVar[str] = "coordinator/doctor-round"
     round: str
-    num_nodes: int
     nonces: dict[str, str]  # rank -> the nonce its node published
     address: str
     probe_port: int
@@ -119,10 +118,20 @@ class DoctorResult(Record):
 
 
 @dataclasses.dataclass(kw_only=True)
+class Probed:
+    """What the master's probes measured, per kind and rank."""
+
+    trips: dict[str, dict[int, list[float]]]  # round trips, in seconds
+    reach: dict[int, str] = dataclasses.field(default_factory=dict)  # "" or what failed
+    clock_offset: dict[int, float] = dataclasses.field(default_factory=dict)  # seconds
+    failure: str = ""  # a probe not seen in time
+
+
+@dataclasses.dataclass(kw_only=True)
 class Doctor:
     log_path: Path
     rank: int
-    num_nodes: int | None  # the master's; workers learn it from the round
+    num_nodes: int | None  # the master's; a worker needs none
     timeout_s: float
     need_bytes: int
     address: str
@@ -152,9 +161,7 @@ class Doctor:
 
     def _node(self) -> DoctorNode:
         return DoctorNode(rank=self.rank, nonce=self.nonce, host=self.host, pid=os.getpid(),
-                          mount=self.mount, free_bytes=self.free,
-                          risks=tuple(f"{r.level.value}: {r.what}; fix: {r.fix}"
-                                      for r in self.risks))
+                          mount=self.mount, free_bytes=self.free, risks=tuple(self.risks))
 
     def _read(self, name: str, cls: type[Record]) -> Record | None:
         try:
@@ -179,7 +186,6 @@ class Doctor:
         for name in self.store.listdir(DIRECTORY):
             if not name.startswith("answer-"):
                 fsio.remove_tree(self.dir / name)
-        publish_record(self.store, self._key("node-0.json"), self._node())
         nodes: dict[int, DoctorNode] = {0: self._node()}
         missing = list(range(1, self.num_nodes))
 
@@ -209,55 +215,47 @@ class Doctor:
             publish_record(self.store, self._key("probe.json"),
                            DoctorProbe(round=round_id, seq=0))
             publish_record(self.store, self._key("round.json"), DoctorRound(
-                round=round_id, num_nodes=self.num_nodes,
+                round=round_id,
                 nonces={str(r): n.nonce for r, n in nodes.items()}, address=self.address,
                 probe_port=server.port, train_port=train.port))
-            trips, answers, failure = self._probes(round_id)
+            probed = self._probes(round_id)
         finally:
             server.close()
             train.close()
-        lines, ok = self._verdict(nodes, trips, answers, failure)
+        lines, ok = self._verdict(nodes, probed)
         self._publish_result(ok, lines, round_id)
         return ok
 
-    def _probes(self, round_id: str) -> tuple[dict[str, dict[int, list[float]]],
-                                              dict[int, DoctorAnswer], str]:
-        """Round trips per kind and rank; each rank's last answer, its `wall_time` turned
-        into the rank's clock offset from the master's, taken from the probe with the
-        shortest round trip (the least uncertain, as NTP does)."""
+    def _probes(self, round_id: str) -> Probed:
+        """The probes, one at a time, each answered by every worker."""
         assert self.num_nodes is not None
-        trips: dict[str, dict[int, list[float]]] = {k: {} for k in KINDS}
-        answers: dict[int, DoctorAnswer] = {}
+        out = Probed(trips={k: {} for k in KINDS})
         offsets: dict[int, list[tuple[float, float]]] = {}  # (round trip, offset)
-        unlisted: set[int] = set()
         for seq in range(1, len(KINDS) * ROUNDS_PER_KIND + 1):
             kind = KINDS[(seq - 1) % len(KINDS)]
             started, wall = time.monotonic(), time.time()
-            if kind == "replace":
-                publish_record(self.store, self._key("probe.json"),
-                               DoctorProbe(round=round_id, seq=seq))
-            else:
-                publish_record(self.store, self._key(f"{kind}-{round_id}-{seq}.json"),
-                               DoctorProbe(round=round_id, seq=seq))
+            name = "probe.json" if kind == "replace" else f"{kind}-{round_id}-{seq}.json"
+            publish_record(self.store, self._key(name), DoctorProbe(round=round_id, seq=seq))
             waiting = list(range(1, self.num_nodes))
 
             def answered(seq: int = seq, started: float = started, kind: str = kind,
                          waiting: list[int] = waiting, wall: float = wall) -> bool | None:
                 for rank in list(waiting):
                     answer = self._read(f"answer-{rank}.json", DoctorAnswer)
-                    if isinstance(answer, DoctorAnswer) and answer.round == round_id and \
-                            answer.seq >= seq:
-                        trip = time.monotonic() - started
-                        if answer.listed:
-                            trips[kind].setdefault(rank, []).append(trip)
-                        else:
-                            unlisted.add(rank)
-                        # It answered between our publish and our read: the midpoint.
-                        offsets.setdefault(rank, []).append(
-                            (trip, answer.wall_time - (wall + trip / 2)))
-                        answers[rank] = dataclasses.replace(
-                            answer, wall_time=min(offsets[rank])[1])
-                        waiting.remove(rank)
+                    if not (isinstance(answer, DoctorAnswer) and answer.round == round_id
+                            and answer.seq >= seq):
+                        continue
+                    trip = time.monotonic() - started
+                    trips = out.trips[kind].setdefault(rank, [])
+                    if answer.listed:  # a list probe the listing did not show has no lag
+                        trips.append(trip)
+                    out.reach[rank] = answer.reach
+                    # It answered between our publish and our read: the midpoint; the
+                    # shortest round trip is the least uncertain (as NTP takes it).
+                    offsets.setdefault(rank, []).append(
+                        (trip, answer.wall_time - (wall + trip / 2)))
+                    out.clock_offset[rank] = min(offsets[rank])[1]
+                    waiting.remove(rank)
                 return True if not waiting else None
 
             def what(waiting: list[int] = waiting, kind: str = kind) -> str:
@@ -266,19 +264,17 @@ class Doctor:
             try:
                 self._wait(what, answered)
             except WaitTimeout:
-                return trips, answers, (f"rank(s) {waiting} did not see probe {seq} ({kind}) "
-                                        f"within {self.timeout_s:g} s")
-        for rank in sorted(unlisted):
-            trips["list"].setdefault(rank, [])
-        return trips, answers, ""
+                out.failure = (f"rank(s) {waiting} did not see probe {seq} ({kind}) within "
+                               f"{self.timeout_s:g} s")
+                break
+        return out
 
-    def _verdict(self, nodes: dict[int, DoctorNode], trips: dict[str, dict[int, list[float]]],
-                 answers: dict[int, DoctorAnswer], failure: str) -> tuple[list[str], bool]:
-        ok = not failure
+    def _verdict(self, nodes: dict[int, DoctorNode], probed: Probed) -> tuple[list[str], bool]:
+        ok = not probed.failure
         lines = [f"{'OK  ' if ok else 'FAIL'} shared: {len(nodes)} node(s) see each other's "
-                 f"files in {self.log_path}" + (f"; {failure}" if failure else "")]
+                 f"files in {self.log_path}" + (f"; {probed.failure}" if probed.failure else "")]
         for kind in KINDS:
-            for rank, values in sorted(trips[kind].items()):
+            for rank, values in sorted(probed.trips[kind].items()):
                 if len(values) < ROUNDS_PER_KIND:  # list probes the listing did not show
                     lines.append(f"INFO {kind:<7} rank {rank} ({nodes[rank].host}): "
                                  f"{ROUNDS_PER_KIND - len(values)} of {ROUNDS_PER_KIND} new "
@@ -295,22 +291,22 @@ class Doctor:
                              f"publish-to-visible ~{lag * 1000:.0f} ms (round trips "
                              + ", ".join(f"{v * 1000:.0f}" for v in values) + " ms)"
                              + (f"; {SLOW_FIX[kind]}" if slow else ""))
-        for rank, answer in sorted(answers.items()):
-            if answer.reach:
+        for rank, reach in sorted(probed.reach.items()):
+            if reach:
                 ok = False
-                lines.append(f"FAIL network rank {rank} ({nodes[rank].host}): {answer.reach}")
+                lines.append(f"FAIL network rank {rank} ({nodes[rank].host}): {reach}")
             else:
                 lines.append(f"OK   network rank {rank} ({nodes[rank].host}) reaches the "
                              f"master's address {self.address} and a held training port")
             lines.append(f"INFO clock   rank {rank} ({nodes[rank].host}): about "
-                         f"{answer.wall_time:+.3f} s from the master's clock (information "
-                         "only: the protocol never compares clocks)")
+                         f"{probed.clock_offset[rank]:+.3f} s from the master's clock "
+                         "(information only: the protocol never compares clocks)")
         for rank, node in sorted(nodes.items()):
             lines.append(f"INFO mount   rank {rank} ({node.host}): {node.mount}")
             for risk in node.risks:
-                lines.append(f"{risk.split(':', 1)[0].upper():<4} mount   rank {rank}: "
-                             f"{risk.split(':', 1)[1].strip()}")
-                ok = ok and not risk.startswith("fail")
+                lines.append(f"{risk.level.value.upper():<4} mount   rank {rank}: "
+                             f"{risk.what}; fix: {risk.fix}")
+                ok = ok and risk.level is not mounts.Level.FAIL
             enough = node.free_bytes >= self.need_bytes
             lines.append(f"{'OK  ' if enough else 'WARN'} space   rank {rank}: "
                          f"{node.free_bytes / 2**30:.1f} GiB free in the run directory"

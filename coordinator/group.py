@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from coordinator import layout, membership, regroup
+from coordinator import membership, regroup
 from coordinator.config import CoordinationConfig, OnFailure
 from coordinator.errors import PeerLostError, WaitTimeout
 from coordinator.liveness import HeartbeatPublisher
@@ -31,7 +31,7 @@ from coordinator.phases import Phase
 from coordinator.polling import Backoff, Clock
 from coordinator.records import Claim, Heartbeat, Manifest, NodeState, Session
 from coordinator.runtime import Runtime
-from coordinator.store import Store, read_record
+from coordinator.store import Store
 
 log = logging.getLogger("coordinator")
 
@@ -119,21 +119,11 @@ class GroupForming:
         session that are back (a current claim, a heartbeat out of any session), to
         be taken back before the next iteration.  A hint: form(admit=True) checks
         that each is alive."""
-        back: list[int] = []
-        for rank in range(1, self.manifest.num_nodes):
-            if session.token_of(rank) is not None:
-                continue
-            claim = read_record(self.store, layout.claim(rank), Claim,
-                                retry_s=self.coord.read_retry_s)
-            if claim is None or claim.run_id != self.manifest.run_id \
-                    or claim.generation != self.manifest.generation:
-                continue
-            hb = read_record(self.store, layout.heartbeat(rank), Heartbeat,
-                             retry_s=self.coord.read_retry_s)
-            if hb is not None and hb.token == claim.token and hb.session is None \
-                    and hb.state in membership.JOINABLE_STATES:
-                back.append(rank)
-        return back
+        return [rank for rank in range(1, self.manifest.num_nodes)
+                if session.token_of(rank) is None and membership.out_of_session(
+                    self.store, rank, run_id=self.manifest.run_id,
+                    generation=self.manifest.generation,
+                    retry_s=self.coord.read_retry_s) is not None]
 
     def _quorum(self, *, after_failure: bool, admit: bool,
                 left: Session | None) -> membership.Quorum | None:

@@ -7,6 +7,7 @@ steer a daemon to read or write outside the run directory.
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 from coordinator.records import check_iteration, check_phase, check_rank
@@ -16,6 +17,7 @@ SESSION: Final = "session.json"
 RECOVERIES: Final = "recoveries.json"
 RANKS: Final = "ranks"
 ITERATIONS: Final = "iterations"
+_ITERATION_NAME: Final = re.compile(r"\d{6}")  # iterations/<NNNNNN>
 CHECKPOINTS: Final = "checkpoints"
 ARCHIVE: Final = "archive"
 
@@ -38,6 +40,11 @@ def journal(rank: int) -> str:
 
 def logs(rank: int) -> str:
     return f"{rank_dir(rank)}/logs"
+
+
+def iteration_named(name: str) -> int | None:
+    """The iteration an `iterations/` entry is the directory of (None: not one)."""
+    return int(name) if _ITERATION_NAME.fullmatch(name) else None
 
 
 def iteration_dir(iteration: int) -> str:

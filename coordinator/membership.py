@@ -249,6 +249,22 @@ def wait_for_master(
     return info
 
 
+def out_of_session(store: Store, rank: int, *, run_id: str, generation: int,
+                   retry_s: float) -> tuple[Claim, Heartbeat] | None:
+    """The current claim of `rank` and its heartbeat, if it says the rank is out of any
+    session: starting, or regrouping with its work stopped (a rank that has only
+    just seen a failure still names its session).  Not proof of life: the caller
+    watches the counter."""
+    claim = read_record(store, layout.claim(rank), Claim, retry_s=retry_s)
+    if claim is None or claim.run_id != run_id or claim.generation != generation:
+        return None
+    hb = read_record(store, layout.heartbeat(rank), Heartbeat, retry_s=retry_s)
+    if hb is None or hb.token != claim.token or hb.state not in JOINABLE_STATES \
+            or hb.session is not None:
+        return None
+    return claim, hb
+
+
 def gather_members(
     store: Store, *, run_id: str, generation: int, num_nodes: int, own: Heartbeat,
     join_timeout_s: float, lease_s: float, backoff: Backoff, progress_interval_s: float,
@@ -271,15 +287,11 @@ def gather_members(
     def probe() -> bool | None:
         now = clock.now()
         for rank in list(missing):
-            claim = read_record(store, layout.claim(rank), Claim, retry_s=retry_s)
-            if claim is None or claim.run_id != run_id or claim.generation != generation:
+            found = out_of_session(store, rank, run_id=run_id, generation=generation,
+                                   retry_s=retry_s)
+            if found is None:
                 continue
-            hb = read_record(store, layout.heartbeat(rank), Heartbeat, retry_s=retry_s)
-            # Out of any session: starting, or regrouping with its work stopped
-            # (a rank that has just seen the failure still names its session).
-            if hb is None or hb.token != claim.token or hb.state not in JOINABLE_STATES \
-                    or hb.session is not None:
-                continue
+            claim, hb = found
             # A claim and heartbeat left by a daemon that died look exactly
             # like a live one: only a counter seen advancing proves life.
             seen = progress.get(rank)

@@ -16,7 +16,9 @@ import enum
 import os
 import re
 from pathlib import Path
-from typing import Final
+from typing import ClassVar, Final
+
+from coordinator.records import Record
 
 _OCTAL: Final = re.compile(r"\\([0-7]{3})")  # mountinfo escapes space, tab, newline, backslash
 
@@ -57,7 +59,10 @@ class Level(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Risk:
+class Risk(Record):
+    """What a mount's type or option risks, and the fix (doctor-node records carry it)."""
+
+    SCHEMA: ClassVar[str] = "coordinator/mount-risk"
     level: Level
     what: str
     fix: str

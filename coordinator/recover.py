@@ -26,7 +26,6 @@ from coordinator.status import collect
 from coordinator.store import FsStore, publish_record, read_record
 
 log = logging.getLogger(__name__)
-_ITERATION_DIR = re.compile(r"^\d{6}$")
 _RECORD = re.compile(r"^(arrive-\d+|release)\.json$")
 
 
@@ -56,8 +55,8 @@ def _furthest_iteration(store: FsStore, manifest: Manifest, limit: int) -> int:
         if hb is not None and hb.run_id == manifest.run_id:
             furthest = max(furthest, hb.iteration)
     for name in store.listdir(layout.ITERATIONS):
-        if _ITERATION_DIR.match(name):
-            furthest = max(furthest, int(name))
+        if (found := layout.iteration_named(name)) is not None:
+            furthest = max(furthest, found)
     return min(furthest, limit)
 
 
@@ -144,7 +143,8 @@ def _protocol_records(store: FsStore, root: Path, iteration: int,
     """Arrivals and releases from `iteration` on, the session, claims, temporary files."""
     remove: list[Path] = []
     for name in store.listdir(layout.ITERATIONS):
-        if not _ITERATION_DIR.match(name) or int(name) < iteration:
+        found = layout.iteration_named(name)
+        if found is None or found < iteration:
             continue
         it_dir = root / layout.ITERATIONS / name
         for phase_name in store.listdir(f"{layout.ITERATIONS}/{name}"):

@@ -268,7 +268,7 @@ def watch(log_path: Path, *, interval_s: float, terminal: bool,
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         return report, f"{stamp} (refreshed every {interval_s:g} s)\n{render(report)}"
 
-    report, text = collect(log_path), ""
+    report = collect(log_path)
     if not terminal:
         while not stopped(report):
             report, text = refresh()

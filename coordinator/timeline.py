@@ -23,7 +23,6 @@ import html
 import json
 import logging
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -36,7 +35,6 @@ from coordinator.regroup import Recovery, read_log
 from coordinator.store import FsStore, read_document, read_record
 
 log = logging.getLogger(__name__)
-_ITERATION_DIR: Final = re.compile(r"^\d{6}$")
 FORMATS: Final = (".png", ".html")
 
 
@@ -117,9 +115,10 @@ def load(log_path: Path) -> Timeline:
     skipped = 0
     # A listing is a hint (PROTOCOL.md rule 4): enough for a picture drawn after the fact.
     for name in sorted(store.listdir(layout.ITERATIONS)):
-        if not _ITERATION_DIR.match(name):
+        number = layout.iteration_named(name)
+        if number is None:
             continue
-        iteration = check_iteration(int(name))
+        iteration = check_iteration(number)
         for rank in range(manifest.num_nodes):
             path = log_path / layout.timings(iteration, rank)
 

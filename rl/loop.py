@@ -18,10 +18,12 @@ from coordinator.config import RunConfig
 from coordinator.layout import release as release_key
 from coordinator.netaddr import Listener
 from coordinator.phases import RolloutSplit
+from coordinator.store import read_document
 from rl import layout
 from rl.config import RlSections, parse_sections
 from rl.contracts import INITIAL_POLICY
 from rl.engine_host import EngineHost
+from rollout.sharding import ShardPlan
 from rollout.tasks import Task, TaskSource, load_task_source
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,11 @@ class Loop:
             return self.initial_model()
         where = self.run_dir / release_key(ctx.iteration, where_phase)
         return self.run_dir / relative_inside(name, what="the model it names", where=where)
+
+    def find_shard_plan(self, iteration: int, split: layout.Split) -> ShardPlan | None:
+        """The master's plan of a split in an iteration, if it was published."""
+        return read_document(layout.shard_plan(self.run_dir, iteration, split),
+                             lambda raw, where: ShardPlan.from_bytes(raw, where))
 
     def close_listener(self) -> None:
         if self.listener is not None:

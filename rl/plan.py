@@ -81,9 +81,9 @@ def choose_policy(loop: Loop, ctx: StepContext,
 
 def shard_plan(loop: Loop, iteration: int, split: Split) -> ShardPlan:
     """The master's plan of a split, read back by any rank."""
-    path = layout.shard_plan(loop.run_dir, iteration, split)
-    plan = read_document(path, lambda raw, where: ShardPlan.from_bytes(raw, where))
+    plan = loop.find_shard_plan(iteration, split)
     if plan is None:
+        path = layout.shard_plan(loop.run_dir, iteration, split)
         raise ActionError(f"the master's shard plan {path} is missing: run `coordinator "
                           f"recover --iteration {iteration}` and restart every node")
     return plan

@@ -64,10 +64,8 @@ def iteration_scalars(loop: Loop, ctx: StepContext) -> dict[str, float]:
             if isinstance(speeds, dict) and speeds:
                 _put(out, f"{name}/samples_per_second",
                      sum(v for v in speeds.values() if isinstance(v, int | float)))
-    train = _metrics(loop, ctx.iteration, "train")
-    if isinstance(train.get("tokens"), int | float) and isinstance(train.get("seconds"),
-                                                                    int | float):
-        _put(out, "train/tokens_per_second", train["tokens"] / max(train["seconds"], 1e-9))
+    if "train/tokens" in out and "train/seconds" in out:
+        _put(out, "train/tokens_per_second", out["train/tokens"] / max(out["train/seconds"], 1e-9))
     for phase in Phase:
         timing = ctx.timings.get(str(int(phase)))
         if timing is not None:

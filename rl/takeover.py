@@ -33,7 +33,6 @@ from coordinator import fsio
 from coordinator.actions import StepContext
 from coordinator.decisions import RERUN
 from coordinator.phases import Phase
-from coordinator.store import read_document
 from rl import layout
 from rl.layout import Split
 from rl.loop import Loop
@@ -53,15 +52,15 @@ def take_over_lost_tasks(loop: Loop, ctx: StepContext) -> dict[str, Any]:
     rerun: set[int] = set()
     members = ctx.active_ranks
     for split in Split:
-        path = layout.shard_plan(loop.run_dir, ctx.iteration, split)
-        plan = read_document(path, lambda raw, where: ShardPlan.from_bytes(raw, where))
+        plan = loop.find_shard_plan(ctx.iteration, split)
         if plan is None:
             continue
         lost = [r for r in range(plan.num_ranks)
                 if r not in members and r not in plan.frozen and plan.tasks_for(r)]
         if lost:
             plan = _share_out(loop, ctx, split, plan, lost, members)
-            fsio.publish_bytes(path, plan.to_bytes())
+            fsio.publish_bytes(layout.shard_plan(loop.run_dir, ctx.iteration, split),
+                               plan.to_bytes())
         if plan.frozen:
             rerun.update(int(p) for p in ROLLOUT_PHASES[split])
     return {RERUN: sorted(rerun)} if rerun else {}

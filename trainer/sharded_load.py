@@ -124,32 +124,35 @@ def load_sharded_model(model_dir: Path, ctx: DistContext, *, trainable: bool,
 def _fill(model: Any, model_dir: Path, ctx: DistContext) -> None:
     files = weight_files(model_dir)
     tied = _tied_sources(model)
-    tables: dict[Path, dict[str, TensorSpan]] = {}
-    for name, param in model.named_parameters():
-        source = name if name in files else tied.get(name)
-        if source is None or source not in files:
-            raise TrainError(f"parameter {name} is in no safetensors file of {model_dir}: "
-                             "the checkpoint does not match its config.json")
-        path = files[source]
-        if path not in tables:
-            tables[path] = read_header(path)
-        span = tables[path].get(source)
-        if span is None:
-            raise TrainError(f"{path} does not hold {source}, as its index says it does")
-        if span.shape != tuple(param.shape):
-            raise TrainError(f"{source} in {path} has shape {span.shape}, the model expects "
-                             f"{tuple(param.shape)}")
-        local = param.to_local() if hasattr(param, "to_local") else param
-        if local.ndim == 0 or local.shape == param.shape:
-            start, end = 0, span.shape[0] if span.shape else 1
-        else:
-            start, end = shard_rows(span.shape[0], ctx.world_size, ctx.rank)
-            if end - start != local.shape[0]:
-                raise TrainError(f"{name}: rank {ctx.rank} holds {local.shape[0]} rows, the "
-                                 f"dim-0 split of {span.shape[0]} over {ctx.world_size} gives "
-                                 f"{end - start}")
-        if end > start:
-            local.copy_(span.read_rows(path, start, end))
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, tuple[int, dict[str, TensorSpan]]] = {}  # one descriptor a file
+        for name, param in model.named_parameters():
+            source = name if name in files else tied.get(name)
+            if source is None or source not in files:
+                raise TrainError(f"parameter {name} is in no safetensors file of {model_dir}: "
+                                 "the checkpoint does not match its config.json")
+            path = files[source]
+            if path not in opened:
+                opened[path] = (stack.enter_context(open(path, "rb")).fileno(),
+                                read_header(path))
+            fd, table = opened[path]
+            span = table.get(source)
+            if span is None:
+                raise TrainError(f"{path} does not hold {source}, as its index says it does")
+            if span.shape != tuple(param.shape):
+                raise TrainError(f"{source} in {path} has shape {span.shape}, the model "
+                                 f"expects {tuple(param.shape)}")
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if local.ndim == 0 or local.shape == param.shape:
+                start, end = 0, span.shape[0] if span.shape else 1
+            else:
+                start, end = shard_rows(span.shape[0], ctx.world_size, ctx.rank)
+                if end - start != local.shape[0]:
+                    raise TrainError(f"{name}: rank {ctx.rank} holds {local.shape[0]} rows, "
+                                     f"the dim-0 split of {span.shape[0]} over "
+                                     f"{ctx.world_size} gives {end - start}")
+            if end > start:
+                local.copy_(span.read_rows(fd, path, start, end))
 
 
 # -- reading rows of a safetensors file ------------------------------------------
@@ -171,13 +174,13 @@ class TensorSpan:
     begin: int  # absolute offsets in the file
     end: int
 
-    def read_rows(self, path: Path, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) along dim 0 (a 0-d tensor: its one value)."""
+    def read_rows(self, fd: int, path: Path, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) along dim 0 (a 0-d tensor: its one value), read from the
+        open file `fd` (`path` names it in errors)."""
         rows = self.shape[0] if self.shape else 1
         row_bytes = (self.end - self.begin) // max(rows, 1)
         buffer = bytearray((end - start) * row_bytes)
-        with open(path, "rb") as f:
-            got = os.preadv(f.fileno(), [buffer], self.begin + start * row_bytes)
+        got = os.preadv(fd, [buffer], self.begin + start * row_bytes)
         if got != len(buffer):
             raise TrainError(f"{path}: short read of {got} of {len(buffer)} bytes: truncated?")
         flat = torch.frombuffer(buffer, dtype=self.dtype) if buffer else \

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,14 +79,10 @@ dist.destroy_process_group()
 """
 
 
-def torchrun(ranks: int, *args: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-         "--master-port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-         *args], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+def torchrun(ranks: int, script: str, *args: str) -> list[dict]:
+    from benchmarks.train_memory_bench import torchrun_rows
+
+    return torchrun_rows(ranks, Path(script), *args, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
