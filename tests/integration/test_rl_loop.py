@@ -1,5 +1,6 @@
-"""The whole loop on 3 daemons: rollout, aggregation, eval, torchrun training,
-publishing and engine restart; a trainer killed mid-training; a tampered checkpoint."""
+"""The whole loop on 3 daemons: a trainer killed mid-training; a tampered checkpoint;
+and what a completed 2-iteration run leaves on disk (check_two_iterations, for
+the runs on network mounts in test_rl_netfs.py)."""
 
 from __future__ import annotations
 
@@ -68,26 +69,28 @@ def trainers(run_dir: Path) -> list[psutil.Process]:
     return out
 
 
-def test_three_nodes_run_two_full_iterations(tmp_path: Path, warm_model: Path) -> None:
+def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_samples: int,
+                         eval_before_train: bool, uninterrupted: bool) -> None:
+    """What a completed 2-iteration run of the real loop leaves on disk.
+
+    The 3-node, 2-iteration runs on network mounts call this
+    (tests/integration/test_rl_netfs.py): one uninterrupted, one with four
+    nodes killed and recovered along the way, where the engines were restarted
+    and the timeline has recoveries (`uninterrupted` False skips those checks).
+    """
     from trainer.checkpoint import verify_checkpoint
 
-    c = cluster(tmp_path, warm_model, iterations=2)
-    try:
-        c.start_all()
-        codes = c.wait_all(timeout=600)
-        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
-    finally:
-        c.close()
-    run = c.log_path
+    evaluated = [eval_before_train, True]
     for it in (0, 1):
         base = run / f"iterations/{it:06d}"
-        assert json.loads((base / "metrics/rollout.json").read_text())["num_samples"] == 48
-        # eval_interval 1 without eval_before_train: iteration 1 evaluates, 0 does not.
-        assert (base / "metrics/eval.json").exists() == (it == 1)
-        if it == 1:
-            assert json.loads((base / "metrics/eval.json").read_text())["num_samples"] == 12
+        assert json.loads((base / "metrics/rollout.json").read_text())["num_samples"] == samples
+        # eval_interval 1: iteration 1 evaluates; iteration 0 with eval_before_train only.
+        assert (base / "metrics/eval.json").exists() == evaluated[it]
+        if evaluated[it]:
+            assert json.loads((base / "metrics/eval.json").read_text())[
+                "num_samples"] == eval_samples
         train = json.loads((base / "metrics/train.json").read_text())
-        assert train["samples"] == 48
+        assert train["samples"] == samples
         manifest = verify_checkpoint(run / f"checkpoints/iter-{it:06d}")
         assert manifest.iteration == it
     # What the releases carry, typed (rl/contracts.py): the eval decision at
@@ -96,7 +99,7 @@ def test_three_nodes_run_two_full_iterations(tmp_path: Path, warm_model: Path) -
         return json.loads((run / f"iterations/{it:06d}/phase-{phase:02d}/release.json")
                           .read_text())["payload"]
 
-    assert [payload(it, 5)["eval"] for it in (0, 1)] == [False, True]
+    assert [payload(it, 5)["eval"] for it in (0, 1)] == evaluated
     assert payload(0, 9)["train_port"] > 0 and payload(0, 9)["master_addr"]
     assert payload(0, 9)["run"] == {"10": True}
     assert payload(1, 11)["checkpoint"] == "checkpoints/iter-000001"
@@ -110,6 +113,21 @@ def test_three_nodes_run_two_full_iterations(tmp_path: Path, warm_model: Path) -
     assert t1["optimizer_step_start"] == t0["optimizer_step_end"] > 0
     weights = [verify_checkpoint(run / f"checkpoints/iter-{it:06d}").files for it in (0, 1)]
     assert weights[0] != weights[1]
+    # Every node served iteration 1 from iteration 0's checkpoint.
+    for rank in range(3):
+        log = (run / f"ranks/{rank}/logs/hf_server.log").read_text()
+        assert "iter-000000-" in log
+    # TensorBoard has each iteration's scalars once, read back with tensorboard's reader.
+    from tests.integration.test_rl_reporting import scalars
+
+    board = scalars(run)
+    for tag in ("rollout/reward_mean", "rollout/accuracy", "train/loss", "train/kl",
+                "train/tokens_per_second", "phase_s/10_train"):
+        assert [step for step, _ in board[tag]] == [0, 1], (tag, board.get(tag))
+    assert [step for step, _ in board["eval/accuracy"]] == [it for it in (0, 1) if evaluated[it]]
+    assert [v for _, v in board["train/world_size"]] == [3.0, 3.0]
+    if not uninterrupted:
+        return
     # Phase 7 put every engine to sleep and phase 12 reloaded the new checkpoint
     # into the same process: one engine pid per rank across both iterations,
     # and what it served matched the trainer's probe log-probabilities.
@@ -128,18 +146,6 @@ def test_three_nodes_run_two_full_iterations(tmp_path: Path, warm_model: Path) -
         # Consecutive checkpoints moved the probes by more than the tolerance:
         # the check can tell a stale engine from a fresh one on this model.
         assert served[1]["probe_moved"] > served[1]["probe_tolerance"], served[1]
-        log = (run / f"ranks/{rank}/logs/hf_server.log").read_text()
-        assert "iter-000000-" in log
-    assert not trainers(run)
-    # TensorBoard has each iteration's scalars, read back with tensorboard's reader.
-    from tests.integration.test_rl_reporting import scalars
-
-    board = scalars(run)
-    for tag in ("rollout/reward_mean", "rollout/accuracy", "train/loss", "train/kl",
-                "train/tokens_per_second", "phase_s/10_train"):
-        assert [step for step, _ in board[tag]] == [0, 1], (tag, board.get(tag))
-    assert [step for step, _ in board["eval/accuracy"]] == [1]
-    assert [v for _, v in board["train/world_size"]] == [3.0, 3.0]
     # The timeline has every rank's every phase of both iterations, action and wait.
     from coordinator.timeline import SpanKind, load
 
@@ -158,8 +164,8 @@ def test_three_nodes_run_two_full_iterations(tmp_path: Path, warm_model: Path) -
                for r in range(3) for it in (0, 1) for p in range(14))
 
 
-# A whole node killed on the real loop: tests/integration/test_rl_netfs.py
-# (on_failure "wait"); with "exit" and `recover`: tests/core/test_kill_recover.py.
+# Whole nodes killed on the real loop, with on_failure "wait" and with "exit"
+# and `recover`: tests/integration/test_rl_netfs.py; scripted: tests/core/.
 @pytest.mark.parametrize("victim", ["trainer"])
 def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
     tmp_path: Path, warm_model: Path, victim: str

@@ -3,22 +3,28 @@
 The hf engine rolls out, the master aggregates, torchrun trains across the
 three daemons and the checkpoint is published and served, with each node
 seeing the run directory only through its own sshfs mount (tests/support/
-netfs.py): with plain caching mounts (attributes and data cached, reads of
-a replaced file cut at the cached size until the reader asks the server
-again), and, in the kill-and-rejoin test, with `direct_io` mounts (reads go
-to the server, as NFS's close-to-open consistency promises).  When the
-fixture cannot be set up the test fails with the reason: it never skips.
+netfs.py): with `direct_io` mounts (reads go to the server, as NFS's
+close-to-open consistency promises; no mmap) and with plain caching mounts
+(attributes and data cached, reads of a replaced file cut at the cached size
+until the reader asks the server again).  Nodes are SIGKILLed at phases 1,
+4, 6 and 10 and brought back both ways: alone, the others waiting
+(on_failure "wait"), and by `coordinator recover` and a restart of every
+node (on_failure "exit").  When the fixture cannot be set up the test fails
+with the reason: it never skips.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.core.cluster import LocalCluster
+from tests.integration.test_rl_loop import check_two_iterations, trainers
 from tests.support.netfs import NetFs
 
 pytestmark = [pytest.mark.slow, pytest.mark.netfs]
@@ -70,7 +76,9 @@ def netfs_cluster(tmp_path: Path, fs: NetFs, model: Path, *, iterations: int = 2
         concurrency=concurrency, max_tokens=max_tokens, on_failure=on_failure,
         eval_before_train=str(eval_before_train).lower()))
     (fs.mounts[0] / "run").mkdir()
-    cluster = LocalCluster(fs.mounts[0] / "run", tmp_path, num_nodes=3, config=config,
+    # The test reads records (heartbeats) on the server side, never through a
+    # client's cache; each daemon gets its own mount's path (start_all).
+    cluster = LocalCluster(fs.export / "run", tmp_path, num_nodes=3, config=config,
                            master_args=("--rank-weights", weights, *master_args))
     cluster.mount_paths = [m / "run" for m in fs.mounts]  # type: ignore[attr-defined]
     return cluster
@@ -81,16 +89,15 @@ def start_all(c: LocalCluster) -> None:
         c.start(rank, c.command(rank, log_path=c.mount_paths[rank]))  # type: ignore[attr-defined]
 
 
-# Plain caching mounts only: the direct_io mode (reads reach the server, as NFS's
-# close-to-open promises) carries the real loop in the kill-and-rejoin test below
-# and in tests/integration/test_rl_shrink.py.
-@pytest.mark.parametrize("direct_io", [False], ids=["caching"])
 def test_three_nodes_train_two_iterations_each_on_its_own_mount(
-    tmp_path: Path, warm_model: Path, direct_io: bool
+    tmp_path: Path, warm_model: Path
 ) -> None:
-    from trainer.checkpoint import verify_checkpoint
-
-    with NetFs(tmp_path / "fs", mounts=3, direct_io=direct_io) as fs:
+    """direct_io mounts, nothing killed: every check of a completed run
+    (test_rl_loop.check_two_iterations), the same engine process serving
+    both iterations, and the timeline.  On caching mounts the same two
+    iterations run with four nodes killed and recovered along the way
+    (test_killed_nodes_recover_and_restart_without_redoing_a_saved_chunk)."""
+    with NetFs(tmp_path / "fs", mounts=3, direct_io=True) as fs:
         c = netfs_cluster(tmp_path, fs, warm_model)
         try:
             started = time.monotonic()
@@ -100,19 +107,10 @@ def test_three_nodes_train_two_iterations_each_on_its_own_mount(
             assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
         finally:
             c.close()
-        run = fs.export / "run"
-        for it in (0, 1):
-            base = run / f"iterations/{it:06d}"
-            assert json.loads((base / "metrics/rollout.json").read_text())["num_samples"] == 48
-            assert json.loads((base / "metrics/train.json").read_text())["samples"] == 48
-            assert verify_checkpoint(run / f"checkpoints/iter-{it:06d}").iteration == it
-        assert json.loads((run / "iterations/000001/metrics/eval.json").read_text())[
-            "num_samples"] == 12
-        for rank in range(3):
-            log = (run / f"ranks/{rank}/logs/hf_server.log").read_text()
-            assert "iter-000000-" in log  # iteration 1 was served from iteration 0's checkpoint
-        mode = "direct_io" if direct_io else "caching"
-        print(f"\nRL loop, 3 nodes x 2 iterations on sshfs ({mode}): {elapsed:.0f} s")
+        assert not any(trainers(m) for m in c.mount_paths)  # type: ignore[attr-defined]
+        check_two_iterations(fs.export / "run", tmp_path, samples=48, eval_samples=12,
+                             eval_before_train=False, uninterrupted=True)
+        print(f"\nRL loop, 3 nodes x 2 iterations on sshfs (direct_io): {elapsed:.0f} s")
 
 
 # ---------------------------------------------------------------- kill, recover, restart
@@ -139,13 +137,17 @@ def listed_chunks(manifest: Path) -> int:
         return 0
 
 
-def freeze_mid_rollout(c: LocalCluster, export_run: Path, rank: int, manifest: Path) -> None:
-    """SIGSTOP the rank's engine once its manifest lists a chunk, so the kill that
-    follows lands mid-rollout: some chunks saved, others not yet generated."""
+def freeze_mid_rollout(c: LocalCluster, export_run: Path, rank: int, manifest: Path,
+                       phase: tuple[int, int] | None = None) -> None:
+    """SIGSTOP the rank's engine once its manifest lists a chunk (and, given
+    `phase` (iteration, phase), once its heartbeat says so: the start of a phase
+    rides on the next periodic beat), so the kill that follows lands mid-rollout:
+    some chunks saved, others not yet generated."""
     import os
     import signal
 
-    c.wait_until(lambda: listed_chunks(manifest) >= 1, 600, f"a chunk in {manifest}")
+    c.wait_until(lambda: listed_chunks(manifest) >= 1 and (
+        phase is None or c.at_phase(rank, *phase)), 600, f"a chunk in {manifest}")
     os.kill(engine_pid(export_run, rank), signal.SIGSTOP)
     assert not json.loads(manifest.read_text())["complete"], "the rollout finished too soon"
 
@@ -190,12 +192,15 @@ def restart_alone(c: LocalCluster, export_run: Path, killed: int, *, delay: floa
 def test_killed_workers_and_master_rejoin_alone_without_redoing_a_saved_chunk(
     tmp_path: Path, warm_model: Path
 ) -> None:
-    """on_failure "wait" on the real loop: a worker killed mid-rollout (phase 1)
-    and mid-training (phase 10), the master killed mid-rollout (phase 1 of
-    iteration 1): each time only the killed node is restarted, nobody types a
-    command, the survivors never exit, the run completes, and every chunk
-    saved before a kill is kept as it was (same content, same file): at most
-    one checkpoint interval (one group here) is redone per kill."""
+    """on_failure "wait" on the real loop: a worker killed mid-training (phase
+    10) and restarted after its lease, the master killed mid-rollout (phase 1
+    of iteration 1) and restarted before its lease: each time only the killed
+    node is restarted, nobody types a command, the survivors never exit, the
+    run completes, and every chunk saved before a kill is kept as it was (same
+    content, same file): at most one checkpoint interval (one group here) is
+    redone per kill.  (A worker killed mid-rollout and restarted alone: the
+    agent test, test_rl_agent.py; mid-rollout on these mounts, by `recover`:
+    the test above.)"""
     with NetFs(tmp_path / "fs", mounts=3) as fs:
         c = netfs_cluster(tmp_path, fs, warm_model, tasks=24, every=1, concurrency=1,
                           max_tokens=12, weights="2,1,3", on_failure="wait")
@@ -203,13 +208,6 @@ def test_killed_workers_and_master_rejoin_alone_without_redoing_a_saved_chunk(
         saved: dict[Path, tuple[str, int]] = {}
         try:
             start_all(c)
-            # Phase 1: node 2 dies with part of its train shard saved; restarted
-            # before its lease ends, the group sees a new incarnation.
-            freeze_mid_rollout(c, run, 2, run / "iterations/000000/rollout/rank-2/manifest.json")
-            saved |= chunks(run)
-            kill_node(c, run, 2)
-            restart_alone(c, run, 2, delay=1.0)
-
             # Phase 10: node 2 dies while its trainer runs; restarted after its
             # lease, the group first sees a lost rank.
             c.wait_until(lambda: c.at_phase(2, 0, 10) and (run / "ranks/2/logs/"
@@ -235,14 +233,138 @@ def test_killed_workers_and_master_rejoin_alone_without_redoing_a_saved_chunk(
         # The start of a phase rides on the next periodic beat (PROTOCOL.md,
         # liveness): a master killed within 0.5 s of starting phase 1 is
         # reported where its peers last saw it, phase 0 of iteration 1.
-        assert [(h["rank"], h["iteration"]) for h in history] == [(2, 0), (2, 0), (0, 1)]
-        assert [h["phase"] for h in history][:2] == [1, 10] and history[2]["phase"] in (0, 1)
-        assert [h["resume_iteration"] for h in history] == [0, 0, 1]
+        assert [(h["rank"], h["iteration"]) for h in history] == [(2, 0), (0, 1)]
+        assert history[0]["phase"] == 10 and history[1]["phase"] in (0, 1)
+        assert [h["resume_iteration"] for h in history] == [0, 1]
         for it in (0, 1):
             # Every task exactly once in the batch: 24 tasks x 4 samples.
             assert json.loads((run / f"iterations/{it:06d}/metrics/rollout.json").read_text())[
                 "num_samples"] == 96
             assert (run / f"checkpoints/iter-{it:06d}/manifest.json").exists()
+
+
+def stop_when_created(directory: Path, prefix: str, pid: int) -> Callable[[], bool]:
+    """SIGSTOP `pid` the moment a file named `prefix`... appears in `directory` (an
+    inotify watch on the export, the server side of every mount): the writer is
+    frozen inside the step that writes it.  Returns whether it has fired."""
+    import os
+    import signal
+    import threading
+
+    from watchdog.events import FileSystemEvent, FileSystemEventHandler
+    from watchdog.observers import Observer
+
+    fired = threading.Event()
+
+    class Handler(FileSystemEventHandler):
+        def on_created(self, event: FileSystemEvent) -> None:
+            if not fired.is_set() and Path(str(event.src_path)).name.startswith(prefix):
+                os.kill(pid, signal.SIGSTOP)
+                fired.set()
+
+    observer = Observer()
+    observer.schedule(Handler(), str(directory), recursive=False)
+    observer.start()
+
+    def done() -> bool:
+        if fired.is_set():
+            observer.stop()
+        return fired.is_set()
+    return done
+
+
+def stop_all_then_recover(c: LocalCluster, export_run: Path, killed: int, iteration: int,
+                          phases: tuple[int, ...]) -> None:
+    """After a node's SIGKILL the others exit 3 within lease + 5 s naming it and where
+    it was; `coordinator recover` (the operator's one command, the iteration found
+    from the journals) then clears the failed iteration, and every node starts again."""
+    import re
+    import subprocess
+    import sys
+
+    killed_at = time.monotonic()
+    for rank in (r for r in range(3) if r != killed):
+        code = c.wait(rank, timeout=LEASE + 5 + 15)
+        assert code == 3, c.output(rank)[-2000:]
+        found = re.search(rf"rank {killed} \(host [^)]+\) lost at iteration {iteration} "
+                          r"phase (\d+)", c.output(rank))
+        assert found and int(found[1]) in phases, c.output(rank)[-2000:]
+    print(f"\nrank {killed} killed: the others stopped in {time.monotonic() - killed_at:.1f} s")
+    done = subprocess.run([sys.executable, "-m", "rl", "recover", "--log-path",
+                           str(c.mount_paths[0])],  # type: ignore[attr-defined]
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"recovering iteration {iteration}:" in done.stdout, done.stdout
+    start_all(c)
+
+
+def test_killed_nodes_recover_and_restart_without_redoing_a_saved_chunk(
+    tmp_path: Path, warm_model: Path
+) -> None:
+    """on_failure "exit" on caching mounts (a reader's mount may hold a replaced
+    file's old size), the path `coordinator recover` serves: a worker killed
+    mid-rollout (phase 1), mid-eval-rollout (phase 6) and mid-training (phase 10),
+    then the master mid-aggregation (phase 4).  Each time the others exit 3
+    naming the lost rank, `coordinator recover` runs, every node is started
+    again; the run completes, and every chunk saved before a kill, of the train
+    and of the eval rollouts, is kept as it was (same content, same file)."""
+    import os
+    import signal
+
+    with NetFs(tmp_path / "fs", mounts=3, direct_io=False) as fs:
+        c = netfs_cluster(tmp_path, fs, warm_model, eval_before_train=True, tasks=24, every=1,
+                          concurrency=1, max_tokens=12, weights="2,1,3", on_failure="exit")
+        # 12 eval tasks by weights 2,1,3: rank 2 rolls out 6, a chunk per group.
+        c.config.write_text(c.config.read_text().replace("eval_tasks = 6", "eval_tasks = 12"))
+        run = fs.export / "run"
+        it0, it1 = run / "iterations/000000", run / "iterations/000001"
+        saved: dict[Path, tuple[str, int]] = {}
+        try:
+            start_all(c)
+            # Phase 1: node 2 dies with part of its train shard saved.
+            freeze_mid_rollout(c, run, 2, it0 / "rollout/rank-2/manifest.json", (0, 1))
+            saved |= chunks(run)
+            kill_node(c, run, 2)
+            stop_all_then_recover(c, run, 2, 0, (1,))
+
+            # Phase 6: node 2 dies with part of its eval shard saved; its rewritten
+            # manifest is what the master's merge read torn before (issue 8).
+            freeze_mid_rollout(c, run, 2, it0 / "eval/rank-2/manifest.json", (0, 6))
+            saved |= chunks(run)
+            kill_node(c, run, 2)
+            stop_all_then_recover(c, run, 2, 0, (6,))
+
+            # Phase 10: node 1 dies while its trainer runs.
+            c.wait_until(lambda: c.at_phase(1, 0, 10) and (
+                run / "ranks/1/logs/train-iter-000000.log").exists(), 600, "node 1 training")
+            saved |= chunks(run)
+            kill_node(c, run, 1)
+            stop_all_then_recover(c, run, 1, 0, (10,))
+
+            # Phase 4 of iteration 1: the master is frozen as it creates the train
+            # batch's temporary file, then killed.
+            c.wait_until(lambda: (it1 / "rollout").is_dir(), 600, "iteration 1's rollout")
+            stopped = stop_when_created(it1, ".batch.pt", c.procs[0].pid)
+            c.wait_until(stopped, 600, "the master writing iteration 1's batch")
+            assert not (it1 / "batch.pt").exists(), "the master got past phase 4's write"
+            saved |= chunks(run)
+            kill_node(c, run, 0)
+            stop_all_then_recover(c, run, 0, 1, (3, 4))
+
+            codes = c.wait_all(timeout=900)
+            assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c.procs[0].pid, signal.SIGCONT)
+            c.close()
+        final = chunks(run)
+        redone = {p: v for p, v in saved.items() if final.get(p) != v}
+        assert not redone, f"chunks saved before a kill were redone or lost: {redone}"
+        assert any("/eval/" in str(p) for p in saved), "no eval chunk was saved before a kill"
+        assert not any(trainers(m) for m in c.mount_paths)  # type: ignore[attr-defined]
+        # Every task exactly once in each batch (24 tasks x 4), 12 x 2 evaluated.
+        check_two_iterations(run, tmp_path, samples=96, eval_samples=24,
+                             eval_before_train=True, uninterrupted=False)
 
 
 def test_chunks_on_a_direct_io_mount_verify_and_load_though_it_cannot_map_them(

@@ -1,4 +1,4 @@
-"""Phase 12's in-place weight update gone wrong on one node, in the real 3-daemon loop.
+"""Phase 12's in-place weight update gone wrong on one node, in the real loop on 2 daemons.
 
 The hf engine's fault hook (rollout/hf_control.py, ROLLOUT_HF_FAULTS) is set
 in rank 1's environment only, as a broken engine would be on one node:
@@ -26,7 +26,8 @@ from tests.integration.test_rl_loop import CONFIG, LEASE
 
 pytestmark = pytest.mark.slow
 FAULTY = 1
-# Three daemons, one iteration on the tiny model: ~25 s on 2 idle cores.
+# Two daemons (one faulty, one healthy: enough to tell them apart), one iteration
+# on the tiny model: ~20 s on 2 idle cores.
 RUN_TIMEOUT_S = 400
 
 
@@ -37,9 +38,9 @@ def run_with_fault(tmp_path: Path, model: Path, fault: dict[str, object],
                       + f"\n[engine]\nsleep_level = {sleep_level}\n")
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps(fault))
-    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=2, config=config)
     try:
-        for rank in range(3):
+        for rank in range(2):
             c.start(rank, env={FAULTS_ENV: str(faults)} if rank == FAULTY else None)
         return c, c.wait_all(timeout=RUN_TIMEOUT_S)
     finally:
@@ -56,21 +57,20 @@ def test_an_engine_serving_stale_weights_is_caught_naming_the_node(
     # Level 1 keeps the weights through sleep, so the skipped reload serves
     # iteration 0's policy instead of its checkpoint: a silent failure.
     c, codes = run_with_fault(tmp_path, warm_model, {"reload": "skip"}, sleep_level=1)
-    assert codes == {0: 4, 1: 4, 2: 4}, {r: c.output(r)[-2000:] for r in codes}
+    assert codes == {0: 4, 1: 4}, {r: c.output(r)[-2000:] for r in codes}
     text = c.output(0)
     assert re.search(rf"rank {FAULTY} on host \S+: the inference engine does not serve "
                      r"checkpoint iter-000000-\w+: .*differ from the trainer's by [\d.e-]+ on "
                      r"average \(tolerance 0\.002\)", text), text[-3000:]
     arrival = phase12(c, FAULTY)
     assert arrival["status"] == "failed" and "does not serve" in arrival["error"]
-    for rank in (0, 2):  # the healthy nodes reloaded and passed the check
-        assert phase12(c, rank)["payload"]["engine"] == "reloaded"
+    assert phase12(c, 0)["payload"]["engine"] == "reloaded"  # the healthy node passed
 
 
 def test_a_failed_reload_falls_back_to_a_restart_and_the_run_completes(
         tmp_path: Path, warm_model: Path) -> None:
     c, codes = run_with_fault(tmp_path, warm_model, {"reload": "unreadable"})
-    assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-2000:] for r in codes}
+    assert codes == {0: 0, 1: 0}, {r: c.output(r)[-2000:] for r in codes}
     slept = json.loads((c.log_path / f"iterations/000000/phase-07/arrive-{FAULTY}.json")
                        .read_text())["payload"]
     served = phase12(c, FAULTY)["payload"]
@@ -86,7 +86,7 @@ def test_a_restart_that_fails_after_a_failed_reload_stops_the_run_with_the_log_t
         tmp_path: Path, warm_model: Path) -> None:
     c, codes = run_with_fault(tmp_path, warm_model,
                               {"reload": "unreadable", "fail_start_from": 2})
-    assert codes == {0: 4, 1: 4, 2: 4}, {r: c.output(r)[-2000:] for r in codes}
+    assert codes == {0: 4, 1: 4}, {r: c.output(r)[-2000:] for r in codes}
     text = c.output(0)
     assert re.search(rf"rank {FAULTY} on host \S+: the hf inference engine could not start on "
                      r"\S+iter-000000-\w+", text), text[-3000:]
