@@ -79,6 +79,7 @@ class Daemon:
         self.manifest = plan.manifest
         self.config = plan.config
         self.coord = plan.config.coordination
+        fsio.set_read_retry(self.coord.read_retry_s)  # the actions' reads follow it too
         self.store = FsStore(plan.log_path)
         self.clock = clock or Clock()
         self.token = secrets.token_hex(8)

@@ -43,6 +43,38 @@ MAX_RECORD_BYTES: Final = 4 << 20
 MAX_DOCUMENT_BYTES: Final = 256 << 20
 _READ_CHUNK: Final = 1 << 20
 
+# How long a read of a shared file retries a torn, unparsable or transiently
+# failing read before it reports it, when the caller gives no deadline: the
+# daemon sets it to coordination.read_retry_s at start-up (set_read_retry), so
+# rollout/ and trainer/ reads in its process follow the same setting.
+_read_retry_s = 5.0
+# A daemon passes its setting to the processes it starts (torchrun's trainers).
+READ_RETRY_ENV: Final = "COORDINATOR_READ_RETRY_S"
+
+
+def set_read_retry(seconds: float) -> None:
+    """This process's default retry deadline for reads of shared files."""
+    global _read_retry_s
+    if not 0 <= seconds <= 600:
+        raise ValueError(f"read retry {seconds!r} s is outside 0..600: give e.g. 5")
+    _read_retry_s = float(seconds)
+
+
+def read_retry_from_env() -> None:
+    """Take the starting daemon's setting (READ_RETRY_ENV), when there is one."""
+    value = os.environ.get(READ_RETRY_ENV)
+    if value:
+        try:
+            set_read_retry(float(value))
+        except ValueError as exc:
+            raise ValueError(f"{READ_RETRY_ENV}={value!r}: {exc}") from None
+
+
+def read_retry(retry_s: float | None) -> float:
+    """`retry_s`, or this process's default when it is None."""
+    return _read_retry_s if retry_s is None else retry_s
+
+
 # Errors a network filesystem returns transiently: the file was replaced under
 # an open handle (ESTALE), the server hiccuped (EIO), or a FUSE/NFS client
 # timed out (ETIMEDOUT).  Callers retry these within their deadline.

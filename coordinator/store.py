@@ -139,7 +139,7 @@ def read_retrying(
     parse: Callable[[bytes, Path], T],
     path: Path,
     *,
-    retry_s: float,
+    retry_s: float | None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T | None:
     """Read and strictly parse one file; None when it does not exist.
@@ -148,9 +148,10 @@ def read_retrying(
     ValueError (MalformedRecordError and the other schema errors are ones)
     when the bytes are not a valid file of its kind.  A torn read (a client
     with a stale cached size), ESTALE after a rename, EIO or an unparsable
-    file is retried with backoff for `retry_s`, each retry asking the server
-    afresh; then the last error is raised, naming the file.
+    file is retried with backoff for `retry_s` (None: fsio.read_retry), each
+    retry asking the server afresh; then the last error is raised, naming the file.
     """
+    retry_s = fsio.read_retry(retry_s)
 
     def attempt(fresh: bool) -> T | None:
         data = read(fresh)
@@ -181,7 +182,7 @@ def read_record(
     key: str,
     cls: type[R],
     *,
-    retry_s: float = 5.0,
+    retry_s: float | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> R | None:
     """One record of the protocol, by key; see `read_retrying`."""
@@ -194,7 +195,7 @@ def read_document(
     path: Path,
     parse: Callable[[bytes, Path], T],
     *,
-    retry_s: float = 5.0,
+    retry_s: float | None = None,
     max_bytes: int = fsio.MAX_DOCUMENT_BYTES,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T | None:

@@ -141,15 +141,17 @@ def _retryable(exc: BaseException) -> bool:
 
 
 def read_verified(
-    path: Path, *, size: int, sha256: str, retry_s: float = 5.0, allow_map: bool = True,
+    path: Path, *, size: int, sha256: str, retry_s: float | None = None, allow_map: bool = True,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Verified:
     """The file at `path` if it is exactly `size` bytes with this SHA-256.
 
-    IntegrityError when it still differs after `retry_s`; OSError (its path
+    IntegrityError when it still differs after `retry_s` (None: fsio.read_retry);
+    OSError (its path
     named) for an I/O error that outlasted the retries; FileNotFoundError when
     it is gone; UnsafeFileError when it is not a regular file.
     """
+    retry_s = fsio.read_retry(retry_s)
     try:
         return _attempt(path, size, sha256, allow_map, fresh=False)
     except Exception as exc:

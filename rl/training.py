@@ -148,6 +148,7 @@ def _run_torchrun(loop: Loop, ctx: StepContext, command: list[str],
     env.setdefault("OMP_NUM_THREADS", "1")  # one CPU thread per trainer process
     env[LAUNCHER_PID_ENV] = str(os.getpid())  # lets a trainer see that torchrun died early
     env[RUN_DIR_ENV] = str(loop.run_dir)  # the trainer confines itself to it
+    env[fsio.READ_RETRY_ENV] = str(fsio.read_retry(None))  # coordination.read_retry_s
     log_path = layout.child_log(loop.run_dir, loop.rank, f"train-iter-{ctx.iteration:06d}")
     wall_limit = loop.s.torchrun.wall_limit_s
     started = time.monotonic()

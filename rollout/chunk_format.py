@@ -308,7 +308,8 @@ def _check_lengths(
             raise bad(f"{name} and response_tokens differ in length")
 
 
-def read_verified_chunk(path: Path, entry: ChunkEntry, *, retry_s: float = 5.0) -> Chunk:
+def read_verified_chunk(path: Path, entry: ChunkEntry, *,
+                        retry_s: float | None = None) -> Chunk:
     """The chunk at `path` if it is the file `entry` lists; decoded and validated.
 
     Size and SHA-256 are checked on the same descriptor torch.load then reads

@@ -103,7 +103,7 @@ class RankManifest(Record):
         return [t for c in self.chunks for t in c.task_ids]
 
 
-def read_manifest(directory: Path, *, retry_s: float = 5.0) -> RankManifest | None:
+def read_manifest(directory: Path, *, retry_s: float | None = None) -> RankManifest | None:
     """The manifest in a rank directory, None if there is none yet.
 
     Read like every record (coordinator.store.read_document): a torn or stale

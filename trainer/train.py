@@ -45,7 +45,7 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 
-from coordinator import beneath
+from coordinator import beneath, fsio
 from coordinator.beneath import RUN_DIR_ENV
 from coordinator.fsio import publish_bytes
 from rollout.batch_format import TrainBatch
@@ -340,6 +340,7 @@ def _prepare_process() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    fsio.read_retry_from_env()  # the daemon's coordination.read_retry_s
     import transformers.utils.logging as hf_logging
 
     hf_logging.disable_progress_bar()  # tqdm bars would flood the per-rank logs

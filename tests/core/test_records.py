@@ -88,5 +88,32 @@ def test_read_record_retries_a_torn_file_then_names_it(tmp_path: Path) -> None:
     assert slept, "a torn read is retried before it is reported"
 
 
+def test_the_read_deadline_defaults_to_the_daemons_setting_and_reaches_its_children(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader given no deadline takes the process's (coordination.read_retry_s,
+    set by the daemon; a trainer takes it from READ_RETRY_ENV)."""
+    import time
+
+    from coordinator import fsio
+
+    before = fsio.read_retry(None)
+    try:
+        monkeypatch.setenv(fsio.READ_RETRY_ENV, "0.2")
+        fsio.read_retry_from_env()
+        assert fsio.read_retry(None) == 0.2 and fsio.read_retry(3.0) == 3.0
+        (tmp_path / "hb.json").write_bytes(heartbeat().to_bytes()[:40])
+        started = time.monotonic()
+        with pytest.raises(MalformedRecordError):
+            read_record(FsStore(tmp_path), "hb.json", Heartbeat)
+        assert 0.2 <= time.monotonic() - started < 2.0
+        monkeypatch.setenv(fsio.READ_RETRY_ENV, "-1")
+        with pytest.raises(ValueError, match=r"COORDINATOR_READ_RETRY_S='-1': read retry -1.0 s "
+                                             r"is outside 0\.\.600"):
+            fsio.read_retry_from_env()
+    finally:
+        fsio.set_read_retry(before)
+
+
 def test_read_record_returns_none_for_an_absent_file() -> None:
     assert read_record(MemoryStore(), "nope.json", Heartbeat) is None

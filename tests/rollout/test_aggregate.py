@@ -20,6 +20,9 @@ from rollout.sharding import ShardPlan
 from rollout.train_batch import load_train_batch, save_train_batch
 from rollout.trajectory import RankCheckpointWriter
 
+# Damaged files are reported after the read deadline: 1 s here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("quick_read_retry")
+
 
 def make_group(
     task_id: str, n: int = 2, *, failed: Sequence[int] = (), rewards: Sequence[float] = ()

@@ -27,6 +27,9 @@ from rollout.errors import CheckpointError
 from rollout.manifest import MANIFEST_NAME, read_manifest
 from rollout.trajectory import RankCheckpointWriter
 
+# Damaged files are reported after the read deadline: 1 s here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("quick_read_retry")
+
 PROJECT = Path(__file__).resolve().parents[2]
 
 

@@ -24,6 +24,9 @@ from trainer.checkpoint import (
     verify_checkpoint,
 )
 
+# Damaged files are reported after the read deadline: 1 s here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("quick_read_retry")
+
 
 class FakeModel:
     """Implements the save_pretrained interface publish_checkpoint uses."""

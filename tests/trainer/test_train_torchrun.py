@@ -35,7 +35,9 @@ def free_port() -> int:
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # A damaged file is reported after 1 s of re-reads, not the default 5 s.
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               COORDINATOR_READ_RETRY_S="1")
     return env
 
 
