@@ -19,8 +19,9 @@ ALL = [(it, int(p)) for it in range(3) for p in Phase]
 
 # on_failure "exit" (the path `coordinator recover` serves): a worker in a
 # rollout phase, a collective step and an engine phase, the master in an action
-# of its own and in training.  tests/core/test_regroup.py and test_chaos.py
-# kill at more points with on_failure "wait".
+# of its own and in training; a worker in five more phases: SEQUENCE below.
+# tests/core/test_regroup.py and test_chaos.py kill at more points with
+# on_failure "wait".
 SCENARIOS = [(2, phase) for phase in (2, 10, 12)] + [(0, 4), (0, 10)]
 
 
@@ -86,6 +87,49 @@ def test_survivors_exit_naming_the_dead_rank_and_recover_resumes_the_run(
             if (1, 10, rank) in redo:
                 expected.insert(expected.index((1, 11)), (1, 10))
             assert scripted_log(c.log_path, rank) == expected
+    finally:
+        c.close()
+
+
+# The rest of the phase table: a worker in phases 0, 4, 6, 9 and 13 (with the
+# scenarios above, every phase issue 2 names: 0, 2, 4, 6, 9, 10, 12 and 13), one
+# kill after another in a single run, each followed by `recover` and a restart
+# of every rank.  No action is collective here, so each runs exactly once.
+SEQUENCE = [(2, 0, 0), (1, 0, 4), (2, 0, 9), (1, 1, 6), (2, 1, 13)]
+
+
+def test_one_run_killed_in_five_more_phases_recovers_each_time_and_redoes_nothing(
+    tmp_path: Path,
+) -> None:
+    sleeps = ", ".join(f'"{v}:{it}:{p}:1.5"' for v, it, p in SEQUENCE)
+    config = write_config(tmp_path / "c.toml", lease=LEASE, scripted=f"sleeps = [{sleeps}]")
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
+                     master_args=("--rank-weights", "2,1,1"))
+    try:
+        c.start_all()
+        for victim, iteration, phase in SEQUENCE:
+            c.wait_until(lambda v=victim, i=iteration, p=phase: c.at_phase(v, i, p, "running"),
+                         60, f"rank {victim} in iteration {iteration} phase {phase}")
+            c.kill(victim)
+            killed_at = time.monotonic()
+            for rank in (r for r in range(3) if r != victim):
+                code = c.wait(rank, timeout=LEASE + 5 + 5)
+                took = time.monotonic() - killed_at
+                assert code == 3, c.output(rank)[-2000:]
+                assert took <= LEASE + 5, f"rank {rank} needed {took:.1f} s to stop"
+                assert re.search(rf"rank {victim} \(host [^)]+\) lost at iteration {iteration} "
+                                 rf"phase {phase} \(", c.output(rank)), c.output(rank)[-2000:]
+            recover = subprocess.run(
+                [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path)],
+                capture_output=True, text=True, timeout=60)
+            assert recover.returncode == 0, recover.stderr
+            assert f"recovering iteration {iteration}:" in recover.stdout, recover.stdout
+            c.start_all()
+        codes = c.wait_all(timeout=90)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-2000:] for r in codes}
+        assert set(scripted_runs(c.log_path).values()) == {1}
+        for rank in range(3):
+            assert scripted_log(c.log_path, rank) == ALL
     finally:
         c.close()
 
