@@ -139,16 +139,20 @@ def listed_chunks(manifest: Path) -> int:
 
 def freeze_mid_rollout(c: LocalCluster, export_run: Path, rank: int, manifest: Path,
                        phase: tuple[int, int] | None = None) -> None:
-    """SIGSTOP the rank's engine once its manifest lists a chunk (and, given
-    `phase` (iteration, phase), once its heartbeat says so: the start of a phase
-    rides on the next periodic beat), so the kill that follows lands mid-rollout:
-    some chunks saved, others not yet generated."""
+    """SIGSTOP the rank's engine once its manifest lists a chunk, so the kill that
+    follows lands mid-rollout: some chunks saved, others not yet generated.
+    Given `phase` (iteration, phase), then wait for the rank's heartbeat to say
+    so: the start of a phase rides on the next periodic beat, and a rollout of
+    a few groups can be over before it (the daemon, waiting on its stopped
+    engine, keeps beating)."""
     import os
     import signal
 
-    c.wait_until(lambda: listed_chunks(manifest) >= 1 and (
-        phase is None or c.at_phase(rank, *phase)), 600, f"a chunk in {manifest}")
+    c.wait_until(lambda: listed_chunks(manifest) >= 1, 600, f"a chunk in {manifest}")
     os.kill(engine_pid(export_run, rank), signal.SIGSTOP)
+    if phase is not None:
+        c.wait_until(lambda: c.at_phase(rank, *phase), LEASE,
+                     f"rank {rank}'s heartbeat at iteration {phase[0]} phase {phase[1]}")
     assert not json.loads(manifest.read_text())["complete"], "the rollout finished too soon"
 
 
