@@ -22,9 +22,11 @@ from typing import Any, ClassVar
 
 from coordinator.errors import (
     CoordinatorError,
+    ExitCode,
     Interrupted,
     MalformedRecordError,
     PeerLostError,
+    UsageError,
     WaitTimeout,
 )
 from coordinator.phases import Phase, RolloutSplit, spec
@@ -134,6 +136,8 @@ def abort_kind(error: BaseException) -> AbortKind:
         return AbortKind.LOST  # a rank is gone (or leaving): peers exit as for a lost rank
     if isinstance(error, WaitTimeout):
         return AbortKind.TIMEOUT
+    if isinstance(error, UsageError) or getattr(error, "exit_code", None) == ExitCode.USAGE:
+        return AbortKind.USAGE
     if isinstance(error, CoordinatorError):
         return AbortKind.FAILED
     return AbortKind.INTERNAL

@@ -70,6 +70,7 @@ class AbortKind(str, enum.Enum):
     FAILED = "failed"  # an action failed
     TIMEOUT = "timeout"  # a barrier passed its deadline
     INTERNAL = "internal"  # the master hit an unexpected error
+    USAGE = "usage"  # a setting cannot work (checked before any work): no retry cures it
 
     @property
     def exit_code(self) -> ExitCode:
@@ -78,6 +79,7 @@ class AbortKind(str, enum.Enum):
             AbortKind.FAILED: ExitCode.PHASE_FAILED,
             AbortKind.TIMEOUT: ExitCode.TIMEOUT,
             AbortKind.INTERNAL: ExitCode.PHASE_FAILED,
+            AbortKind.USAGE: ExitCode.USAGE,
         }[self]
 
 

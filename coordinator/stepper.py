@@ -47,6 +47,7 @@ from coordinator.errors import (
     PeerLostError,
     PhaseFailedError,
     StorageError,
+    UsageError,
     WaitTimeout,
     storage_error,
 )
@@ -60,8 +61,10 @@ from coordinator.store import Store
 log = logging.getLogger("coordinator")
 
 # Raised through an action untouched: they already say what stops the daemon.
+# Not a failed step: the daemon stops (a usage error: settings that cannot work,
+# which no retry cures, exit 2 on every node).
 _STOPPING = (PeerLostError, FencedError, Interrupted, WaitTimeout, StorageError,
-             MalformedRecordError)
+             MalformedRecordError, UsageError)
 
 
 class PhaseStepper:

@@ -349,7 +349,7 @@ def demo(
     extra_args = [a for item in extra for a in ("--set", item)]
     typer.echo(f"starting {nodes} nodes; run directory {path}")
     result = demo_mod.run_demo(log_path=path, nodes=nodes, iterations=iterations,
-                               eval_interval=eval_interval, model=model, extra_args=extra_args)
+                               eval_interval=eval_interval, extra_args=extra_args)
     typer.echo(demo_mod.render_table(result.rows))
     gain = demo_mod.improvement(result.rows)
     if gain is not None:

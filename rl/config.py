@@ -10,7 +10,13 @@
 
 Every section is a frozen dataclass validated on construction; the master
 writes the resolved sections (defaults filled in) into the run manifest.
-The defaults run the demo: the tiny local model on the built-in task.
+
+The dataclass defaults suit a 1.5-8 B model on GPUs.  Without model.path the
+run uses the tiny model the project builds (128 positions, answers of a few
+characters): then TINY_MODEL_DEFAULTS take the place of the defaults that
+depend on the model, under whatever the config and --set give, so the usage
+line with no config at all runs and learns.  Settings the model or the tasks
+bound are checked against them before any engine starts (rl/preflight.py).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from coordinator.config import from_mapping, to_plain
+from coordinator.config import deep_merge, from_mapping, to_plain
 from coordinator.errors import UsageError
 from rollout.engine import EngineConfig
 from trainer.config import ConfigError, TrainConfig
@@ -90,6 +96,11 @@ class RolloutSection:
     concurrency: int = 0
     request_retries: int = 3
     max_failed_fraction: float = 0.1  # more failed samples than this fail the phase
+    # A train batch with fewer samples than this fraction of those rolled out
+    # (tasks x group_size) fails phase 4 rather than train on scraps; an empty
+    # batch always does.  Failed samples and groups left with too few answers
+    # are what a batch loses.
+    min_batch_fraction: float = 0.5
     progress_interval_s: float = 5.0
     keep_rank_files: bool = False  # rank trajectory files are removed once an iteration completes
     # An agent plugin ("package.module:Name", rollout/agents.py) that turns each
@@ -120,10 +131,9 @@ class RolloutSection:
             )
         if self.tasks_per_iteration < 0 or self.eval_tasks < 0:
             raise UsageError("rollout.tasks_per_iteration and rollout.eval_tasks must be >= 0")
-        if not 0.0 <= self.max_failed_fraction <= 1.0:
-            raise UsageError(
-                f"rollout.max_failed_fraction={self.max_failed_fraction} must be within 0..1"
-            )
+        for name in ("max_failed_fraction", "min_batch_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise UsageError(f"rollout.{name}={getattr(self, name)} must be within 0..1")
 
 
 # Requests in flight per engine replica when rollout.concurrency is 0: enough
@@ -185,6 +195,35 @@ class RlSections:
     metrics: MetricsSection
 
 
+# The built-in tiny model's own values of the settings that depend on the model
+# (rl/demo.py and the usage line run with them).  Its context is 128 positions
+# and its answers are 2-4 digits and an end token: 6 new tokens suffice, and a
+# 1024-token default would be refused by every request.  Its learning rate,
+# epochs and batches are the ones that double its reward in 8 iterations.
+TINY_MODEL_DEFAULTS: Final[Mapping[str, Mapping[str, Any]]] = {
+    "rollout": {"tasks_per_iteration": 128, "max_tokens": 6, "eval_tasks": 64,
+                "eval_group_size": 2, "eval_temperature": 1.0,
+                "checkpoint_every_groups": 8, "concurrency": 4},
+    "engine": {"ready_timeout_s": 300.0, "request_timeout_s": 60.0},
+    "train": {"lr": 3e-4, "warmup_steps": 48, "epochs": 3, "micro_batch_size": 64,
+              "mini_batch_size": 128},
+}
+
+
+def uses_tiny_model(raw: Mapping[str, Any]) -> bool:
+    """Whether raw sections leave model.path empty: the project builds the tiny model."""
+    model = raw.get("model", {})
+    return not (isinstance(model, Mapping) and model.get("path"))
+
+
+def with_model_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` over the defaults of its model: TINY_MODEL_DEFAULTS when it uses the
+    tiny model, nothing added otherwise.  A key `raw` gives always wins."""
+    if not uses_tiny_model(raw):
+        return dict(raw)
+    return deep_merge({k: dict(v) for k, v in TINY_MODEL_DEFAULTS.items()}, raw)
+
+
 def parse_sections(raw: Mapping[str, Any]) -> RlSections:
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
@@ -213,8 +252,8 @@ def parse_sections(raw: Mapping[str, Any]) -> RlSections:
 
 
 def resolve_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Defaults filled in, as plain JSON for the manifest."""
-    s = parse_sections(raw)
+    """Defaults filled in (the model's own first), as plain JSON for the manifest."""
+    s = parse_sections(with_model_defaults(raw))
     out = {name: to_plain(getattr(s, name)) for name in SECTIONS if name != "train"}
     out["train"] = s.train.to_dict()
     return out

@@ -26,37 +26,14 @@ from coordinator.store import read_document
 from rl import layout as rl_layout
 
 DEMO_CONFIG = """\
-# Written by `coordinator demo`; every key not listed takes its default.
-# The defaults suit a 1.5-8 B model on GPUs; these are the tiny model's.
+# Written by `coordinator demo`.  No model.path: the tiny model the demo built
+# in the run directory, with its own defaults (rl/config.py, TINY_MODEL_DEFAULTS);
+# every key not listed takes its default.
 [run]
 actions = "rl"
 iterations = {iterations}
 eval_interval = {eval_interval}
 eval_before_train = true
-
-[model]
-path = "{model}"
-
-[rollout]
-tasks_per_iteration = 128
-max_tokens = 6
-eval_tasks = 64
-eval_group_size = 2
-eval_temperature = 1.0
-checkpoint_every_groups = 8
-concurrency = 4
-
-[engine]
-kind = "hf"
-ready_timeout_s = 300.0
-request_timeout_s = 60.0
-
-[train]
-lr = 3e-4
-warmup_steps = 48
-epochs = 3
-micro_batch_size = 64
-mini_batch_size = 128
 
 [coordination]
 heartbeat_interval_s = 1.0
@@ -186,14 +163,13 @@ def node_line(log_path: Path, rank: int) -> str:
 
 
 def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
-             model: Path, extra_args: list[str]) -> DemoResult:
+             extra_args: list[str]) -> DemoResult:
     from rich.console import Console
     from rich.live import Live
 
     log_path.mkdir(parents=True, exist_ok=True)
     config = log_path / "demo-config.toml"
-    config.write_text(DEMO_CONFIG.format(iterations=iterations, eval_interval=eval_interval,
-                                         model=model))
+    config.write_text(DEMO_CONFIG.format(iterations=iterations, eval_interval=eval_interval))
     logs = log_path / "demo-logs"
     logs.mkdir(exist_ok=True)
     procs: dict[int, subprocess.Popen[bytes]] = {}

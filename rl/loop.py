@@ -41,6 +41,7 @@ class Loop:
         self._tasks: TaskSource | None = None
         self._by_id: dict[str, dict[str, Task]] = {}
         self.wandb: Any = None  # master: the Weights & Biases run, once opened (rl/reporting.py)
+        self.checked = False  # master: settings checked against model and tasks (preflight)
 
     @property
     def trains(self) -> bool:

@@ -1,7 +1,8 @@
 """Phases 0 and 13: an iteration's plan, and the clean-up once it is complete.
 
-    0   master   build the demo model once (no --model given); pick each split's
-                 tasks for this iteration and publish the shard plans
+    0   master   build the demo model once (no --model given); check the settings
+                 against the model and the tasks (rl/preflight.py, once per daemon);
+                 pick each split's tasks for this iteration and publish the shard plans
         decide   the policy this iteration samples from (PolicyChoice)
     13  master   remove the previous iteration's rank files and the checkpoints
                  beyond checkpoint.keep
@@ -39,15 +40,18 @@ def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     if not ctx.is_master:
         return {}
     ensure_initial_model(loop)
+    if not loop.checked:
+        from rl.preflight import check_loop
+
+        check_loop(loop)  # UsageError: every node exits 2, before any engine starts
+        loop.checked = True
     weights = rank_weights(loop, ctx)
     seed = loop.config.run.seed
     sizes = {Split.TRAIN: loop.s.rollout.tasks_per_iteration, Split.EVAL: loop.s.rollout.eval_tasks}
     for split in Split:
         ids = list(loop.tasks(split))
         if not ids:
-            if split is Split.TRAIN and loop.trains:
-                raise ActionError(f"the train split of {loop.s.data.path} has no tasks")
-            continue
+            continue  # an empty split that is needed was refused by the check above
         if sizes[split] and sizes[split] < len(ids):
             # The iteration's subset: deterministic from (seed, iteration); eval
             # uses the same subset every time so accuracies compare.

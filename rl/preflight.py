@@ -1,0 +1,254 @@
+"""Settings the model and the tasks bound, checked before any engine starts.
+
+    phase 0, master, once per daemon (after the initial model exists):
+        ModelFacts  <- <model>/config.json: its context (max_position_embeddings)
+        TaskFacts   <- the task source: each split's size, and the longest prompt in
+                       tokens as the engine will count it (the model's tokenizer,
+                       special tokens and chat template included)
+        check(...)  -> every broken rule at once, as a UsageError (exit 2 on every
+                       node) naming the setting, its limit and the fix
+
+A wrong value here would otherwise surface as thousands of refused requests,
+a recovery that cannot help, or a batch too small to train on.  The rules are
+pure functions of the facts (RULES, one per rule), so each is tested as a table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from coordinator.config import RunSection
+from coordinator.decisions import should_eval
+from coordinator.errors import UsageError
+from coordinator.phases import RolloutSplit
+from rl.config import RlSections
+from rl.layout import Split
+from rl.loop import Loop
+from rollout.tasks import Task
+
+log = logging.getLogger(__name__)
+
+# Where Hugging Face configs keep the context length, by model family.
+CONTEXT_KEYS: Final = ("max_position_embeddings", "n_positions", "max_sequence_length",
+                       "seq_length")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    path: Path
+    context: int | None  # positions the model accepts; None: config.json does not say
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskFacts:
+    source: str
+    train: int  # tasks in the train split
+    eval: int
+    # The longest prompt in tokens and its task; None when prompts are the agent's
+    # own (rollout.agent) or could not be tokenized here.
+    longest_prompt: int | None = None
+    longest_task: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    s: RlSections
+    run: RunSection
+    model: ModelFacts
+    tasks: TaskFacts
+
+    @property
+    def context(self) -> int | None:
+        """What the engine will accept: the model's context, or engine.max_model_len
+        below it."""
+        limits = [n for n in (self.model.context, self.s.engine.max_model_len) if n]
+        return min(limits) if limits else None
+
+    @property
+    def trains(self) -> bool:
+        return self.run.rollout_split is not RolloutSplit.EVAL_ONLY
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether any iteration of the run rolls out the eval split."""
+        return any(should_eval(i, eval_interval=self.run.eval_interval,
+                               eval_before_train=self.run.eval_before_train,
+                               split=self.run.rollout_split)
+                   for i in range(min(self.run.iterations, max(self.run.eval_interval, 1) + 1)))
+
+    @property
+    def train_tasks_per_iteration(self) -> int:
+        wanted = self.s.rollout.tasks_per_iteration
+        return min(wanted, self.tasks.train) if wanted else self.tasks.train
+
+
+Rule = Callable[[Facts], str | None]
+
+
+def _max_model_len(f: Facts) -> str | None:
+    wanted, context = f.s.engine.max_model_len, f.model.context
+    if wanted is not None and context is not None and wanted > context:
+        return (f"engine.max_model_len={wanted} exceeds the {context} positions of the model "
+                f"{f.model.path} (config.json): give at most {context}, or leave it unset")
+    return None
+
+
+def _max_tokens(f: Facts) -> str | None:
+    context, max_tokens = f.context, f.s.rollout.max_tokens
+    if context is None:
+        return None
+    prompt = f.tasks.longest_prompt
+    if prompt is None:
+        if max_tokens < context:
+            return None
+        return (f"rollout.max_tokens={max_tokens} leaves no room for a prompt in the "
+                f"{context}-token context of {f.model.path}: give at most {context - 1}")
+    if prompt + max_tokens <= context:
+        return None
+    room = context - prompt
+    fix = f"lower rollout.max_tokens to at most {room}" if room >= 1 else \
+        "shorten the prompts or use a model with a longer context"
+    return (f"rollout.max_tokens={max_tokens} plus the longest prompt ({prompt} tokens, task "
+            f"{f.tasks.longest_task}) needs {prompt + max_tokens} positions, but the engine "
+            f"accepts {context} (the context of {f.model.path}"
+            + (f", engine.max_model_len={f.s.engine.max_model_len}"
+               if f.s.engine.max_model_len else "")
+            + f"): every request would be refused; {fix}")
+
+
+def _train_tasks(f: Facts) -> str | None:
+    if not f.trains:
+        return None
+    if f.tasks.train == 0:
+        return (f"the train split of data.path={f.tasks.source!r} has no tasks: give a task "
+                "file or directory with a train split")
+    wanted = f.s.rollout.tasks_per_iteration
+    if wanted > f.tasks.train:
+        return (f"rollout.tasks_per_iteration={wanted} exceeds the {f.tasks.train} tasks of the "
+                f"train split of {f.tasks.source!r}: give at most {f.tasks.train}, or 0 for the "
+                "whole split every iteration")
+    return None
+
+
+def _eval_tasks(f: Facts) -> str | None:
+    if not f.evaluates:
+        return None
+    if f.tasks.eval == 0:
+        return (f"the run evaluates (run.eval_interval={f.run.eval_interval}, "
+                f"run.rollout_split={f.run.rollout_split.value}) but {f.tasks.source!r} has no "
+                "eval split: give a task directory with test.<ext> or eval.<ext>, or set "
+                "run.eval_interval=0 and run.eval_before_train=false")
+    wanted = f.s.rollout.eval_tasks
+    if wanted > f.tasks.eval:
+        return (f"rollout.eval_tasks={wanted} exceeds the {f.tasks.eval} tasks of the eval "
+                f"split of {f.tasks.source!r}: give at most {f.tasks.eval}, or 0 for the whole "
+                "split")
+    return None
+
+
+def _mini_batch(f: Facts) -> str | None:
+    if not f.trains or not f.tasks.train:
+        return None
+    tasks, group = f.train_tasks_per_iteration, f.s.rollout.group_size
+    samples, mini = tasks * group, f.s.train.mini_batch_size
+    if mini <= samples:
+        return None
+    return (f"train.mini_batch_size={mini} exceeds the {samples} samples an iteration rolls "
+            f"out ({tasks} tasks x rollout.group_size={group}): not one optimizer step would "
+            f"see a full mini-batch; give at most {samples}, 0 for one step on the whole "
+            "batch, or raise rollout.tasks_per_iteration")
+
+
+def _min_batch(f: Facts) -> str | None:
+    rollout = f.s.rollout
+    if not f.trains or rollout.min_batch_fraction <= 1.0 - rollout.max_failed_fraction:
+        return None
+    return (f"rollout.min_batch_fraction={rollout.min_batch_fraction} is above what "
+            f"rollout.max_failed_fraction={rollout.max_failed_fraction} lets through "
+            f"({1.0 - rollout.max_failed_fraction:g} of the samples): an iteration within the "
+            "failure budget could still be refused; lower one of them")
+
+
+RULES: Final[Sequence[Rule]] = (_max_model_len, _max_tokens, _train_tasks, _eval_tasks,
+                                _mini_batch, _min_batch)
+
+
+def problems(facts: Facts) -> list[str]:
+    return [m for rule in RULES if (m := rule(facts)) is not None]
+
+
+def check(facts: Facts) -> None:
+    """Raise one UsageError listing every broken rule."""
+    found = problems(facts)
+    head = "the settings cannot work with this model and these tasks"
+    if len(found) == 1:
+        raise UsageError(f"{head}: {found[0]}")
+    if found:
+        raise UsageError(f"{head} ({len(found)} problems):\n  - " + "\n  - ".join(found))
+
+
+def check_loop(loop: Loop) -> None:
+    """Phase 0 on the master, before any engine starts: the facts of this run's
+    model and tasks, checked (UsageError: every node exits 2)."""
+    s = loop.s
+    model = loop.initial_model()
+    prompt = None
+    if not s.rollout.agent:  # an agent builds its own prompts
+        prompt = longest_prompt(model, [*loop.tasks(Split.TRAIN).values(),
+                                        *loop.tasks(Split.EVAL).values()])
+    facts = Facts(s=s, run=loop.config.run, model=model_facts(model), tasks=TaskFacts(
+        source=s.data.path, train=len(loop.tasks(Split.TRAIN)), eval=len(loop.tasks(Split.EVAL)),
+        longest_prompt=prompt[0] if prompt else None, longest_task=prompt[1] if prompt else ""))
+    check(facts)
+    log.info("settings checked against %s (context %s, longest prompt %s tokens) and %s "
+             "(%d train, %d eval tasks)", model, facts.context or "unknown",
+             facts.tasks.longest_prompt or "unknown", s.data.path, facts.tasks.train,
+             facts.tasks.eval)
+
+
+# --- gathering the facts ---------------------------------------------------------
+
+
+def model_facts(path: Path) -> ModelFacts:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"model.path {path} has no readable config.json ({exc}): give a "
+                         "local Hugging Face model directory") from None
+    for key in CONTEXT_KEYS:
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return ModelFacts(path=path, context=value)
+    log.warning("%s/config.json names no context length (%s): rollout.max_tokens is not "
+                "checked against it", path, ", ".join(CONTEXT_KEYS))
+    return ModelFacts(path=path, context=None)
+
+
+def longest_prompt(model: Path, tasks: Iterable[Task]) -> tuple[int, str] | None:
+    """The longest prompt in tokens as the engine counts it: text with the
+    tokenizer's special tokens (as /v1/completions does), chat messages through
+    the model's chat template with the generation prompt."""
+    from transformers import AutoTokenizer  # heavy: only on the master, once
+
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    texts = [t for t in tasks if isinstance(t.prompt, str)]
+    chats = [t for t in tasks if not isinstance(t.prompt, str)]
+    lengths: list[tuple[int, str]] = []
+    if texts:
+        ids = tokenizer([str(t.prompt) for t in texts])["input_ids"]
+        lengths += [(len(x), t.task_id) for x, t in zip(ids, texts, strict=True)]
+    for t in chats:
+        try:
+            ids = tokenizer.apply_chat_template(t.messages(), add_generation_prompt=True,
+                                                tokenize=True)
+        except Exception as exc:  # no template: the engine will say so at its first request
+            log.warning("cannot render task %s with the chat template of %s (%s): prompt "
+                        "lengths are not checked", t.task_id, model, exc)
+            return None
+        lengths.append((len(ids), t.task_id))
+    return max(lengths) if lengths else None

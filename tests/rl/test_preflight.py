@@ -1,0 +1,133 @@
+"""The settings the model and the tasks bound: one case per rule (rl/preflight.py),
+the tiny model's own defaults, and the facts read from a real model directory."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.config import RunSection, deep_merge
+from coordinator.errors import UsageError
+from coordinator.phases import RolloutSplit
+from rl import preflight
+from rl.config import TINY_MODEL_DEFAULTS, parse_sections, resolve_sections, with_model_defaults
+from rl.preflight import Facts, ModelFacts, TaskFacts
+
+
+def facts(sections: dict[str, Any] | None = None, *, context: int | None = 128,
+          train: int = 256, eval_: int = 64, prompt: int | None = 6,
+          run: RunSection | None = None) -> Facts:
+    """The tiny model's run on the built-in task, with `sections` changed."""
+    raw = with_model_defaults(deep_merge({}, sections or {}))
+    return Facts(s=parse_sections(raw), run=run or RunSection(),
+                 model=ModelFacts(path=Path("/m"), context=context),
+                 tasks=TaskFacts(source="builtin:reverse", train=train, eval=eval_,
+                                 longest_prompt=prompt, longest_task="reverse/train/000243"))
+
+
+def test_the_tiny_models_defaults_pass_every_rule() -> None:
+    assert preflight.problems(facts()) == []
+
+
+def test_the_tiny_models_defaults_give_way_to_any_value_a_config_sets() -> None:
+    resolved = resolve_sections({"rollout": {"max_tokens": 9}, "train": {"epochs": 1}})
+    assert resolved["rollout"]["max_tokens"] == 9 and resolved["train"]["epochs"] == 1
+    assert resolved["rollout"]["eval_tasks"] == TINY_MODEL_DEFAULTS["rollout"]["eval_tasks"]
+    # A model of one's own keeps the defaults for a real model.
+    real = resolve_sections({"model": {"path": "/models/qwen"}})
+    assert real["rollout"]["max_tokens"] == 1024 and real["train"]["lr"] == 1e-6
+
+
+# (changed settings, fact overrides, words the one message must hold)
+CASES: list[tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = [
+    ("max_tokens past the context", {"rollout": {"max_tokens": 1024}}, {},
+     ("rollout.max_tokens=1024", "6 tokens, task reverse/train/000243", "1030 positions",
+      "accepts 128", "at most 122")),
+    ("max_tokens past engine.max_model_len", {"rollout": {"max_tokens": 60},
+                                              "engine": {"max_model_len": 64}}, {},
+     ("rollout.max_tokens=60", "accepts 64", "engine.max_model_len=64", "at most 58")),
+    ("a prompt longer than the context", {}, {"prompt": 130},
+     ("130 tokens", "shorten the prompts")),
+    ("max_tokens filling the context, prompts unknown", {"rollout": {"max_tokens": 128}},
+     {"prompt": None}, ("rollout.max_tokens=128", "no room for a prompt", "at most 127")),
+    ("max_model_len past the model", {"engine": {"max_model_len": 512}}, {},
+     ("engine.max_model_len=512", "128 positions", "at most 128")),
+    ("more train tasks than the split", {"rollout": {"tasks_per_iteration": 300}}, {},
+     ("rollout.tasks_per_iteration=300", "256 tasks of the train split", "at most 256",
+      "0 for the whole split")),
+    ("an empty train split", {}, {"train": 0}, ("has no tasks",)),
+    ("more eval tasks than the split", {"rollout": {"eval_tasks": 65}}, {},
+     ("rollout.eval_tasks=65", "64 tasks of the eval split", "at most 64")),
+    ("no eval split in a run that evaluates", {}, {"eval_": 0},
+     ("no eval split", "run.eval_interval=0")),
+    ("a mini-batch larger than an iteration", {"rollout": {"tasks_per_iteration": 8},
+                                               "train": {"mini_batch_size": 128}}, {},
+     ("train.mini_batch_size=128", "64 samples", "8 tasks x rollout.group_size=8",
+      "at most 64")),
+    ("a minimum batch the failure budget cannot meet",
+     {"rollout": {"min_batch_fraction": 0.95, "max_failed_fraction": 0.1}}, {},
+     ("rollout.min_batch_fraction=0.95", "rollout.max_failed_fraction=0.1")),
+]
+
+
+@pytest.mark.parametrize(("changed", "overrides", "words"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_each_rule_names_the_setting_its_limit_and_the_fix(
+        changed: dict[str, Any], overrides: dict[str, Any], words: tuple[str, ...]) -> None:
+    found = preflight.problems(facts(changed, **overrides))
+    assert len(found) == 1, found
+    for word in words:
+        assert word in found[0], (word, found[0])
+    with pytest.raises(UsageError, match="cannot work with this model"):
+        preflight.check(facts(changed, **overrides))
+
+
+def test_every_rule_has_a_case() -> None:
+    caught = set()
+    for _, changed, overrides, _words in CASES:
+        f = facts(changed, **overrides)
+        caught |= {rule for rule in preflight.RULES if rule(f) is not None}
+    assert caught == set(preflight.RULES)
+
+
+def test_several_problems_are_listed_together() -> None:
+    with pytest.raises(UsageError, match=r"\(2 problems\)") as info:
+        preflight.check(facts({"rollout": {"max_tokens": 500, "eval_tasks": 99}}))
+    assert "rollout.max_tokens=500" in str(info.value) and "rollout.eval_tasks=99" in str(info.value)
+
+
+def test_eval_limits_do_not_apply_to_a_run_that_never_evaluates() -> None:
+    never = RunSection(eval_interval=0, eval_before_train=False)
+    assert preflight.problems(facts({"rollout": {"eval_tasks": 99}}, eval_=0, run=never)) == []
+    train_only = RunSection(rollout_split=RolloutSplit.TRAIN_ONLY)
+    assert preflight.problems(facts(eval_=0, run=train_only)) == []
+    eval_only = RunSection(rollout_split=RolloutSplit.EVAL_ONLY)
+    assert preflight.problems(facts({"rollout": {"tasks_per_iteration": 999}},
+                                    run=eval_only)) == []
+
+
+def test_facts_come_from_the_models_config_and_its_tokenizer(tiny_model: Path) -> None:
+    from rollout.tasks import BuiltinReverseTasks
+
+    model = preflight.model_facts(tiny_model)
+    assert model.context == 128
+    tasks = BuiltinReverseTasks(seed=0).tasks("train")
+    length, task = preflight.longest_prompt(tiny_model, tasks) or (0, "")
+    longest = max(tasks, key=lambda t: len(str(t.prompt)))
+    # A character tokenizer: one token per character plus the start token.
+    assert length == len(str(longest.prompt)) + 1 and task.startswith("reverse/train/")
+
+
+def test_a_model_directory_without_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"has no readable config\.json"):
+        preflight.model_facts(tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    assert preflight.model_facts(tmp_path).context is None
+
+
+def test_facts_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        facts().model.context = 1  # type: ignore[misc]
