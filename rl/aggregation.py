@@ -1,7 +1,9 @@
 """Phase 4: the master turns every rank's trajectories into the training batch.
 
-    4   master   check each rank's output against the shard plan, write
-                 iterations/<N>/batch.pt and metrics/rollout.json
+    4   master   check each rank's output against the shard plan and the merged
+                 result against the budget (failed samples, the batch's size:
+                 rollout/budget.py), write iterations/<N>/batch.pt and
+                 metrics/rollout.json
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def merge_inputs(loop: Loop, iteration: int, split: Split) -> MergeInputs:
 def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 4 (master): the training batch and the rollout metrics."""
     from rollout.aggregate import aggregate_iteration
-    from rollout.errors import AggregationError
+    from rollout.errors import AggregationError, BudgetError
 
     if not ctx.is_master or not loop.trains:
         return {}
@@ -58,12 +60,15 @@ def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         metrics = aggregate_iteration(inputs.rank_dirs, inputs.assignments,
                                       frozen=inputs.frozen, iteration=ctx.iteration,
                                       group_size=loop.s.rollout.group_size,
-                                      out_path=layout.batch(loop.run_dir, ctx.iteration))
-    except AggregationError as exc:
+                                      out_path=layout.batch(loop.run_dir, ctx.iteration),
+                                      max_failed_fraction=loop.s.rollout.max_failed_fraction,
+                                      min_batch_fraction=loop.s.rollout.min_batch_fraction)
+    except (AggregationError, BudgetError) as exc:
         raise ActionError(f"aggregation refused iteration {ctx.iteration}: {exc}") from exc
     fsio.publish_bytes(layout.metrics(loop.run_dir, ctx.iteration, "rollout"),
                        metrics.to_json().encode())
     log.info("iteration %d: reward mean %.3f, accuracy %.3f over %d samples (%.1f s)",
              ctx.iteration, metrics.reward_mean or 0.0, metrics.accuracy or 0.0,
              metrics.num_samples, time.monotonic() - started)
-    return {"reward_mean": metrics.reward_mean, "samples": metrics.num_samples}
+    return {"reward_mean": metrics.reward_mean, "samples": metrics.num_samples,
+            "train_samples": metrics.num_train_samples, "failed_samples": metrics.num_failed}

@@ -52,7 +52,7 @@ def merge_eval(loop: Loop, ctx: StepContext,
                arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
     """Phase 6's decision: every rank's eval output checked and merged into metrics."""
     from rollout.aggregate import merge_eval_metrics
-    from rollout.errors import AggregationError
+    from rollout.errors import AggregationError, BudgetError
 
     if not EvalDecision.read(ctx).eval:
         return {}
@@ -60,8 +60,9 @@ def merge_eval(loop: Loop, ctx: StepContext,
     try:
         metrics = merge_eval_metrics(inputs.rank_dirs, inputs.assignments,
                                      frozen=inputs.frozen, iteration=ctx.iteration,
-                                     group_size=loop.s.rollout.eval_group_size)
-    except AggregationError as exc:
+                                     group_size=loop.s.rollout.eval_group_size,
+                                     max_failed_fraction=loop.s.rollout.max_failed_fraction)
+    except (AggregationError, BudgetError) as exc:
         raise ActionError(f"eval merge refused iteration {ctx.iteration}: {exc}") from exc
     fsio.publish_bytes(layout.metrics(loop.run_dir, ctx.iteration, "eval"),
                        metrics.to_json().encode())

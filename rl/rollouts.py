@@ -15,7 +15,9 @@ single-turn sampling (rollout/sampling_agent.py), or the plugin
 `rollout.agent` names (rollout/agents.py, docs/PLUGINS.md).  A failed sample
 (a request that still fails after the client's retries, an episode that
 raised or timed out) is recorded with its task id, never dropped; more failed
-samples than `rollout.max_failed_fraction` fail the phase.
+samples than `rollout.max_failed_fraction` fail the phase, before the
+rank's manifest is marked complete: a failed sample is never taken as done,
+and the phase run again redoes it (rollout/budget.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from rl.contracts import PolicyChoice
 from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
-from rollout.agents import Agent, GroupAgent, check_failures, load_agent, run_groups
+from rollout.agents import Agent, GroupAgent, load_agent, run_groups
+from rollout.budget import check_failures
+from rollout.errors import BudgetError
 from rollout.sampling_agent import SingleTurnSampler
 from rollout.tasks import Task
 from rollout.trajectory import RankCheckpointWriter
@@ -112,15 +116,20 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, A
     failed: list[str] = []
     generated = _generate(loop, ctx, split, tasks, todo, writer, group_size, failed) if todo \
         else 0
-    manifest = writer.finalize()
+    writer.flush()
+    # The budget first: a manifest left incomplete has its failed groups redone
+    # when the phase runs again, while a complete one takes them as final.
     try:
-        check_failures(failed, samples=len(tasks) * group_size,
-                       fraction=s.rollout.max_failed_fraction, where=split.value)
-    except ValueError as exc:
-        raise ActionError(f"rank {ctx.rank}: {exc}") from exc
+        check_failures(writer.manifest.failed_samples, samples=len(tasks) * group_size,
+                       fraction=s.rollout.max_failed_fraction, where=split.value,
+                       first=failed[0] if failed else "")
+    except BudgetError as exc:
+        raise ActionError(f"rank {ctx.rank}: {exc}; a rerun of the phase redoes every "
+                          "failed sample") from exc
+    manifest = writer.finalize()
     elapsed = time.monotonic() - started
     return {"agent": s.rollout.agent or BUILTIN_AGENT, "tasks": len(tasks),
-            "samples": manifest.num_samples, "failed_samples": len(failed),
+            "samples": manifest.num_samples, "failed_samples": manifest.failed_samples,
             "samples_per_second": generated / elapsed if generated and elapsed > 0 else None}
 
 

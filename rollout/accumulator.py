@@ -103,6 +103,7 @@ class Accumulator:
         self.response_lengths: list[torch.Tensor] = []
         self.rewards: list[torch.Tensor] = []
         self.tokens: deque[_KeptTokens] = deque()
+        self.first_error = ""  # the first failed sample's error (it names its task)
 
     def add(self, chunk: Chunk, *, rank: int, path: Path) -> None:
         t = chunk.tensors
@@ -111,7 +112,11 @@ class Accumulator:
         lengths = t["response_offsets"].diff()[ok]
         self.tasks += len(chunk.task_ids)
         self.samples += chunk.num_samples
-        self.failed += int((~ok).sum())
+        failed = int((~ok).sum())
+        if failed and not self.first_error:
+            first = int(torch.nonzero(~ok).flatten()[0])
+            self.first_error = (chunk.errors[first].splitlines() or ["?"])[0]
+        self.failed += failed
         self.correct += int((rewards == 1.0).sum())
         self.reward_sum += float(rewards.sum())
         self.reward_sq += float((rewards * rewards).sum())

@@ -93,15 +93,6 @@ class EngineEndpoint:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key)
 
 
-def check_failures(failed: Sequence[str], *, samples: int, fraction: float,
-                   where: str) -> None:
-    """More failed samples than `fraction` of `samples` fail the phase: ValueError
-    with the count, the limit and the first failure (which names its task)."""
-    if samples and len(failed) > fraction * samples:
-        raise ValueError(f"{len(failed)} of {samples} {where} samples failed (limit "
-                         f"rollout.max_failed_fraction={fraction}); first: {failed[0]}")
-
-
 class _FunctionAgent:
     def __init__(self, fn: Callable[[Task, EngineEndpoint], Episode]) -> None:
         self.fn = fn

@@ -7,6 +7,8 @@
             --> every group exactly group_size samples, indices 0..n-1
         --> metrics accumulated; which samples to keep decided from the
             per-sample tensors; the chunk's token tensors kept, still mapped
+    the merged result held to the budget (rollout/budget.py): failed samples,
+        the batch's size
     lay out the batch file (per-sample arrays now, token arrays reserved)
     pass 2, for each kept chunk: its kept token ranges written in place, the
         chunk unmapped
@@ -33,6 +35,7 @@ import torch
 from coordinator.errors import MalformedRecordError
 from coordinator.store import read_document
 from rollout.accumulator import Accumulator, AggregateMetrics
+from rollout.budget import check_batch, check_failures
 from rollout.chunk_format import Chunk, read_verified_chunk
 from rollout.errors import AggregationError
 from rollout.manifest import RankManifest, read_manifest
@@ -194,15 +197,25 @@ def aggregate_iteration(
     group_size: int,
     out_path: Path,
     frozen: Mapping[int, Path] | None = None,
+    max_failed_fraction: float = 1.0,
+    min_batch_fraction: float = 0.0,
 ) -> AggregateMetrics:
     """Check every rank's output against the plan, publish the training batch, give metrics.
 
     `frozen`: for a rank that left (ShardPlan.frozen), the master's copy of the
-    manifest of what it saved, read instead of the one in its directory."""
+    manifest of what it saved, read instead of the one in its directory.
+    The merged result is held to the budget before anything is published
+    (rollout/budget.py): at most `max_failed_fraction` failed samples, and a
+    batch of at least `min_batch_fraction` of the samples (never an empty one);
+    otherwise BudgetError."""
     acc, speeds = _merge(
         rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=True,
         frozen=frozen or {},
     )
+    check_failures(acc.failed, samples=acc.samples, fraction=max_failed_fraction,
+                   where="train (all ranks)", first=acc.first_error)
+    check_batch(acc.kept_samples, rolled_out=acc.samples, fraction=min_batch_fraction,
+                iteration=iteration)
     with TrainBatchWriter(
         Path(out_path),
         iteration=iteration,
@@ -229,10 +242,13 @@ def merge_eval_metrics(
     iteration: int,
     group_size: int,
     frozen: Mapping[int, Path] | None = None,
+    max_failed_fraction: float = 1.0,
 ) -> AggregateMetrics:
     """The same checks as aggregate_iteration, for eval: metrics only, no batch."""
     acc, speeds = _merge(
         rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=False,
         frozen=frozen or {},
     )
+    check_failures(acc.failed, samples=acc.samples, fraction=max_failed_fraction,
+                   where="eval (all ranks)", first=acc.first_error)
     return acc.metrics(iteration, speeds)

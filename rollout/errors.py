@@ -81,3 +81,12 @@ class AggregationError(RolloutError):
         self.missing = missing
         self.duplicated = duplicated
         self.foreign = foreign
+
+
+class BudgetError(RolloutError, ValueError):
+    """A rollout lost more than its settings allow: too many failed samples, or a
+    train batch too small to learn from (rollout/budget.py)."""
+
+    def __init__(self, message: str, *, setting: str, value: float, limit: float) -> None:
+        super().__init__(message)
+        self.setting, self.value, self.limit = setting, value, limit

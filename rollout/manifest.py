@@ -3,7 +3,8 @@
     {"schema": "coordinator/rank-manifest", "version": 1,
      "rank": 2, "iteration": 7, "complete": false, "rollout_seconds": 41.5,
      "chunks": [{"file": "chunk-000000.pt", "sha256": "<64 hex>", "size": 81920,
-                 "num_samples": 32, "task_ids": ["gsm8k/train/12", ...]}, ...]}
+                 "num_samples": 32, "failed_samples": 0,
+                 "task_ids": ["gsm8k/train/12", ...]}, ...]}
 
 Only a chunk listed here counts; its checksum is what makes a truncated or
 altered file detectable.  The rank and iteration inside fence against a
@@ -54,6 +55,9 @@ class ChunkEntry(Record):
     size: int
     num_samples: int
     task_ids: tuple[str, ...]
+    # Samples of these groups that failed.  While the manifest is not complete
+    # such a chunk is not taken as done: its groups are redone (trajectory.py).
+    failed_samples: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.file, str) or not CHUNK_NAME.fullmatch(self.file):
@@ -62,6 +66,10 @@ class ChunkEntry(Record):
             raise ValueError(f"sha256 of {self.file} is {self.sha256!r}: expected 64 hex digits")
         _int(self.size, f"size of {self.file}")
         _int(self.num_samples, f"num_samples of {self.file}")
+        _int(self.failed_samples, f"failed_samples of {self.file}")
+        if self.failed_samples > self.num_samples:
+            raise ValueError(f"{self.file} has {self.failed_samples} failed samples of "
+                             f"{self.num_samples}")
         object.__setattr__(self, "task_ids", tuple(self.task_ids))
         if not all(isinstance(t, str) and t for t in self.task_ids):
             raise ValueError(f"task_ids of {self.file} must be non-empty strings")
@@ -97,6 +105,10 @@ class RankManifest(Record):
     @property
     def num_samples(self) -> int:
         return sum(c.num_samples for c in self.chunks)
+
+    @property
+    def failed_samples(self) -> int:
+        return sum(c.failed_samples for c in self.chunks)
 
     def task_ids(self) -> list[str]:
         """All listed task ids, in chunk order; repeats kept, for the caller to judge."""

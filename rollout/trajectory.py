@@ -5,12 +5,17 @@ task) and checkpoints as it goes, so a killed rank redoes at most K groups:
 
     add_group ... add_group (K groups) --> chunk-000007.pt (new file, atomic)
                                        --> manifest.json   (atomic, lists the
-                                           chunk's SHA-256 and task ids)
+                                           chunk's SHA-256, task ids and
+                                           failed samples)
     restart --> load_completed_task_ids(): every listed chunk's checksum is
                 verified; a bad chunk is reported and dropped, so its groups
                 are redone; an unlisted chunk (killed between the two
-                publishes) is ignored, never trusted
-    finalize --> last partial chunk, manifest marked complete
+                publishes) is ignored, never trusted; while the manifest is
+                not complete, a chunk holding a failed sample is dropped too,
+                so a rerun redoes every failed sample
+    finalize --> last partial chunk, manifest marked complete: the caller
+                 accepted the result (its failures within the budget,
+                 rollout/budget.py), and only then are failed samples final
 
 The chunk is published before the manifest that names it, so a manifest never
 points at a missing file unless something outside the writer removed it.
@@ -108,8 +113,17 @@ class RankCheckpointWriter:
         return self._manifest
 
     def load_completed_task_ids(self) -> frozenset[str]:
-        """Task ids whose groups are safely saved; chunks failing their checksum are dropped."""
+        """Task ids whose groups are safely saved; chunks failing their checksum are
+        dropped, and so, unless the manifest is complete, are chunks holding a failed
+        sample: a failed sample is never taken as done."""
         kept = verified_chunks(self.directory, self._manifest)
+        if not self._manifest.complete:
+            failed = [c for c in kept if c.failed_samples]
+            for entry in failed:
+                logger.info("rank %d iteration %d: %s holds %d failed samples: its %d groups "
+                            "will be redone", self.rank, self.iteration, entry.file,
+                            entry.failed_samples, len(entry.task_ids))
+            kept = tuple(c for c in kept if not c.failed_samples)
         if len(kept) != len(self._manifest.chunks):
             self._publish_manifest(chunks=tuple(kept), complete=False)
         saved = self._manifest.task_ids()
@@ -169,6 +183,7 @@ class RankCheckpointWriter:
             size=len(data),
             num_samples=sum(len(g) for g in self._pending),
             task_ids=tuple(g[0].task_id for g in self._pending),
+            failed_samples=sum(s.failed for g in self._pending for s in g),
         )
         # The chunk is on disk before the manifest names it: a kill in between
         # leaves an unlisted file, whose groups are simply redone.

@@ -14,7 +14,7 @@ from rollout.accumulator import AggregateMetrics
 from rollout.aggregate import aggregate_iteration, merge_eval_metrics
 from rollout.batch_format import TrainBatch, TrainBatchError
 from rollout.chunk_format import FinishReason, TrajectorySample, encode_chunk
-from rollout.errors import AggregationError
+from rollout.errors import AggregationError, BudgetError
 from rollout.manifest import MANIFEST_NAME, ChunkEntry, RankManifest, chunk_file_name
 from rollout.sharding import ShardPlan
 from rollout.train_batch import load_train_batch, save_train_batch
@@ -363,15 +363,41 @@ def test_eval_merging_reports_metrics_without_writing_a_batch(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r0", "r1"]
 
 
-def test_metrics_are_none_when_every_sample_failed(tmp_path: Path) -> None:
+def test_metrics_are_none_when_every_sample_failed_and_no_empty_batch_is_published(
+        tmp_path: Path) -> None:
     write_raw_rank(tmp_path / "r0", 0, [[make_group("a", 2, failed=[0, 1])]])
-    out = tmp_path / "b.pt"
-    metrics = aggregate_iteration(
-        {0: tmp_path / "r0"}, {0: ["a"]}, iteration=0, group_size=2, out_path=out
-    )
+    metrics = merge_eval_metrics({0: tmp_path / "r0"}, {0: ["a"]}, iteration=0, group_size=2)
     assert metrics.reward_mean is None and metrics.accuracy is None
     assert json.loads(metrics.to_json())["reward_mean"] is None
-    assert load_train_batch(out).num_samples == 0
+    out = tmp_path / "b.pt"
+    with pytest.raises(BudgetError, match="would hold 0 of the 2 samples"):
+        aggregate_iteration({0: tmp_path / "r0"}, {0: ["a"]}, iteration=0, group_size=2,
+                            out_path=out)
+    assert not out.exists()
+
+
+def test_the_merged_result_is_held_to_the_budget_before_anything_is_published(
+        tmp_path: Path) -> None:
+    # Two ranks, 8 samples: 3 failed (37%), each group keeps 2 or more answers.
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a", 4, failed=[0, 1])]])
+    write_raw_rank(tmp_path / "r1", 1, [[make_group("b", 4, failed=[3])]])
+    dirs, plan = {0: tmp_path / "r0", 1: tmp_path / "r1"}, {0: ["a"], 1: ["b"]}
+    out = tmp_path / "b.pt"
+    with pytest.raises(BudgetError, match=r"3 of 8 train \(all ranks\) samples failed "
+                       r"\(limit rollout.max_failed_fraction=0.25\); first: "):
+        aggregate_iteration(dirs, plan, iteration=0, group_size=4, out_path=out,
+                            max_failed_fraction=0.25)
+    with pytest.raises(BudgetError, match="3 of 8 eval"):
+        merge_eval_metrics(dirs, plan, iteration=0, group_size=4, max_failed_fraction=0.25)
+    # Within the failure budget, the 5 kept samples are below a minimum of 70 %.
+    with pytest.raises(BudgetError, match=r"5 of the 8 samples .*min_batch_fraction=0.7"):
+        aggregate_iteration(dirs, plan, iteration=0, group_size=4, out_path=out,
+                            max_failed_fraction=0.5, min_batch_fraction=0.7)
+    assert not out.exists()
+    metrics = aggregate_iteration(dirs, plan, iteration=0, group_size=4, out_path=out,
+                                  max_failed_fraction=0.5, min_batch_fraction=0.6)
+    assert (metrics.num_failed, metrics.num_train_samples) == (3, 5)
+    assert load_train_batch(out).num_samples == 5
 
 
 def test_mismatched_rank_sets_are_refused(tmp_path: Path) -> None:

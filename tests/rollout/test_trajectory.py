@@ -328,3 +328,35 @@ def test_decoding_refuses_structurally_inconsistent_chunks(
     with pytest.raises(MalformedRecordError, match=expected) as info:
         decode_chunk(torch.load(buffer, weights_only=True), path=Path("c.pt"))
     assert info.value.path == Path("c.pt")
+
+
+def test_a_failed_sample_is_never_taken_as_done_until_the_manifest_is_complete(
+        tmp_path: Path) -> None:
+    writer = RankCheckpointWriter(tmp_path, 0, 2, iteration=0)
+    writer.add_group(make_group("a"))
+    writer.add_group(make_group("b", failed=(1,)))  # chunk 0: a, b (1 failed sample)
+    writer.add_group(make_group("c"))
+    writer.add_group(make_group("d"))  # chunk 1: c, d
+    writer.flush()
+    assert writer.manifest.failed_samples == 1 and not writer.manifest.complete
+    # The phase failed its budget and runs again: the chunk holding the failed
+    # sample is dropped from the manifest, so both of its groups are redone.
+    again = RankCheckpointWriter(tmp_path, 0, 2, iteration=0)
+    assert again.load_completed_task_ids() == {"c", "d"}
+    assert [c.task_ids for c in read_manifest(tmp_path).chunks] == [("c", "d")]
+    again.add_group(make_group("a"))
+    again.add_group(make_group("b"))  # succeeded this time
+    manifest = again.finalize()
+    assert sorted(manifest.task_ids()) == ["a", "b", "c", "d"]
+    assert manifest.failed_samples == 0 and manifest.complete
+    assert len({c.file for c in manifest.chunks}) == 2  # a new name, never the dropped one's
+
+
+def test_failed_samples_a_complete_manifest_accepted_stay_done(tmp_path: Path) -> None:
+    writer = RankCheckpointWriter(tmp_path, 0, 8, iteration=0)
+    writer.add_group(make_group("a", failed=(0,)))
+    writer.add_group(make_group("b"))
+    writer.finalize()  # within the budget: the caller accepted it
+    again = RankCheckpointWriter(tmp_path, 0, 8, iteration=0)
+    assert again.load_completed_task_ids() == {"a", "b"}
+    assert again.manifest.failed_samples == 1
