@@ -34,6 +34,12 @@ def load_batch(job: TrainJob) -> TrainBatch:
             f"{path} holds the batch of iteration {batch.iteration}, but this is "
             f"iteration {job.iteration}: a stale batch; aggregate iteration {job.iteration} again"
         )
+    if batch.num_samples == 0:
+        # Publishing the unchanged model as the next policy would hide that the
+        # iteration learned nothing; phase 4 refuses such a batch before this.
+        raise TrainError(
+            f"{path} holds no samples: nothing to train on; the iteration's rollout must "
+            "yield a batch (rollout.min_batch_fraction)")
     return batch
 
 

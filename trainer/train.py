@@ -120,12 +120,7 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
     )
     start_step = restore_optimizer(optimizer, job, ctx)
 
-    if batch.num_samples == 0:
-        # Every group failed: publish the unchanged model so the run moves on.
-        log.warning("batch %s is empty: publishing the model unchanged", job.batch_path)
-        steps: list[grpo.Step] = []
-    else:
-        steps = plan_steps(lens, world=ctx.world_size, config=config, iteration=job.iteration)
+    steps = plan_steps(lens, world=ctx.world_size, config=config, iteration=job.iteration)
     inputs, mismatch = fixed_inputs(job, ctx, wrapped, batch, lens, bool(steps), pad_id)
     progress = Progress()
     for number, step in enumerate(steps, start=1):

@@ -65,7 +65,7 @@ def write_batch(
         rows["response"][1][0] = poison
     batch = TrainBatch.from_lists(
         iteration=1,
-        group_size=max(group_sizes),
+        group_size=max(group_sizes, default=2),
         task_ids=rows["task"],
         group_index=torch.tensor(rows["group"], dtype=torch.int64),
         prompt_ids=rows["prompt"],
@@ -334,5 +334,21 @@ def test_a_stale_batch_from_another_iteration_is_refused(tmp_path: Path) -> None
         rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), strategy=Strategy.DDP
     )
     with pytest.raises(TrainError, match="holds the batch of iteration 1, but this is iteration 2"):
+        run(job, ctx)
+    assert not job.out_dir.exists()
+
+
+def test_an_empty_batch_is_refused_and_no_model_is_published(tmp_path: Path) -> None:
+    from trainer.config import Strategy
+    from trainer.errors import TrainError
+    from trainer.train import DistContext, run
+
+    model_dir = create_tiny_model(tmp_path / "model", seed=0)
+    write_batch(tmp_path / "batch.pt", model_dir, [])
+    job = TrainJob.load(make_job(tmp_path, model_dir, "empty"))
+    ctx = DistContext(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), strategy=Strategy.DDP
+    )
+    with pytest.raises(TrainError, match="holds no samples: nothing to train on"):
         run(job, ctx)
     assert not job.out_dir.exists()
