@@ -81,6 +81,10 @@ class CoordinationConfig:
     wakeups: bool = True
     on_failure: OnFailure = OnFailure.WAIT
     max_recoveries: int = 10  # per run, counted in recoveries.json
+    # A step (one phase of one iteration) that fails the same way this many
+    # times stops the run with exit 4 under every on_failure: a retry that met
+    # the same cause again will meet it again.  Lost ranks are not counted.
+    max_attempts: int = 2
     rejoin_timeout_s: float = 1800.0
     # on_failure "shrink": how long to wait for a missing worker before going on
     # without it, and the fewest nodes (the master included) to go on with.
@@ -98,6 +102,11 @@ class CoordinationConfig:
                 f"coordination.max_recoveries={self.max_recoveries} is outside "
                 f"0..{MAX_RECOVERIES}: give how many automatic recoveries a run may make "
                 "before every node exits, e.g. --max-recoveries 10")
+        if not 1 <= self.max_attempts <= MAX_RECOVERIES:
+            raise UsageError(
+                f"coordination.max_attempts={self.max_attempts} is outside "
+                f"1..{MAX_RECOVERIES}: give how many times one step may fail the same way "
+                "before the run stops, e.g. 2 (1: never retry a failed step)")
         if not 1 <= self.min_nodes <= MAX_RANKS:
             raise UsageError(
                 f"coordination.min_nodes={self.min_nodes} is outside 1..{MAX_RANKS}: give the "

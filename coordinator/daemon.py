@@ -36,6 +36,7 @@ from typing import Any
 from coordinator import fsio, layout, membership, netaddr, regroup
 from coordinator.actions import Actions, StepContext, kind
 from coordinator.barrier import Barrier, Membership
+from coordinator.config import OnFailure
 from coordinator.decisions import abort_kind
 from coordinator.errors import (
     Cancelled,
@@ -155,6 +156,9 @@ class Daemon:
                 self._take_back()
             except CoordinatorError as exc:
                 error = self._cause(exc)
+                repeated = self._repeated(error)
+                if repeated is not None:
+                    raise repeated from exc
                 if not self._regroups_after(error):
                     raise error from exc if error is not exc else None
                 self._regroup(error)
@@ -170,7 +174,19 @@ class Daemon:
         return self._loop()
 
     def _regroups_after(self, error: CoordinatorError) -> bool:
-        return regroup.recoverable(error, self.coord, recoveries=self.recoveries)
+        return regroup.recoverable(error, self.coord, recoveries=self.recoveries) and \
+            self._repeated(error) is None
+
+    def _repeated(self, error: CoordinatorError) -> CoordinatorError | None:
+        """Master: the error that stops the run when `error` is one step failing the
+        same way for the coordination.max_attempts-th time (regroup.py); the workers
+        then exit with it, the master having stopped for good."""
+        if not self.is_master or self.heartbeat is None or \
+                self.coord.on_failure is OnFailure.EXIT:
+            return None
+        incident = regroup.Incident.of(error, by=self.rank, where=self.heartbeat.record)
+        return regroup.repeated_failure(self.history, incident,
+                                        max_attempts=self.coord.max_attempts)
 
     def _regroup(self, error: CoordinatorError) -> None:
         """Stop this session's work and wait for the group to re-form (regroup.py)."""

@@ -155,7 +155,8 @@ class GroupForming:
                                            run_id=self.manifest.run_id,
                                            retry_s=self.coord.read_retry_s),
             members={str(r): h for r, h in sorted(hosts.items())},
-            left_out=tuple(r for r in range(self.manifest.num_nodes) if r not in hosts)))
+            left_out=tuple(r for r in range(self.manifest.num_nodes) if r not in hosts),
+            fault=incident.fault))
 
     # -- worker ---------------------------------------------------------------
     def await_first(self, master_claim: Claim) -> Session:

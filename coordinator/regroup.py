@@ -7,6 +7,8 @@ failed: exit codes 3 and 4) does not exit:
     running ──failure──► regrouping ──new session──► running (resume iteration)
                              │
                              └─ rejoin_timeout_s passed, max_recoveries used up,
+                                the same step failed the same way max_attempts
+                                times (master: a repeated failure, exit 4),
                                 or the master stopped for good ──► exit as today
 
     every survivor   stops its children, closes its actions, and says
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Iterable, Mapping
 from typing import ClassVar, Final
@@ -45,6 +48,7 @@ from coordinator.errors import (
     FencedError,
     Interrupted,
     PeerLostError,
+    PhaseFailedError,
 )
 from coordinator.phases import Phase
 from coordinator.records import (
@@ -62,6 +66,29 @@ log = logging.getLogger("coordinator")
 
 RECOVERABLE: Final = (ExitCode.PEER_LOST, ExitCode.PHASE_FAILED)
 MAX_CAUSE_CHARS: Final = 2000
+# What differs between two occurrences of one fault, masked in its signature:
+# quoted text (a prompt, a JSON body), hex ids and numbers (ranks, counts,
+# ports, pids, task ids, line numbers).
+_VARYING: Final = (re.compile(r"'[^'\n]*'|\"[^\"\n]*\""),
+                   re.compile(r"\b(?:0x)?[0-9a-f]*\d[0-9a-f]*\b"))
+MAX_FAULT_CHARS: Final = 400
+
+
+def fault_of(error: CoordinatorError) -> str:
+    """The signature of a failed step (what went wrong, not where or on which rank),
+    or "" for a failure that is not a step's own: a rank lost, left or restarted."""
+    if not isinstance(error, PhaseFailedError) or error.exit_code is not ExitCode.PHASE_FAILED:
+        return ""
+    text = (error.cause or str(error)).strip()
+    text = text.splitlines()[0] if text else ""
+    for pattern in _VARYING:
+        text = pattern.sub("#", text)
+    return text[:MAX_FAULT_CHARS]
+
+
+class RepeatedFailure(PhaseFailedError):
+    """One step failed the same way coordination.max_attempts times: the run stops
+    (exit 4) under every on_failure, since a retry would meet the cause again."""
 
 
 def regroups(coord: CoordinationConfig, *, recoveries: int) -> bool:
@@ -71,8 +98,10 @@ def regroups(coord: CoordinationConfig, *, recoveries: int) -> bool:
 
 def recoverable(error: CoordinatorError, coord: CoordinationConfig, *, recoveries: int) -> bool:
     """Whether a daemon regroups after `error` instead of exiting."""
-    if isinstance(error, (Interrupted, FencedError)) or error.exit_code not in RECOVERABLE:
-        return False  # this daemon was told to stop, is superseded, or the run dir is unusable
+    if isinstance(error, (Interrupted, FencedError, RepeatedFailure)) or \
+            error.exit_code not in RECOVERABLE:
+        # Told to stop, superseded, a failure that will recur, or the run dir is unusable.
+        return False
     if coord.on_failure is not OnFailure.EXIT and not regroups(coord, recoveries=recoveries):
         log.error("coordination.max_recoveries=%d recoveries already made in this run: "
                   "stopping instead", coord.max_recoveries)
@@ -90,6 +119,7 @@ class Incident:
     cause: str
     detected_by: int
     detected_at: float  # wall time on the detecting host
+    fault: str = ""  # fault_of(error): "" when no step of its own failed
 
     @classmethod
     def of(cls, error: CoordinatorError, *, by: int, where: Heartbeat) -> Incident:
@@ -100,7 +130,8 @@ class Incident:
                    host=str(getattr(error, "host", None) or "?"),
                    iteration=iteration if isinstance(iteration, int) else where.iteration,
                    phase=phase if isinstance(phase, int) else where.phase,
-                   cause=str(error)[:MAX_CAUSE_CHARS], detected_by=by, detected_at=time.time())
+                   cause=str(error)[:MAX_CAUSE_CHARS], detected_by=by, detected_at=time.time(),
+                   fault=fault_of(error))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,6 +157,9 @@ class Recovery(Record):
     # Ranks the group went on without (on_failure "shrink"); they rejoin at an
     # iteration boundary once restarted.
     left_out: tuple[int, ...]
+    # The failed step's signature (fault_of); "" for a lost rank.  The same
+    # step failing with the same one max_attempts times stops the run.
+    fault: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.number <= MAX_RECOVERIES:
@@ -160,6 +194,28 @@ class RecoveryLog(Record):
     def __post_init__(self) -> None:
         if len(self.recoveries) > MAX_RECOVERIES:
             raise ValueError(f"{len(self.recoveries)} recoveries: at most {MAX_RECOVERIES}")
+
+
+def repeated_failure(history: RecoveryLog, incident: Incident, *,
+                     max_attempts: int) -> RepeatedFailure | None:
+    """The error that stops the run when `incident` is the max_attempts-th failure of
+    one step (iteration and phase) with one fault; None otherwise.  A pure decision
+    from the recovery log: every attempt before this one was recorded there."""
+    if not incident.fault:
+        return None
+    before = [r for r in history.recoveries if (r.iteration, r.phase, r.fault) == (
+        incident.iteration, incident.phase, incident.fault)]
+    attempts = len(before) + 1
+    if attempts < max_attempts:
+        return None
+    return RepeatedFailure(
+        f"iteration {incident.iteration} {_label(incident.phase)} failed the same way "
+        f"{attempts} times (coordination.max_attempts={max_attempts}; recoveries "
+        f"{', '.join(str(r.number) for r in before) or 'none'} before): {incident.cause} | "
+        "retrying will not help: fix the cause, run `coordinator recover` and restart every "
+        "node (or raise coordination.max_attempts if the failure is transient)",
+        rank=incident.rank, iteration=incident.iteration, phase=incident.phase,
+        cause=incident.cause)
 
 
 def read_log(store: Store, run_id: str, *, retry_s: float) -> RecoveryLog:
