@@ -80,6 +80,15 @@ class StepContext:
         return self.releases.get(int(phase), {})
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """What a completed run did, in the action kind's words, and why it did not
+    achieve what it was asked (None: it did).  A run with a problem exits 4."""
+
+    text: str  # e.g. "2048 samples trained, 0 failed"
+    problem: str | None = None
+
+
 class Actions(Protocol):
     def run(self, phase: Phase, ctx: StepContext) -> Mapping[str, Any]:
         """Do this rank's work for the phase; raise to fail the phase."""
@@ -119,6 +128,12 @@ class ActionKind:
     resolve_sections: Callable[[Mapping[str, Any]], Mapping[str, Any]]
     # dotted keys that belong to each node, never to run.json (PROTOCOL.md)
     node_local: tuple[str, ...] = ()
+    # (run dir, config) -> RunSummary: each daemon's last line once every
+    # iteration completed, and whether the run may exit 0
+    summarize: Callable[[Path, RunConfig], RunSummary] | None = None
+    # (run dir, iterations) -> one row per iteration (column -> value) for
+    # `coordinator status`, which adds each iteration's recoveries
+    iteration_report: Callable[[Path, int], list[dict[str, Any]]] | None = None
 
 
 ENTRY_POINT_GROUP: Final = "coordinator.actions"

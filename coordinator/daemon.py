@@ -44,6 +44,7 @@ from coordinator.errors import (
     ExitCode,
     FencedError,
     Interrupted,
+    PhaseFailedError,
     RunCompleted,
     storage_error,
 )
@@ -117,8 +118,9 @@ class Daemon:
                 self._run_sessions()
             except RunCompleted as exc:  # while this rank waited to be taken back
                 log.info("rank %d: %s", self.rank, exc)
+            summary = self._summary()
             self._finish(NodeState.FINISHED, None)
-            log.info("rank %d finished run %s", self.rank, self.manifest.run_id)
+            log.info("rank %d finished %s", self.rank, summary)
             return ExitCode.OK
         except CoordinatorError as exc:
             return self._stop(self._cause(exc))
@@ -133,6 +135,26 @@ class Daemon:
         finally:
             self.runtime.finished.set()
             fsio.STATS.dump_for_benchmark(self.rank)
+
+    def _summary(self) -> str:
+        """Every iteration completed: what the run did (the action kind's summary and
+        the recoveries); a run that did not achieve what it was asked (the RL loop:
+        an iteration that trained on nothing or past the failure budget) fails."""
+        run, iterations = self.manifest.run_id, self.config.run.iterations
+        recoveries = len(regroup.read_log(self.store, run,
+                                          retry_s=self.coord.read_retry_s).recoveries)
+        summarize = kind(self.config.run.actions).summarize
+        summary = summarize(self.plan.log_path, self.config) if summarize else None
+        if summary is not None and summary.problem:
+            raise PhaseFailedError(
+                f"every iteration of run {run} completed, but not as asked: {summary.problem} "
+                f"({summary.text}, {recoveries} recoveries); the run did not learn: find the "
+                "cause in the iterations' metrics and logs", rank=None,
+                iteration=max(iterations - 1, 0), phase=int(self.phases[-1]),
+                cause=summary.problem)
+        return (f"{iterations} iterations of run {run}: "
+                + (f"{summary.text}, " if summary is not None else "")
+                + f"{recoveries} recoveries")
 
     def _stop(self, error: CoordinatorError) -> ExitCode:
         state = NodeState.LEFT if isinstance(error, Interrupted) else NodeState.FAILED

@@ -15,12 +15,14 @@ import json
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from coordinator import layout
-from coordinator.errors import MalformedRecordError
+from coordinator.actions import kind
+from coordinator.errors import MalformedRecordError, UsageError
 from coordinator.liveness import describe_phase
 from coordinator.records import (
     LIVE_STATES,
@@ -79,6 +81,9 @@ class StatusReport:
     # Records that are corrupt, out of range or not plain files, each naming its path.
     problems: tuple[MalformedRecordError, ...] = ()
     recoveries: tuple[Recovery, ...] = ()  # automatic recoveries, oldest first
+    # Per iteration, what the action kind reports (the RL loop: samples trained,
+    # failed samples, reward) and the recoveries made in it.
+    iterations: tuple[dict[str, Any], ...] = ()
 
     def live(self) -> list[RankView]:
         return [r for r in self.ranks if r.advancing or (
@@ -97,6 +102,7 @@ class StatusReport:
             "last_error": self.last_error,
             "problems": [str(p) for p in self.problems],
             "recoveries": [r.to_json() for r in self.recoveries],
+            "iterations": list(self.iterations),
         }
 
 
@@ -115,8 +121,10 @@ class _Reader:
             return None
 
 
-def collect(log_path: Path, *, window_s: float = 0.0, lease_s: float | None = None) -> StatusReport:
-    """Every rank's state; a corrupt run.json raises (nothing can be shown without it)."""
+def collect(log_path: Path, *, window_s: float = 0.0, lease_s: float | None = None,
+            iterations: bool = False) -> StatusReport:
+    """Every rank's state; a corrupt run.json raises (nothing can be shown without it).
+    With `iterations`, also what each iteration did (iteration_rows)."""
     store = FsStore(log_path)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=0.5)
     _safe = _Reader(store)
@@ -158,11 +166,33 @@ def collect(log_path: Path, *, window_s: float = 0.0, lease_s: float | None = No
         ))
     last_error = _last_error(_safe, first, second)
     history: RecoveryLog | None = _safe(layout.RECOVERIES, RecoveryLog)
+    recoveries = history.recoveries if history and history.run_id == manifest.run_id else ()
     return StatusReport(log_path=log_path, manifest=manifest, session=session,
                         ranks=tuple(views), last_error=last_error,
-                        problems=tuple(_safe.problems.values()),
-                        recoveries=history.recoveries if history and
-                        history.run_id == manifest.run_id else ())
+                        problems=tuple(_safe.problems.values()), recoveries=recoveries,
+                        iterations=iteration_rows(log_path, manifest, recoveries)
+                        if iterations else ())
+
+
+def iteration_rows(log_path: Path, manifest: Manifest,
+                   recoveries: tuple[Recovery, ...]) -> tuple[dict[str, Any], ...]:
+    """The action kind's row for each iteration it has metrics of, and for each
+    iteration a recovery was made in, with that count under "recoveries"."""
+    run = manifest.config.get("run", {})
+    name = run.get("actions", "rl") if isinstance(run, dict) else "rl"
+    total = run.get("iterations") if isinstance(run, dict) else None
+    try:
+        report = kind(str(name)).iteration_report
+    except UsageError:  # an action kind this installation lacks: nothing to add
+        report = None
+    rows = {int(r["iteration"]): dict(r) for r in (
+        report(log_path, total) if report is not None and isinstance(total, int) else [])}
+    made = Counter(r.iteration for r in recoveries)
+    for it in made:
+        rows.setdefault(it, {"iteration": it})
+    for it, row in rows.items():
+        row["recoveries"] = made.get(it, 0)
+    return tuple(rows[it] for it in sorted(rows))
 
 
 def _last_error(read: _Reader, *samples: dict[int, Heartbeat | None]) -> str | None:
@@ -180,6 +210,7 @@ def _last_error(read: _Reader, *samples: dict[int, Heartbeat | None]) -> str | N
 
 
 RECOVERIES_SHOWN: Final = 5
+ITERATIONS_SHOWN: Final = 20  # the table; --json has every iteration
 _CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -228,6 +259,8 @@ def render(report: StatusReport) -> str:
         )))
     console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(table)
+    if report.iterations:
+        console.print(_iterations_table(report.iterations))
     if report.recoveries:
         shown = report.recoveries[-RECOVERIES_SHOWN:]
         console.print(plain(f"automatic recoveries: {len(report.recoveries)}"
@@ -240,6 +273,26 @@ def render(report: StatusReport) -> str:
     for problem in problems:
         console.print(plain(problem))
     return console.export_text()
+
+
+def _iterations_table(rows: tuple[dict[str, Any], ...]) -> Any:
+    from rich.table import Table
+
+    shown = rows[-ITERATIONS_SHOWN:]
+    columns = list(dict.fromkeys(k for row in shown for k in row))
+    table = Table(title="per iteration" + (f" (the last {len(shown)} of {len(rows)})"
+                                           if len(shown) < len(rows) else ""))
+    for column in columns:
+        table.add_column(column.replace("_", " "))
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    for row in shown:
+        table.add_row(*(plain(cell(row.get(c))) for c in columns))
+    return table
 
 
 def render_json(report: StatusReport) -> str:
@@ -264,7 +317,7 @@ def watch(log_path: Path, *, interval_s: float, terminal: bool,
     from rich.text import Text
 
     def refresh() -> tuple[StatusReport, str]:
-        report = collect(log_path, window_s=interval_s)
+        report = collect(log_path, window_s=interval_s, iterations=True)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         return report, f"{stamp} (refreshed every {interval_s:g} s)\n{render(report)}"
 

@@ -18,7 +18,17 @@ from coordinator.actions import ActionKind, StepContext
 from coordinator.config import RunConfig
 from coordinator.phases import Phase
 from coordinator.records import Arrival
-from rl import aggregation, engines, evaluation, layout, plan, reporting, rollouts, training
+from rl import (
+    aggregation,
+    engines,
+    evaluation,
+    history,
+    layout,
+    plan,
+    reporting,
+    rollouts,
+    training,
+)
 from rl.config import NODE_LOCAL_KEYS, resolve_sections
 from rl.loop import Loop
 
@@ -92,6 +102,7 @@ def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> RlA
 
 
 KIND = ActionKind(name="rl", build=build, resolve_sections=resolve_sections,
-                  node_local=NODE_LOCAL_KEYS)
+                  node_local=NODE_LOCAL_KEYS, summarize=history.summarize,
+                  iteration_report=history.report)
 
 __all__ = ["KIND", "PHASE_WORK", "RlActions", "build"]

@@ -179,7 +179,8 @@ def status(
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until every daemon has stopped.")] = False,
     interval: Annotated[float, typer.Option(help="With --watch: seconds between refreshes.")] = 2.0,
 ) -> None:
-    """Show every rank: host, address, iteration, phase, state, heartbeat age, what it waits for."""
+    """Show every rank (host, address, iteration, phase, state, heartbeat age, what it waits
+    for) and every iteration (samples trained, failed samples, reward, recoveries)."""
     import sys
 
     from coordinator import beneath
@@ -198,7 +199,7 @@ def status(
             report_ = status_mod.watch(path, interval_s=interval, terminal=sys.stdout.isatty(),
                                        echo=typer.echo)
         else:
-            report_ = status_mod.collect(path, window_s=window)
+            report_ = status_mod.collect(path, window_s=window, iterations=True)
     except CoordinatorError as exc:
         raise report(exc) from None
     except KeyboardInterrupt:

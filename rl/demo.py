@@ -9,7 +9,6 @@ reward curve PNG into the log path.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,8 +21,7 @@ from typing import Any
 from coordinator import layout
 from coordinator.liveness import describe_phase
 from coordinator.status import plain
-from coordinator.store import read_document
-from rl import layout as rl_layout
+from rl import history
 
 DEMO_CONFIG = """\
 # Written by `coordinator demo`.  No model.path: the tiny model the demo built
@@ -53,32 +51,24 @@ class DemoResult:
         return all(c == 0 for c in self.codes.values())
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = read_document(path, lambda raw, _where: json.loads(raw), retry_s=1.0)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def iteration_rows(log_path: Path, iterations: int, num_nodes: int) -> list[dict[str, Any]]:
-    """Reward, eval accuracy and per-phase seconds (slowest rank) per iteration."""
+    """Reward, eval accuracy, samples trained and per-phase seconds (slowest rank)
+    per iteration."""
     rows = []
-    for it in range(iterations):
-        rollout = _read_json(rl_layout.metrics(log_path, it, "rollout")) or {}
-        evaluation = _read_json(rl_layout.metrics(log_path, it, "eval")) or {}
-        train = _read_json(rl_layout.metrics(log_path, it, "train")) or {}
+    for it, record in enumerate(history.records(log_path, iterations)):
         phase_s: dict[int, float] = {}
         for rank in range(num_nodes):
-            t = _read_json(log_path / layout.timings(it, rank)) or {}
+            t = history.read_json(log_path / layout.timings(it, rank)) or {}
             for phase, v in t.get("phases", {}).items():
                 phase_s[int(phase)] = max(phase_s.get(int(phase), 0.0),
                                           float(v["action_s"]) + float(v["wait_s"]))
         rows.append({
             "iteration": it,
-            "reward_mean": rollout.get("reward_mean"),
-            "eval_accuracy": evaluation.get("accuracy"),
-            "loss": train.get("loss"),
+            "reward_mean": record.reward_mean,
+            "eval_accuracy": record.eval_accuracy,
+            "loss": record.loss,
+            "samples": record.trained,
+            "failed": record.failed,
             "phase_s": phase_s,
             "total_s": sum(phase_s.values()) if phase_s else None,
         })
@@ -101,6 +91,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     table.add_column("reward")
     table.add_column("eval acc")
     table.add_column("loss")
+    table.add_column("samples")
+    table.add_column("failed")
     groups = [("rollout", (1, 2, 3)), ("aggregate", (4,)), ("eval", (5, 6)),
               ("stop", (7,)), ("train", (8, 9, 10)), ("publish", (11,)),
               ("restart", (12,)), ("sync", (0, 13))]
@@ -113,7 +105,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
     for r in rows:
         cells = [str(r["iteration"]), fmt(r["reward_mean"]), fmt(r["eval_accuracy"]),
-                 fmt(r["loss"], ".4f")]
+                 fmt(r["loss"], ".4f"), fmt(r["samples"], "d"), fmt(r["failed"], "d")]
         for _, phases in groups:
             cells.append(fmt(sum(r["phase_s"].get(p, 0.0) for p in phases) if r["phase_s"]
                              else None, ".1f"))
@@ -150,7 +142,7 @@ def plot_rewards(rows: list[dict[str, Any]], out: Path) -> Path | None:
 
 
 def node_line(log_path: Path, rank: int) -> str:
-    hb = _read_json(log_path / layout.heartbeat(rank))
+    hb = history.read_json(log_path / layout.heartbeat(rank))
     if hb is None:
         return f"node {rank}: starting"
     age = time.time() - float(hb.get("wall_time", 0))

@@ -21,7 +21,6 @@ the iteration, so TensorBoard keeps one point per iteration.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import math
 from collections.abc import Mapping
@@ -29,8 +28,7 @@ from typing import Any
 
 from coordinator.actions import StepContext
 from coordinator.phases import Phase
-from coordinator.store import read_document
-from rl import layout, plan
+from rl import history, layout, plan
 from rl.loop import Loop
 
 log = logging.getLogger(__name__)
@@ -80,13 +78,8 @@ def _put(out: dict[str, float], key: str, value: object) -> None:
 
 
 def _metrics(loop: Loop, iteration: int, name: str) -> dict[str, Any]:
-    path = layout.metrics(loop.run_dir, iteration, name)
-    try:
-        found = read_document(path, lambda raw, _where: json.loads(raw), retry_s=1.0)
-    except (OSError, ValueError) as exc:
-        log.warning("no %s metrics for the report: %s", name, exc)
-        return {}
-    return found if isinstance(found, dict) else {}
+    """The metrics file, or nothing (eval runs only some iterations)."""
+    return history.read_metrics(loop.run_dir, iteration, name) or {}
 
 
 def write_tensorboard(loop: Loop, iteration: int, scalars: Mapping[str, float]) -> None:

@@ -1,0 +1,147 @@
+"""What each iteration of a run did, from the metrics the master published.
+
+    iterations/<N>/metrics/rollout.json   samples rolled out, failed, kept in the batch,
+                                          train reward
+    iterations/<N>/metrics/eval.json      eval samples, failed, accuracy
+    iterations/<N>/metrics/train.json     samples the trainer trained on, loss
+
+    records(run_dir, iterations)   one IterationRecord per iteration (None where a
+                                   metrics file is not there yet)
+    report(run_dir, iterations)    the rows `coordinator status` shows
+    summarize(run_dir, config)     the line each daemon ends with, and whether the
+                                   run learned: exit 0 only if every iteration trained
+                                   on a batch within rollout.max_failed_fraction
+
+Files written by the master on another node are read like every shared record
+(coordinator.store.read_document); a missing or unreadable one is shown as
+unknown, never as zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from coordinator.actions import RunSummary
+from coordinator.config import RunConfig
+from coordinator.phases import Phase, RlPhase, RolloutSplit
+from coordinator.store import read_document
+from rl import layout
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IterationRecord:
+    iteration: int
+    rolled_out: int | None = None  # train samples generated
+    batch: int | None = None  # of those, kept in the train batch
+    trained: int | None = None  # samples the trainer reports it trained on
+    train_failed: int | None = None
+    eval_failed: int | None = None
+    reward_mean: float | None = None
+    eval_accuracy: float | None = None
+    loss: float | None = None
+
+    @property
+    def failed(self) -> int | None:
+        """Failed samples, train and eval; None when neither is known."""
+        known = [n for n in (self.train_failed, self.eval_failed) if n is not None]
+        return sum(known) if known else None
+
+    def row(self) -> dict[str, Any]:
+        """For `coordinator status`: the columns people look at first."""
+        return {"iteration": self.iteration, "train_samples": self.trained,
+                "failed_samples": self.failed, "rollout_samples": self.rolled_out,
+                "reward_mean": self.reward_mean, "eval_accuracy": self.eval_accuracy}
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object another node published; None when absent, unreadable or not an
+    object (after read_document's retries of a torn or stale read)."""
+    try:
+        data = read_document(path, lambda raw, _where: json.loads(raw), retry_s=1.0)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_metrics(run_dir: Path, iteration: int, name: str) -> dict[str, Any] | None:
+    """An iteration's metrics file ("rollout", "eval" or "train"); None when absent."""
+    return read_json(layout.metrics(run_dir, iteration, name))
+
+
+def _number(data: Mapping[str, Any] | None, key: str) -> float | None:
+    value = data.get(key) if data is not None else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _count(data: Mapping[str, Any] | None, key: str) -> int | None:
+    value = _number(data, key)
+    return int(value) if value is not None and value >= 0 else None
+
+
+def record(run_dir: Path, iteration: int) -> IterationRecord:
+    rollout = read_metrics(run_dir, iteration, "rollout")
+    evaluation = read_metrics(run_dir, iteration, "eval")
+    train = read_metrics(run_dir, iteration, "train")
+    return IterationRecord(
+        iteration=iteration, rolled_out=_count(rollout, "num_samples"),
+        batch=_count(rollout, "num_train_samples"), trained=_count(train, "samples"),
+        train_failed=_count(rollout, "num_failed"), eval_failed=_count(evaluation, "num_failed"),
+        reward_mean=_number(rollout, "reward_mean"),
+        eval_accuracy=_number(evaluation, "accuracy"), loss=_number(train, "loss"))
+
+
+def records(run_dir: Path, iterations: int) -> list[IterationRecord]:
+    return [record(run_dir, it) for it in range(iterations)]
+
+
+def report(run_dir: Path, iterations: int) -> list[dict[str, Any]]:
+    """`coordinator status`: a row per iteration that has started to leave metrics."""
+    return [r.row() for r in records(run_dir, iterations)
+            if any(v is not None for v in (r.rolled_out, r.trained, r.eval_accuracy))]
+
+
+def _trains(config: RunConfig) -> bool:
+    return config.run.rollout_split is not RolloutSplit.EVAL_ONLY and \
+        Phase.TRAIN in RlPhase(config.run.rl_phase).phases
+
+
+def _problem(r: IterationRecord, config: RunConfig, fraction: float) -> str | None:
+    """Why iteration `r` did not learn as asked, or None."""
+    if not _trains(config):
+        return None
+    if Phase.AGGREGATE in RlPhase(config.run.rl_phase).phases:
+        if r.rolled_out is None or r.batch is None or r.train_failed is None:
+            return "no rollout metrics"
+        if not r.batch:
+            return "an empty train batch"
+        if r.train_failed > fraction * r.rolled_out:
+            return (f"{r.train_failed} of {r.rolled_out} samples failed (limit "
+                    f"rollout.max_failed_fraction={fraction:g})")
+    if not r.trained:
+        return "no samples trained" if r.trained == 0 else "no training metrics"
+    return None
+
+
+def summarize(run_dir: Path, config: RunConfig) -> RunSummary:
+    """What the run did, for each daemon's last line, and why it did not learn."""
+    from rl.config import parse_sections
+
+    fraction = parse_sections(config.sections).rollout.max_failed_fraction
+    found = records(run_dir, config.run.iterations)
+    trained = sum(r.trained or 0 for r in found)
+    failed = sum(r.failed or 0 for r in found)
+    text = f"{trained} samples trained, {failed} failed"
+    problems = [f"iteration {r.iteration}: {p}" for r in found
+                if (p := _problem(r, config, fraction)) is not None]
+    if not _trains(config):
+        text += " (no training asked: " + ("eval only" if config.run.rollout_split is
+                                           RolloutSplit.EVAL_ONLY else "rollout only") + ")"
+    return RunSummary(text=text, problem="; ".join(problems[:5]) + (
+        f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") if problems else None)
