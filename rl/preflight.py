@@ -1,6 +1,7 @@
 """Settings the model and the tasks bound, checked before any engine starts.
 
     phase 0, master, once per daemon (after the initial model exists):
+        rewards     data.reward, or each data source's default, must load here
         ModelFacts  <- <model>/config.json: its context (max_position_embeddings)
         TaskFacts   <- the task source: each split's size, and the longest prompt in
                        tokens as the engine will count it (the model's tokenizer,
@@ -29,6 +30,8 @@ from coordinator.phases import RolloutSplit
 from rl.config import RlSections
 from rl.layout import Split
 from rl.loop import Loop
+from rollout.errors import UnknownRewardError
+from rollout.rewards import default_reward_for, get_reward
 from rollout.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -197,10 +200,11 @@ def check_loop(loop: Loop) -> None:
     model and tasks, checked (UsageError: every node exits 2)."""
     s = loop.s
     model = loop.initial_model()
+    tasks = [*loop.tasks(Split.TRAIN).values(), *loop.tasks(Split.EVAL).values()]
     prompt = None
-    if not s.rollout.agent:  # an agent builds its own prompts
-        prompt = longest_prompt(model, [*loop.tasks(Split.TRAIN).values(),
-                                        *loop.tasks(Split.EVAL).values()])
+    if not s.rollout.agent:  # an agent builds its own prompts and scores its episodes
+        check_rewards(s.data.reward, {t.data_source for t in tasks})
+        prompt = longest_prompt(model, tasks)
     facts = Facts(s=s, run=loop.config.run, model=model_facts(model), tasks=TaskFacts(
         source=s.data.path, train=len(loop.tasks(Split.TRAIN)), eval=len(loop.tasks(Split.EVAL)),
         longest_prompt=prompt[0] if prompt else None, longest_task=prompt[1] if prompt else ""))
@@ -227,6 +231,16 @@ def model_facts(path: Path) -> ModelFacts:
     log.warning("%s/config.json names no context length (%s): rollout.max_tokens is not "
                 "checked against it", path, ", ".join(CONTEXT_KEYS))
     return ModelFacts(path=path, context=None)
+
+
+def check_rewards(reward: str, sources: Iterable[str]) -> None:
+    """data.reward, or each data source's default reward, can be loaded here (the
+    master's node; every node needs the same packages)."""
+    try:
+        for name in {reward} if reward else {default_reward_for(s) for s in sorted(sources)}:
+            get_reward(name)
+    except UnknownRewardError as exc:
+        raise UsageError(f"data.reward={reward!r}: {exc}") from None
 
 
 def longest_prompt(model: Path, tasks: Iterable[Task]) -> tuple[int, str] | None:

@@ -24,6 +24,8 @@ it at each reload and at startup:
     {"reload": "skip"}           answer reload_weights without loading anything
     {"reload": "unreadable"}     fail reload_weights as an unreadable shard does
     {"fail_start_from": N}       the N-th and later starts with this file exit 1
+    {"completions": 400|500}     answer every completion request (text and chat)
+                                 with this status, as a broken engine would
 
 Starts are counted in FILE.starts (one line per start).  The daemon never
 sets the variable; a test gives it to one node through engine.env.
@@ -76,6 +78,7 @@ class Faults:
     path: Path
     reload: str | None = None
     fail_start_from: int | None = None
+    completions: int | None = None
 
     @classmethod
     def load(cls, environ: Mapping[str, str]) -> Faults | None:
@@ -88,11 +91,14 @@ class Faults:
         except (OSError, ValueError) as exc:
             raise ValueError(f"{FAULTS_ENV}={name}: unreadable fault file: {exc}") from None
         reload, start = spec.get("reload"), spec.get("fail_start_from")
+        completions = spec.get("completions")
         if reload not in (None, "skip", "unreadable") or not (
-                start is None or (isinstance(start, int) and start >= 1)):
-            raise ValueError(f"{FAULTS_ENV}={name}: reload must be 'skip' or 'unreadable' and "
-                             f"fail_start_from an integer >= 1, got {spec!r}")
-        return cls(path=path, reload=reload, fail_start_from=start)
+                start is None or (isinstance(start, int) and start >= 1)) or \
+                completions not in (None, 400, 500):
+            raise ValueError(f"{FAULTS_ENV}={name}: reload must be 'skip' or 'unreadable', "
+                             "fail_start_from an integer >= 1 and completions 400 or 500, got "
+                             f"{spec!r}")
+        return cls(path=path, reload=reload, fail_start_from=start, completions=completions)
 
     def start_refused(self, pid: int) -> bool:
         """Count this start; True when the file says it must fail."""

@@ -36,8 +36,8 @@ from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
 from rollout.hf_chat import ChatRequest, tokenize_answer
+from rollout.hf_control import FAULTS_ENV, Control, Faults, dev_mode
 from rollout.hf_control import ROUTES as CONTROL_ROUTES
-from rollout.hf_control import Control, Faults, dev_mode
 from rollout.hf_request import DTYPES, MAX_TOP_LOGPROBS, BadRequest, CompletionRequest
 from rollout.hf_sampling import Asleep, Generator
 
@@ -108,6 +108,11 @@ class Handler(BaseHTTPRequestHandler):
             self._control("POST")
             return
         if not self._authorized():
+            return
+        faults = self.server.faults
+        if faults is not None and faults.completions is not None and path != "/tokenize":
+            self._error(HTTPStatus(faults.completions), "every completion fails here "
+                        f"(injected by {FAULTS_ENV}={faults.path})")
             return
         try:
             body = self._body(required=True)
@@ -188,6 +193,7 @@ class Server(ThreadingHTTPServer):
         self.generator: Generator
         self.model_dir: Path
         self.control: Control | None = None
+        self.faults: Faults | None = None  # injected by tests (hf_control.py)
         self.started = time.time()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -344,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         control = Control(generator, sleep_mode=args.enable_sleep_mode,
                           faults=args.faults) if args.dev_mode else None
         server.attach(generator, model_dir, control=control)
+        server.faults = args.faults
         log.info(
             "serving %s as %r on http://%s:%s (loaded in %.2fs, pid %d)",
             model_dir,

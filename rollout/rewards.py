@@ -10,14 +10,23 @@ rollout of thousands.
                  stripped ground truth (the built-in digit-reversal task)
     math         math-verify parses the ground truth and the response into
                  sympy and checks equivalence (gsm8k, MATH and the like)
+
+Rewards of one's own come from installed packages, through the entry-point
+group `coordinator.rewards` (a function, or a class made with no arguments),
+the way run.actions finds its implementations: run.json names a reward, never
+a path to code (docs/PLUGINS.md).  A reward that raises fails its sample, not
+the rollout: the sample is saved as failed and counts against
+rollout.max_failed_fraction (rollout/sampling_agent.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import Final
 
 from rollout.errors import UnknownRewardError
@@ -102,8 +111,12 @@ _REGISTRY: dict[str, RewardFn] = {
 _MATH_SOURCE_MARKERS: Final = ("gsm8k", "math", "aime", "amc", "numina", "olympiad", "deepscaler")
 
 
+ENTRY_POINT_GROUP: Final = "coordinator.rewards"
+
+
 def reward_names() -> tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
+    """Built-in and registered rewards, and those installed packages provide."""
+    return tuple(sorted({*_REGISTRY, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}))
 
 
 def register_reward(name: str, fn: RewardFn, *, replace: bool = False) -> None:
@@ -117,15 +130,34 @@ def register_reward(name: str, fn: RewardFn, *, replace: bool = False) -> None:
 
 
 def get_reward(name: str) -> RewardFn:
-    try:
+    """A registered reward, or one an installed package provides (loaded once)."""
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not found:
         known = reward_names()
         raise UnknownRewardError(
-            f"unknown reward {name!r}: known rewards are {', '.join(known)}",
+            f"unknown reward {name!r}: known rewards are {', '.join(known)} (a reward of "
+            f"your own: install a package that registers it in the entry-point group "
+            f"{ENTRY_POINT_GROUP}, on every node)",
             name=name,
             known=known,
-        ) from None
+        )
+    try:
+        target = found[0].load()
+        fn = target() if inspect.isclass(target) else target
+    except Exception as exc:  # the package's own import or constructor failed
+        raise UnknownRewardError(
+            f"reward {name!r} ({found[0].value}, entry point of {ENTRY_POINT_GROUP}) cannot be "
+            f"loaded: {type(exc).__name__}: {exc}; fix or reinstall its package on this node",
+            name=name, known=reward_names()) from exc
+    if not callable(fn):
+        raise UnknownRewardError(
+            f"reward {name!r} ({found[0].value}) is not callable: register a function "
+            "(response, ground_truth) -> float, or a class whose instances are",
+            name=name, known=reward_names())
+    _REGISTRY.setdefault(name, fn)
+    return _REGISTRY[name]
 
 
 def default_reward_for(data_source: str) -> str:

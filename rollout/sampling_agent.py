@@ -18,6 +18,7 @@ error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -50,21 +51,35 @@ class SingleTurnSampler:
                 check_cancel()
                 name = self.reward or default_reward_for(task.data_source)
                 reward = rewards.setdefault(name, get_reward(name))
-                yield task, samples_of(task, group, group_size, reward)
+                yield task, samples_of(task, group, group_size, reward, reward_name=name)
         finally:
             results.close()  # a cancelled rollout stops the requests still in flight
 
 
 def samples_of(task: Task, group: GroupResult, group_size: int,
-               reward: Callable[[str, str], float]) -> list[TrajectorySample]:
-    """A group's answers as scored samples, or group_size failed ones with its error."""
+               reward: Callable[[str, str], float], *,
+               reward_name: str = "reward") -> list[TrajectorySample]:
+    """A group's answers as scored samples, or group_size failed ones with its error.
+    A reward that raises, or gives no finite number, fails its sample (saved with
+    the error, counted against rollout.max_failed_fraction), not the rollout."""
     if not group.ok:
         error = f"task {task.task_id}: {group.error or 'no samples returned'}"
         return [failed_sample(task.task_id, i, error) for i in range(group_size)]
-    return [TrajectorySample(
-        task_id=task.task_id, sample_index=i, prompt_token_ids=list(sample.prompt_token_ids),
-        response_token_ids=list(sample.token_ids), response_logprobs=list(sample.logprobs),
-        response_text=sample.text, reward=float(reward(sample.text, task.ground_truth)),
-        finish_reason=FinishReason(sample.finish_reason)
-        if sample.finish_reason in ("stop", "length") else FinishReason.STOP,
-    ) for i, sample in enumerate(group.samples)]
+    out = []
+    for i, sample in enumerate(group.samples):
+        try:
+            score = float(reward(sample.text, task.ground_truth))
+            if not math.isfinite(score):
+                raise ValueError(f"it gave {score}, not a finite number")
+        except Exception as exc:
+            out.append(failed_sample(task.task_id, i, (
+                f"task {task.task_id}: the reward {reward_name!r} raised "
+                f"{type(exc).__name__}: {exc}")))
+            continue
+        out.append(TrajectorySample(
+            task_id=task.task_id, sample_index=i, prompt_token_ids=list(sample.prompt_token_ids),
+            response_token_ids=list(sample.token_ids), response_logprobs=list(sample.logprobs),
+            response_text=sample.text, reward=score,
+            finish_reason=FinishReason(sample.finish_reason)
+            if sample.finish_reason in ("stop", "length") else FinishReason.STOP))
+    return out

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,45 @@ def test_default_reward_follows_the_data_source() -> None:
     assert default_reward_for("DigitalLearningGmbH/MATH-lighteval") == "math"
     with pytest.raises(UnknownRewardError, match="'my/code' has no default reward"):
         default_reward_for("my/code")
+
+
+def test_a_reward_an_installed_package_provides_is_found_by_its_entry_point(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout import rewards
+    from tests.support.plugins import install_entry_points
+
+    site = install_entry_points(tmp_path, "my-rewards", {"coordinator.rewards": {
+        "always_half": "tests.rollout.test_rewards:always_half",
+        "broken": "no_such_module_anywhere:fn"}})
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(rewards, "_REGISTRY", dict(rewards._REGISTRY))
+    assert {"always_half", "broken", "exact_match"} <= set(reward_names())
+    assert get_reward("always_half")("x", "y") == 0.5
+    with pytest.raises(UnknownRewardError, match=r"reward 'broken' \(no_such_module_anywhere:fn"
+                       r", entry point of coordinator.rewards\) cannot be loaded"):
+        get_reward("broken")
+
+
+def always_half(response: str, ground_truth: str) -> float:
+    return 0.5
+
+
+def test_a_reward_that_raises_fails_its_sample_not_the_rollout() -> None:
+    from rollout.sampling_agent import samples_of
+    from rollout.tasks import Task
+    from rollout.wire import GroupResult, Sample
+
+    task = Task(task_id="t/1", prompt="12>", ground_truth="21", data_source="x", split="train")
+    group = GroupResult(index=0, prompt="12>", samples=tuple(
+        Sample(text=t, token_ids=(1,), logprobs=(-0.1,), prompt_token_ids=(5,),
+               finish_reason="stop") for t in ("21", "boom", "nan")))
+
+    def picky(response: str, truth: str) -> float:
+        if response == "boom":
+            raise KeyError("no such field")
+        return float("nan") if response == "nan" else float(response == truth)
+
+    out = samples_of(task, group, 3, picky, reward_name="picky")
+    assert [s.failed for s in out] == [False, True, True] and out[0].reward == 1.0
+    assert out[1].error == "task t/1: the reward 'picky' raised KeyError: 'no such field'"
+    assert "gave nan, not a finite number" in out[2].error

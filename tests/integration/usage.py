@@ -1,0 +1,71 @@
+"""The usage line as README.md writes it, run as real `coordinator run` processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+README_PATH = "/tmp/rl-try"  # the --log-path README.md's usage line uses
+
+
+def usage_line() -> list[list[str]]:
+    """The three commands between README.md's usage-line markers."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- usage-line:start -->\n```bash\n(.*?)```\n<!-- usage-line:end -->",
+                      text, re.S)
+    assert block is not None, "README.md lost its usage-line block"
+    return [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
+
+
+def coordinator() -> str:
+    """The installed console script, as a user types `coordinator`."""
+    return str(Path(sys.executable).parent / "coordinator")
+
+
+@dataclass
+class Run:
+    codes: dict[int, int]
+    logs: dict[int, str]
+    seconds: float
+
+
+def run_nodes(commands: Sequence[Sequence[str]], *, cwd: Path, timeout_s: float,
+              env: dict[str, str] | None = None) -> Run:
+    """Start every command at once (rank = position), wait for all, reap in any case."""
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    outs: dict[int, Path] = {}
+    started = time.monotonic()
+    try:
+        for rank, command in enumerate(commands):
+            outs[rank] = cwd / f"node-{rank}.log"
+            with outs[rank].open("wb") as out:
+                procs[rank] = subprocess.Popen(
+                    [coordinator(), *command[1:]], stdout=out, stderr=subprocess.STDOUT,
+                    cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        deadline = started + timeout_s
+        codes = {}
+        for rank, proc in procs.items():
+            try:
+                codes[rank] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logs = "\n".join(f"--- node {r}\n{p.read_text(errors='replace')[-2500:]}"
+                                 for r, p in outs.items())
+                raise AssertionError(f"node {rank} still runs after {timeout_s} s\n{logs}") \
+                    from None
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+    return Run(codes=codes, logs={r: p.read_text(errors="replace") for r, p in outs.items()},
+               seconds=time.monotonic() - started)
