@@ -22,7 +22,7 @@ from typing import Any
 
 from coordinator import fsio, layout
 from coordinator.decisions import MasterAction, judge_arrivals
-from coordinator.errors import MalformedRecordError
+from coordinator.errors import MalformedRecordError, fault_signature
 from coordinator.liveness import (
     HeartbeatPublisher,
     Monitor,
@@ -115,7 +115,9 @@ class Barrier:
         state = NodeState.WAITING
         if status is ArrivalStatus.FAILED:
             state = NodeState.STEP_FAILED if awaits_verdict else self.failure_state
-        changes = {"arrived": (iteration, phase), "state": state, "error": error}
+        changes: dict[str, Any] = {"arrived": (iteration, phase), "state": state, "error": error,
+                                   "fault": fault_signature(error or "") if status is
+                                   ArrivalStatus.FAILED else ""}
         if self.m.is_master and status is ArrivalStatus.OK:
             self.heartbeat.set(**changes)  # nobody polls for the master's arrival
         else:

@@ -227,7 +227,7 @@ class Daemon:
         log.warning("rank %d: %s; stopped this rank's work, waiting up to %.0f s for the group "
                     "to re-form", self.rank, error, self.coord.rejoin_timeout_s)
         left = self._leave_session(
-            error=str(error)[:regroup.MAX_CAUSE_CHARS],
+            error=str(error)[:regroup.MAX_CAUSE_CHARS], fault=self._own_fault(error),
             waiting_for="the group to re-form after a failure (coordination.on_failure)")
         if self.is_master:
             self._form_session(incident=incident, started=started)
@@ -254,13 +254,14 @@ class Daemon:
                            "next session")
         self._form_session(admit=True)
 
-    def _leave_session(self, *, error: str | None, waiting_for: str) -> str:
+    def _leave_session(self, *, error: str | None, waiting_for: str, fault: str = "") -> str:
         """Out of this session (heartbeat regrouping, session null: the master may form
-        the next one with this rank, membership.gather_members); returns its id."""
+        the next one with this rank, membership.gather_members); returns its id.
+        `fault`: the signature of this rank's own failed step, kept in the heartbeat."""
         assert self.heartbeat is not None and self.session is not None
         if self.monitor is not None:
             self.monitor.stop()
-        self.heartbeat.update(state=NodeState.REGROUPING, error=error, session=None,
+        self.heartbeat.update(state=NodeState.REGROUPING, error=error, fault=fault, session=None,
                               arrived=None, released=None, waiting_for=waiting_for,
                               resume_iteration=self.journal.resume_iteration)
         return self.session.session
@@ -445,13 +446,20 @@ class Daemon:
         )
 
     # -- failure, shutdown -------------------------------------------------------
+    def _own_fault(self, error: CoordinatorError) -> str:
+        """The signature of `error` when it is this rank's own failed step, else "": in
+        the heartbeat, so that a master that sees it before the failed arrival (or
+        regrouping) still knows which fault it was (regroup.repeated_failure)."""
+        return regroup.fault_of(error) if getattr(error, "rank", None) == self.rank else ""
+
     def _publish_failure(self, error: CoordinatorError) -> None:
         """Runtime hook: let peers know at once (the master's abort stops every worker)."""
         if self.heartbeat is None:
             return
         state = NodeState.LEFT if isinstance(error, Interrupted) else \
             NodeState.REGROUPING if self._regroups_after(error) else NodeState.FAILED
-        changes: dict[str, Any] = {"state": state, "error": str(error)}
+        changes: dict[str, Any] = {"state": state, "error": str(error),
+                                   "fault": self._own_fault(error)}
         if self.is_master and self.heartbeat.record.abort is None:
             hb = self.heartbeat.record
             changes["abort"] = Abort(kind=abort_kind(error), reason=str(error),

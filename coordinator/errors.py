@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 import errno
 import os
+import re
 from pathlib import Path
+from typing import Final
 
 
 class ExitCode(enum.IntEnum):
@@ -161,10 +163,32 @@ class PhaseFailedError(CoordinatorError):
     exit_code = ExitCode.PHASE_FAILED
 
     def __init__(
-        self, message: str, *, rank: int | None, iteration: int, phase: int, cause: str
+        self, message: str, *, rank: int | None, iteration: int, phase: int, cause: str,
+        fault: str | None = None,
     ) -> None:
         super().__init__(message)
         self.rank, self.iteration, self.phase, self.cause = rank, iteration, phase, cause
+        # The failed step's signature (fault_signature of the action's error), when
+        # the rank that failed published it; None: computed from `cause`.
+        self.fault = fault
+
+
+# What differs between two occurrences of one fault, masked in its signature:
+# quoted text (a prompt, a JSON body), hex ids and numbers (ranks, counts,
+# ports, pids, task ids, line numbers).
+_VARYING: Final = (re.compile(r"'[^'\n]*'|\"[^\"\n]*\""),
+                   re.compile(r"\b(?:0x)?[0-9a-f]*\d[0-9a-f]*\b"))
+MAX_FAULT_CHARS: Final = 400
+
+
+def fault_signature(text: str) -> str:
+    """What identifies a step's failure across attempts and ranks: the first line of
+    the action's error with quoted text, numbers and hex ids masked."""
+    text = text.strip()
+    text = text.splitlines()[0] if text else ""
+    for pattern in _VARYING:
+        text = pattern.sub("#", text)
+    return text[:MAX_FAULT_CHARS]
 
 
 class RunCompleted(CoordinatorError):

@@ -72,7 +72,7 @@ class HeartbeatPublisher:
     def set(self, **changes: Any) -> None:
         """Change fields without publishing: the next beat carries them."""
         with self._lock:
-            self._record = dataclasses.replace(self._record, **changes)
+            self._record = dataclasses.replace(self._record, **_with_fault(changes))
 
     def update(self, **changes: Any) -> Heartbeat:
         """Change fields and publish at once (state changes must not wait a beat)."""
@@ -81,7 +81,8 @@ class HeartbeatPublisher:
     def beat(self, **changes: Any) -> Heartbeat:
         with self._lock:
             record = dataclasses.replace(
-                self._record, counter=self._record.counter + 1, wall_time=time.time(), **changes
+                self._record, counter=self._record.counter + 1, wall_time=time.time(),
+                **_with_fault(changes)
             )
             with fsio.STATS.tagged("heartbeat"):
                 publish_record(self.store, self.key, record)
@@ -159,14 +160,20 @@ def describe_phase(phase: int) -> str:
         return f"phase {phase}"
 
 
+def _with_fault(changes: dict[str, Any]) -> dict[str, Any]:
+    """A new error without a fault clears the old fault: it described another failure."""
+    return {"fault": "", **changes} if "error" in changes else changes
+
+
 def rank_failed(rank: int, host: str, iteration: int, phase: int,
-                error: str | None) -> PhaseFailedError:
+                error: str | None, fault: str | None = None) -> PhaseFailedError:
     """A rank's own failure, worded the same whether the master learns it from
-    the rank's arrival record or the monitor from its heartbeat, whichever is first."""
+    the rank's arrival record or the monitor from its heartbeat, whichever is first;
+    `fault`: the signature the rank published (heartbeat), else one from `error`."""
     return PhaseFailedError(
         f"rank {rank} (host {host}) failed iteration {iteration} {describe_phase(phase)}: "
         f"{error or 'no reason given'}",
-        rank=rank, iteration=iteration, phase=phase, cause=error or "",
+        rank=rank, iteration=iteration, phase=phase, cause=error or "", fault=fault or None,
     )
 
 
@@ -222,6 +229,9 @@ class PeerTracker:
                 "restart every node)", rank=rank, host=new.host,
                 iteration=hb.iteration if hb else None, phase=hb.phase if hb else None,
             )
+        if hb is not None and hb.state is NodeState.REGROUPING and view.joined and hb.fault:
+            # It stopped to regroup after a step of its own failed: that failure.
+            return rank_failed(rank, view.host, hb.iteration, hb.phase, hb.error, hb.fault)
         if hb is not None and hb.state is NodeState.REGROUPING and view.joined:
             return PeerLostError(
                 f"{who} stopped its work {self.where(rank)} to re-form the group: "
@@ -234,7 +244,7 @@ class PeerTracker:
                 rank=rank, host=view.host, iteration=hb.iteration, phase=hb.phase,
             )
         if hb is not None and hb.state is NodeState.FAILED:
-            return rank_failed(rank, view.host, hb.iteration, hb.phase, hb.error)
+            return rank_failed(rank, view.host, hb.iteration, hb.phase, hb.error, hb.fault)
         if hb is not None and hb.state is NodeState.FINISHED:
             return None
         age = self.age(rank, now)
@@ -270,7 +280,8 @@ class PeerTracker:
             first = failing[0]
             hb = first.last
             assert hb is not None
-            return rank_failed(first.rank, first.host, hb.iteration, hb.phase, hb.error)
+            return rank_failed(first.rank, first.host, hb.iteration, hb.phase, hb.error,
+                               hb.fault)
         return None
 
     def master_abort(self, rank: int) -> Abort | None:

@@ -374,6 +374,10 @@ def wait_for_session(
                 raise RunCompleted(
                     f"the master (pid {hb.pid} on {hb.host}) completed run {run_id} without "
                     f"rank {rank}: nothing is left for it to do")
+            if hb.state not in LIVE_STATES and hb.abort is not None:
+                # It formed the group and stopped the run before this rank read the
+                # session (a setting refused in phase 0): exit as its abort says.
+                raise master_gave_up(hb)
             if hb.state not in LIVE_STATES:
                 raise PeerLostError(
                     f"the master (pid {hb.pid} on {hb.host}) stopped before the group formed: "

@@ -287,6 +287,9 @@ class Heartbeat(Record):
     abort: Abort | None
     error: str | None
     wall_time: float
+    # With a failed state: the signature of this rank's own failed step
+    # (errors.fault_signature), "" when its failure is not a step's own.
+    fault: str = ""
 
     def __post_init__(self) -> None:
         check_generation(self.generation)

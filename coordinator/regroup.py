@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from collections.abc import Iterable, Mapping
 from typing import ClassVar, Final
@@ -49,6 +48,7 @@ from coordinator.errors import (
     Interrupted,
     PeerLostError,
     PhaseFailedError,
+    fault_signature,
 )
 from coordinator.phases import Phase
 from coordinator.records import (
@@ -66,24 +66,16 @@ log = logging.getLogger("coordinator")
 
 RECOVERABLE: Final = (ExitCode.PEER_LOST, ExitCode.PHASE_FAILED)
 MAX_CAUSE_CHARS: Final = 2000
-# What differs between two occurrences of one fault, masked in its signature:
-# quoted text (a prompt, a JSON body), hex ids and numbers (ranks, counts,
-# ports, pids, task ids, line numbers).
-_VARYING: Final = (re.compile(r"'[^'\n]*'|\"[^\"\n]*\""),
-                   re.compile(r"\b(?:0x)?[0-9a-f]*\d[0-9a-f]*\b"))
-MAX_FAULT_CHARS: Final = 400
 
 
 def fault_of(error: CoordinatorError) -> str:
-    """The signature of a failed step (what went wrong, not where or on which rank),
-    or "" for a failure that is not a step's own: a rank lost, left or restarted."""
+    """The signature of a failed step (what went wrong, not where or on which rank:
+    errors.fault_signature), or "" for a failure that is not a step's own: a rank
+    lost, left or restarted."""
     if not isinstance(error, PhaseFailedError) or error.exit_code is not ExitCode.PHASE_FAILED:
         return ""
-    text = (error.cause or str(error)).strip()
-    text = text.splitlines()[0] if text else ""
-    for pattern in _VARYING:
-        text = pattern.sub("#", text)
-    return text[:MAX_FAULT_CHARS]
+    return error.fault if error.fault is not None else \
+        fault_signature(error.cause or str(error))
 
 
 class RepeatedFailure(PhaseFailedError):

@@ -100,7 +100,7 @@ class CompletionClient:
             text = resp.text
             if resp.status_code in _TRANSIENT_STATUS:
                 raise TransientError(f"HTTP {resp.status_code} from {url}: "
-                                     f"{text[:_MAX_ERROR_BODY]}")
+                                     f"{text[:_MAX_ERROR_BODY]}", status=resp.status_code)
             raise HttpError(resp.status_code, text, url)
         if not parse:
             return resp.content

@@ -70,6 +70,9 @@ log = logging.getLogger("rollout.engine")
 
 PORT_FILE_VERSION: Final = 1
 _READY_PROMPT: Final = "1"  # one character: valid for every tokenizer, tiny ones included
+# A server that is up (/health answers) and fails the readiness completion with a
+# server error this many times in a row is broken, not still loading.
+READY_SERVER_ERRORS: Final = 3
 
 
 class _NotReady(Exception):
@@ -226,6 +229,8 @@ class ServerEngine:
             retries=0,
         )
 
+        server_errors = [0]  # in a row, from a server whose /health says it is up
+
         def probe() -> None:
             self.check_alive()  # EngineDied is not retried: the log says why
             try:
@@ -235,6 +240,17 @@ class ServerEngine:
                 client.health(timeout_s=min(5.0, cfg.request_timeout_s))
                 client.complete_one(_READY_PROMPT, n=1, max_tokens=1, temperature=1.0, seed=0)
             except TransientError as e:
+                # A server still loading refuses connections or answers 503; one
+                # that is up and answers 500 to a one-token completion is broken,
+                # and waiting ready_timeout_s for it would only hide that.
+                broken = e.status is not None and e.status >= 500 and e.status != 503
+                server_errors[0] = server_errors[0] + 1 if broken else 0
+                if server_errors[0] >= READY_SERVER_ERRORS:
+                    raise EngineStartError(
+                        f"{self.kind.value} server at {self.base_url} is up (/health answers) "
+                        f"but answered the readiness completion with HTTP {e.status} "
+                        f"{server_errors[0]} times in a row: {e}",
+                        log_path=self.log_path, log_tail=self._tail()) from e
                 raise _NotReady(str(e)) from e
             except HttpError as e:
                 raise EngineStartError(

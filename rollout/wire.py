@@ -39,6 +39,10 @@ class ClientError(EngineError):
 class TransientError(ClientError, ConnectionError):
     """Connection refused/reset, timeout or a 5xx/429: worth retrying."""
 
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status, when the server answered
+
 
 class HttpError(ClientError):
     """The server rejected the request (4xx other than 408/425/429): not retried."""

@@ -124,3 +124,21 @@ def test_workers_leave_the_attribution_to_the_master() -> None:
         t.observe(0, heartbeat(rank=0, token="t0", counter=second, state=NodeState.STEP_FAILED,
                                error="x"), now=float(second))
         assert t.first_verdict(now=float(second)) is None  # alive: its abort will say why
+
+
+def test_a_peer_regrouping_after_its_own_step_failed_is_that_failure_with_its_fault() -> None:
+    from coordinator.regroup import fault_of
+
+    t = tracker()
+    t.observe(1, heartbeat(counter=1), now=0.5)  # seen at work in the session
+    t.observe(1, heartbeat(counter=2, state=NodeState.REGROUPING, session=None, phase=1,
+                           error="rank 1 failed iteration 2 phase 1 (rollout): ActionError: x 7",
+                           fault="ActionError: x #"), now=1.0)
+    verdict = t.verdict(1, now=1.0)
+    assert isinstance(verdict, PhaseFailedError) and fault_of(verdict) == "ActionError: x #"
+    # Regrouping because of someone else's failure: it stopped, it did not fail.
+    t = tracker()
+    t.observe(1, heartbeat(counter=1), now=0.5)
+    t.observe(1, heartbeat(counter=2, state=NodeState.REGROUPING, session=None,
+                           error="the master aborted the run"), now=1.0)
+    assert isinstance(t.verdict(1, now=1.0), PeerLostError)

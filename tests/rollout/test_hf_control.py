@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,3 +223,21 @@ def test_a_reload_of_another_shape_is_refused_before_any_tensor_changes(
         resident.reload(wider)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-loaded
+
+
+@pytest.mark.slow
+def test_a_server_that_is_up_but_fails_every_completion_fails_its_start_at_once(
+        tmp_path: Path, models: tuple[Path, Path]) -> None:
+    from rollout.engine import EngineStartError
+
+    engine = _engine(tmp_path, {"completions": 500})  # ready_timeout_s=120
+    started = time.monotonic()
+    try:
+        with pytest.raises(EngineStartError, match=r"is up \(/health answers\) but answered the "
+                           r"readiness completion with HTTP 500 3 times in a row"):
+            engine.start(models[0])
+        assert engine.state is EngineState.FAILED and engine.pid is None  # nothing left behind
+    finally:
+        engine.close()
+    # Three probes 0.1 s apart after the model loads, not the 120 s readiness deadline.
+    assert time.monotonic() - started < 60
