@@ -11,6 +11,7 @@ Config section `[scripted]`; every rule is a string "RANK:ITERATION:PHASE"
     sleep_s = 0.0                  # every action sleeps this long
     sleeps = ["1:*:4:30"]          # rank 1 sleeps 30 s in phase 4 of every iteration
     fail = ["2:1:6"]               # rank 2 raises in iteration 1, phase 6
+    fail_once = ["1:0:4"]          # rank 1 raises the first time it runs it only
     hang = []                      # like sleeps, but ignoring cancellation
     outputs = true                 # write a marker file per executed action
 
@@ -83,6 +84,7 @@ class ScriptedConfig:
     sleep_s: float = 0.0
     sleeps: tuple[str, ...] = ()
     fail: tuple[str, ...] = ()
+    fail_once: tuple[str, ...] = ()
     hang: tuple[str, ...] = ()
     outputs: bool = True
 
@@ -91,11 +93,12 @@ class ScriptedConfig:
             raise UsageError(f"scripted.sleep_s={self.sleep_s} is negative")
         self.rules()  # validate early, at the CLI boundary
 
-    def rules(self) -> tuple[list[Rule], list[Rule], list[Rule]]:
+    def rules(self) -> tuple[list[Rule], list[Rule], list[Rule], list[Rule]]:
         return (
             [Rule.parse(t, with_seconds=True) for t in self.sleeps],
             [Rule.parse(t, with_seconds=False) for t in self.fail],
             [Rule.parse(t, with_seconds=True) for t in self.hang],
+            [Rule.parse(t, with_seconds=False) for t in self.fail_once],
         )
 
 
@@ -114,7 +117,7 @@ class ScriptedActions:
         self.config = config
         self.rank = rank
         self.run_dir = run_dir
-        self.sleeps, self.fails, self.hangs = config.rules()
+        self.sleeps, self.fails, self.hangs, self.fail_once = config.rules()
 
     def _output(self, iteration: int, phase: int, rank: int) -> Path:
         return (self.run_dir / layout.iteration_dir(iteration) / "scripted"
@@ -133,6 +136,12 @@ class ScriptedActions:
                 time.sleep(rule.seconds)  # deliberately deaf to cancellation
         if any(r.matches(self.rank, it, phase) for r in self.fails):
             raise ActionError(f"injected failure (scripted rule) at rank {self.rank}")
+        if any(r.matches(self.rank, it, phase) for r in self.fail_once):
+            marker = self._output(it, phase, self.rank).with_suffix(".failed-once")
+            if not marker.exists():  # this rank's own file: no other writer
+                fsio.publish_bytes(marker, b"1")
+                raise ActionError(f"injected one-time failure (scripted rule) at rank "
+                                  f"{self.rank}")
         if self.config.outputs:
             self._record(it, phase)
         return {"rank": self.rank}

@@ -26,7 +26,7 @@ from typing import Final
 from coordinator.config import RunSection
 from coordinator.decisions import should_eval
 from coordinator.errors import UsageError
-from coordinator.phases import RolloutSplit
+from coordinator.phases import Phase, RlPhase, RolloutSplit
 from rl.config import RlSections
 from rl.layout import Split
 from rl.loop import Loop
@@ -73,8 +73,13 @@ class Facts:
         return min(limits) if limits else None
 
     @property
-    def trains(self) -> bool:
+    def rolls_out_train(self) -> bool:
         return self.run.rollout_split is not RolloutSplit.EVAL_ONLY
+
+    @property
+    def trains(self) -> bool:
+        """Whether the run trains on what it rolls out (--rl-phase rollout does not)."""
+        return self.rolls_out_train and Phase.TRAIN in RlPhase(self.run.rl_phase).phases
 
     @property
     def evaluates(self) -> bool:
@@ -103,8 +108,8 @@ def _max_model_len(f: Facts) -> str | None:
 
 def _max_tokens(f: Facts) -> str | None:
     context, max_tokens = f.context, f.s.rollout.max_tokens
-    if context is None:
-        return None
+    if context is None or f.s.rollout.agent:
+        return None  # an agent asks for its own lengths, turn by turn
     prompt = f.tasks.longest_prompt
     if prompt is None:
         if max_tokens < context:
@@ -124,34 +129,34 @@ def _max_tokens(f: Facts) -> str | None:
             + f"): every request would be refused; {fix}")
 
 
-def _train_tasks(f: Facts) -> str | None:
-    if not f.trains:
-        return None
-    if f.tasks.train == 0:
-        return (f"the train split of data.path={f.tasks.source!r} has no tasks: give a task "
-                "file or directory with a train split")
-    wanted = f.s.rollout.tasks_per_iteration
-    if wanted > f.tasks.train:
-        return (f"rollout.tasks_per_iteration={wanted} exceeds the {f.tasks.train} tasks of the "
-                f"train split of {f.tasks.source!r}: give at most {f.tasks.train}, or 0 for the "
-                "whole split every iteration")
+def _split_tasks(f: Facts, split: str, setting: str, available: int, empty: str) -> str | None:
+    """A split the run needs: not empty, and at least as many tasks as `setting` asks."""
+    if available == 0:
+        return empty
+    wanted = getattr(f.s.rollout, setting)
+    if wanted > available:
+        return (f"rollout.{setting}={wanted} exceeds the {available} tasks of the {split} "
+                f"split of {f.tasks.source!r}: give at most {available}, or 0 for the whole "
+                "split")
     return None
+
+
+def _train_tasks(f: Facts) -> str | None:
+    if not f.rolls_out_train:
+        return None
+    return _split_tasks(f, "train", "tasks_per_iteration", f.tasks.train, empty=(
+        f"the train split of data.path={f.tasks.source!r} has no tasks: give a task file or "
+        "directory with a train split"))
 
 
 def _eval_tasks(f: Facts) -> str | None:
     if not f.evaluates:
         return None
-    if f.tasks.eval == 0:
-        return (f"the run evaluates (run.eval_interval={f.run.eval_interval}, "
-                f"run.rollout_split={f.run.rollout_split.value}) but {f.tasks.source!r} has no "
-                "eval split: give a task directory with test.<ext> or eval.<ext>, or set "
-                "run.eval_interval=0 and run.eval_before_train=false")
-    wanted = f.s.rollout.eval_tasks
-    if wanted > f.tasks.eval:
-        return (f"rollout.eval_tasks={wanted} exceeds the {f.tasks.eval} tasks of the eval "
-                f"split of {f.tasks.source!r}: give at most {f.tasks.eval}, or 0 for the whole "
-                "split")
-    return None
+    return _split_tasks(f, "eval", "eval_tasks", f.tasks.eval, empty=(
+        f"the run evaluates (run.eval_interval={f.run.eval_interval}, run.rollout_split="
+        f"{f.run.rollout_split.value}) but {f.tasks.source!r} has no eval split: give a task "
+        "directory with test.<ext> or eval.<ext>, or set run.eval_interval=0 and "
+        "run.eval_before_train=false"))
 
 
 def _mini_batch(f: Facts) -> str | None:

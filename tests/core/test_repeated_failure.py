@@ -101,3 +101,23 @@ def test_a_deterministic_failure_ends_the_run_with_exit_4_on_every_node(
     assert len(recoveries) == attempts - 1
     assert all(r["iteration"] == 1 and r["phase"] == 4 and r["fault"] for r in recoveries)
     assert took < 40 * attempts
+
+
+@pytest.mark.slow
+def test_max_recoveries_holds_for_failures_that_are_not_repeats(tmp_path: Path) -> None:
+    # Two different steps fail once each: neither is a repeat, but the second
+    # would be recovery 2 of a run allowed 1.
+    config = write_config(tmp_path / "c.toml", iterations=3,
+                          scripted='fail_once = ["1:0:4", "2:1:6"]', on_failure="wait")
+    config.write_text(config.read_text().replace(
+        'on_failure = "', 'max_recoveries = 1\non_failure = "', 1))
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
+    try:
+        c.start_all()
+        codes = c.wait_all(timeout=90)
+    finally:
+        c.close()
+    assert codes == {0: 4, 1: 4, 2: 4}, {r: c.output(r)[-2000:] for r in codes}
+    assert "coordination.max_recoveries=1 recoveries already made" in c.output(0)
+    recoveries = json.loads((c.log_path / "recoveries.json").read_text())["recoveries"]
+    assert [(r["iteration"], r["phase"]) for r in recoveries] == [(0, 4)]

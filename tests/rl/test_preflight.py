@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.config import RunSection, deep_merge
 from coordinator.errors import UsageError
-from coordinator.phases import RolloutSplit
+from coordinator.phases import RlPhase, RolloutSplit
 from rl import preflight
 from rl.config import TINY_MODEL_DEFAULTS, parse_sections, resolve_sections, with_model_defaults
 from rl.preflight import Facts, ModelFacts, TaskFacts
@@ -99,11 +99,18 @@ def test_several_problems_are_listed_together() -> None:
     assert "rollout.max_tokens=500" in str(info.value) and "rollout.eval_tasks=99" in str(info.value)
 
 
+def test_max_tokens_does_not_bound_an_agent_which_asks_for_its_own_lengths() -> None:
+    agent = {"rollout": {"agent": "pkg.mod:Agent", "max_tokens": 1024}}
+    assert preflight.problems(facts(agent, prompt=None)) == []
+
+
 def test_eval_limits_do_not_apply_to_a_run_that_never_evaluates() -> None:
     never = RunSection(eval_interval=0, eval_before_train=False)
     assert preflight.problems(facts({"rollout": {"eval_tasks": 99}}, eval_=0, run=never)) == []
     train_only = RunSection(rollout_split=RolloutSplit.TRAIN_ONLY)
     assert preflight.problems(facts(eval_=0, run=train_only)) == []
+    rollout_only = RunSection(rl_phase=RlPhase.ROLLOUT)
+    assert preflight.problems(facts({"train": {"mini_batch_size": 4096}}, run=rollout_only)) == []
     eval_only = RunSection(rollout_split=RolloutSplit.EVAL_ONLY)
     assert preflight.problems(facts({"rollout": {"tasks_per_iteration": 999}},
                                     run=eval_only)) == []

@@ -1,0 +1,76 @@
+"""What each iteration did, read from the metrics on disk, and the verdict a
+completed run ends with: exit 0 only if every iteration trained on a batch
+within the failure budget (rl/history.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from coordinator.actions import resolve_config
+from rl import history, layout
+
+
+def write(run: Path, iteration: int, name: str, **fields: Any) -> None:
+    path = layout.metrics(run, iteration, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fields))
+
+
+def iteration(run: Path, it: int, *, samples: int = 1024, kept: int = 1024, failed: int = 0,
+              trained: int | None = None, eval_failed: int | None = None) -> None:
+    write(run, it, "rollout", num_samples=samples, num_train_samples=kept, num_failed=failed,
+          reward_mean=0.25)
+    if eval_failed is not None:
+        write(run, it, "eval", num_samples=128, num_failed=eval_failed, accuracy=0.5)
+    write(run, it, "train", samples=kept if trained is None else trained, loss=0.1)
+
+
+def config(**run: Any):  # type: ignore[no-untyped-def]
+    return resolve_config({"run": {"iterations": 2, **run}})
+
+
+def test_a_run_that_trained_every_iteration_within_the_budget_summarises_and_passes(
+        tmp_path: Path) -> None:
+    iteration(tmp_path, 0, failed=3, kept=1000, eval_failed=2)
+    iteration(tmp_path, 1)
+    summary = history.summarize(tmp_path, config())
+    assert summary.problem is None
+    assert summary.text == "2024 samples trained, 5 failed"
+    rows = history.report(tmp_path, 2)
+    assert rows[0] == {"iteration": 0, "train_samples": 1000, "failed_samples": 5,
+                       "rollout_samples": 1024, "reward_mean": 0.25, "eval_accuracy": 0.5}
+
+
+def test_an_iteration_that_learned_nothing_or_past_the_budget_fails_the_run(
+        tmp_path: Path) -> None:
+    iteration(tmp_path, 0, kept=0, trained=0)  # an empty batch, the model unchanged
+    iteration(tmp_path, 1, failed=200)  # 20 % failed, limit 10 %
+    problem = history.summarize(tmp_path, config()).problem
+    assert problem is not None
+    assert "iteration 0: an empty train batch" in problem
+    assert "iteration 1: 200 of 1024 samples failed (limit rollout.max_failed_fraction=0.1)" \
+        in problem
+
+
+def test_missing_metrics_are_unknown_never_zero(tmp_path: Path) -> None:
+    iteration(tmp_path, 0)
+    (tmp_path / "iterations/000000/metrics/train.json").unlink()
+    problem = history.summarize(tmp_path, config(iterations=1)).problem
+    assert problem == "iteration 0: no training metrics"
+    record = history.record(tmp_path, 0)
+    assert record.trained is None and record.failed == 0 and record.row()["train_samples"] is None
+    (tmp_path / "iterations/000000/metrics/rollout.json").write_text("{torn")
+    assert history.record(tmp_path, 0).rolled_out is None
+    assert history.report(tmp_path, 3) == []  # nothing readable: no rows
+
+
+def test_a_run_that_asked_for_no_training_is_not_held_to_it(tmp_path: Path) -> None:
+    write(tmp_path, 0, "eval", num_samples=128, num_failed=0, accuracy=0.5)
+    summary = history.summarize(tmp_path, config(iterations=1, rollout_split="eval-only"))
+    assert summary.problem is None and "no training asked: eval only" in summary.text
+    iteration(tmp_path, 0)
+    (tmp_path / "iterations/000000/metrics/train.json").unlink()
+    rollout_only = history.summarize(tmp_path, config(iterations=1, rl_phase="rollout"))
+    assert rollout_only.problem is None and "rollout only" in rollout_only.text
