@@ -28,8 +28,11 @@ def test_the_demo_runs_three_nodes_for_two_iterations_and_draws_its_reward_curve
     rows = [cells for line in table
             if (cells := [c.strip() for c in line.strip("│").split("│")])[0] in ("0", "1")]
     assert [r[0] for r in rows] == ["0", "1"], out[-4000:]
+    header = next(line for line in out.splitlines() if line.startswith("┃ iter"))
+    assert [c.strip() for c in header.strip("┃").split("┃")][4:6] == ["samples", "failed"]
     for cells in rows:
         assert float(cells[1]) >= 0.0  # the iteration's mean train reward
+        assert int(cells[4]) == 128 * 8 and int(cells[5]) == 0  # samples trained, failed
         assert float(cells[-1]) > 0.0  # its seconds
     assert float(rows[1][2]) >= 0.0  # eval accuracy, evaluated with --eval-interval 1
     assert "3 nodes, 2 iterations in" in out
