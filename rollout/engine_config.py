@@ -8,6 +8,7 @@ starts a process; import the public names from rollout.engine.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,18 +46,57 @@ class EngineDied(EngineError):
     """The server process exited while it should have been running."""
 
     def __init__(
-        self, *, kind: str, pid: int, returncode: int, log_path: Path, log_tail: str
+        self, *, kind: str, pid: int, returncode: int, log_path: Path, log_tail: str,
+        log_text: str | None = None,
     ) -> None:
+        """`log_text`: more of the log than `log_tail`, searched for the stated cause
+        (vLLM states it before a page of shutdown traceback)."""
         self.kind = kind
         self.pid = pid
         self.returncode = returncode
         self.log_path = log_path
         self.log_tail = log_tail
+        self.cause = stated_cause(log_text if log_text is not None else log_tail)
+        why = (f"it says: {self.cause}; fix that and start the engine again" if self.cause
+               else f"its log {log_path} ends with the cause (out of memory, bad model "
+               "directory, port in use); fix it and start the engine again")
         super().__init__(
             f"{kind} inference server pid {pid} died: {proc_mod.describe_exit(returncode)}; "
-            f"its log {log_path} ends with the cause (out of memory, bad model directory, "
-            f"port in use); fix it and start the engine again\n--- last lines ---\n{log_tail}"
+            f"{why}\n--- last lines of {log_path} ---\n{log_tail}"
         )
+
+
+# A line where a server states why it stops: argparse's "prog: error: ...", a
+# Python exception's last line, pydantic's "Value error, ...", vLLM's report of
+# a worker process that died.
+_STATED: Final = re.compile(r"^(?:[\w.]*(?:Error|Exception)(?:: | \[)|Value error, )|"
+                            r"^[\w./-]+: error: |died unexpectedly \(exit code: -?\d+\)")
+# Lines that wrap or follow a cause stated earlier: never the cause itself.
+_WRAPPERS: Final = re.compile(r"root cause|initialization failed|See stack trace|"
+                              r"\d+ validation errors? for|RuntimeError: cancelled")
+# vLLM's prefixes: "(APIServer pid=7) ", "ERROR 11-25 10:58:55 [file.py:944] ".
+_PREFIX: Final = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:(?P<level>[A-Z]+) \d\d-\d\d "
+                            r"[\d:]+ \[[^\]]*\]\s*)?")
+_SIGNAL: Final = re.compile(r"exit code: -(\d+)")
+
+
+def stated_cause(log_text: str) -> str | None:
+    """The first line of a server's log that states why it failed, in its own words
+    (vLLM's argparse error, the exception it raised, a worker killed by a signal),
+    or None.  The first, because what follows it is shutdown: tracebacks of the
+    processes it took down and lines that point back at it.  Lines vLLM logs at
+    INFO, WARNING or DEBUG are never the cause."""
+    for raw in log_text.splitlines():
+        prefix = _PREFIX.match(raw)
+        if prefix is not None and prefix.group("level") in ("INFO", "WARNING", "DEBUG"):
+            continue
+        line = raw[prefix.end() if prefix else 0:].strip()
+        if _STATED.search(line) and not _WRAPPERS.search(line):
+            signal_number = _SIGNAL.search(line)
+            if signal_number is not None:
+                line += f" ({proc_mod.describe_exit(-int(signal_number.group(1)))})"
+            return line[:500]
+    return None
 
 
 class GpuNotReleased(EngineError, TimeoutError):

@@ -73,6 +73,8 @@ _READY_PROMPT: Final = "1"  # one character: valid for every tokenizer, tiny one
 # A server that is up (/health answers) and fails the readiness completion with a
 # server error this many times in a row is broken, not still loading.
 READY_SERVER_ERRORS: Final = 3
+# How far back a dead server's log is searched for the cause it stated.
+CAUSE_SEARCH_LINES: Final = 400
 
 
 class _NotReady(Exception):
@@ -391,4 +393,6 @@ class ServerEngine:
                 returncode=rc,
                 log_path=self.log_path,
                 log_tail=self._tail(),
+                log_text=proc_mod.log_tail(self.log_path, CAUSE_SEARCH_LINES,
+                                           start=self._log_offset),
             )

@@ -23,22 +23,37 @@ fixture extracted from it (scripts/extract_vllm_flags.py):
     loopback host then.
   - --data-parallel-size D runs D replicas behind one port (tp GPUs each); the
     node must show tp x D GPUs, checked before the server starts.
+  - --enable-sleep-mode only where vLLM has a sleep mode (CUDA, ROCm, XPU):
+    its CPU build refuses the flag, so the daemon asks the installed vLLM
+    (vllm_platform.py).  Without it, /sleep pauses the scheduler and keeps
+    the weights (vLLM's CPU worker), and reload_weights still loads a
+    checkpoint in place: weight_update "reload" works on both.
+  - vLLM's processes rendezvous through a file in tempfile.gettempdir()
+    (utils/network_utils.py: vllm_dist_<uuid>) that a stopped server leaves
+    behind: each start gets a private TMPDIR, removed when it stops.
 """
 
 from __future__ import annotations
 
+import getpass
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from rollout import process as proc_mod
+from rollout import vllm_platform
 from rollout.engine_config import EngineConfig, EngineKind, EngineStartError, WeightUpdate
 from rollout.server_engine import ServerEngine
 
 API_KEY_ENV = "VLLM_API_KEY"
 
 
-def build_vllm_command(cfg: EngineConfig, model_dir: Path, port: int) -> list[str]:
-    """The `vllm serve` argv for `cfg` (pure: no environment, no I/O)."""
+def build_vllm_command(cfg: EngineConfig, model_dir: Path, port: int, *,
+                       sleep_mode: bool) -> list[str]:
+    """The `vllm serve` argv for `cfg` (pure: no environment, no I/O); `sleep_mode`:
+    whether the installed vLLM has one (vllm_platform.probe)."""
     argv = [
         cfg.vllm_executable,
         "serve",
@@ -67,7 +82,7 @@ def build_vllm_command(cfg: EngineConfig, model_dir: Path, port: int) -> list[st
         # and the like as server-wide defaults; RL needs samples from the plain
         # policy at the temperature/top_p it asks for, so ignore it.
         argv += ["--generation-config", "vllm"]
-    if cfg.weight_update is WeightUpdate.RELOAD:
+    if cfg.weight_update is WeightUpdate.RELOAD and sleep_mode:
         argv.append("--enable-sleep-mode")
     return argv + list(cfg.extra_args)
 
@@ -75,8 +90,15 @@ def build_vllm_command(cfg: EngineConfig, model_dir: Path, port: int) -> list[st
 class VllmEngine(ServerEngine):
     kind = EngineKind.VLLM
 
+    _tmp: Path | None = None  # the running server's private TMPDIR
+
     def command(self, model_dir: Path, port: int) -> list[str]:
-        return build_vllm_command(self.config, model_dir, port)
+        return build_vllm_command(self.config, model_dir, port,
+                                  sleep_mode=self.platform().sleep_mode)
+
+    def platform(self) -> vllm_platform.VllmPlatform:
+        """What the configured vLLM reports about its platform (asked once)."""
+        return vllm_platform.probe(self.config.vllm_executable, env=super().environment(""))
 
     # {environment} -> GPUs the server would see (None: unknown); tests replace it.
     gpu_count: Callable[[dict[str, str]], int | None] = staticmethod(proc_mod.visible_gpu_count)
@@ -84,7 +106,21 @@ class VllmEngine(ServerEngine):
     def environment(self, api_key: str) -> dict[str, str]:
         env = super().environment(api_key)  # includes CUDA_VISIBLE_DEVICES passthrough
         env[API_KEY_ENV] = api_key
+        if self._tmp is not None:
+            # Compiled kernels stay where they were cached before: only the
+            # rendezvous file moves into the private directory.
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+                tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+            env["TMPDIR"] = str(self._tmp)
         return env
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            if self._tmp is not None and self._proc is None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._tmp = None
 
     def _launch(self, model_dir: Path) -> tuple[proc_mod.ManagedProcess, int, str]:
         cfg = self.config
@@ -98,4 +134,10 @@ class VllmEngine(ServerEngine):
                 f"{cfg.data_parallel_size} needs {cfg.gpus} GPUs but this node shows {seen} "
                 f"({where}): lower data_parallel_size to {max(1, seen // cfg.tensor_parallel_size)}"
                 " or give the engine more GPUs")
-        return super()._launch(model_dir)
+        self._tmp = Path(tempfile.mkdtemp(prefix="coordinator-vllm-"))
+        try:
+            return super()._launch(model_dir)
+        except BaseException:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+            raise

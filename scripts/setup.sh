@@ -13,6 +13,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 "$PY" -m pip install --quiet -e ".[dev]"
+# vLLM's CPU build, in .venv-vllm: the tests run the vllm engine against it.
+scripts/setup_vllm.sh
 # System tools for the network-filesystem test fixture (sshfs over sshd on
 # loopback, two FUSE mounts with their own caches). Installed when missing
 # and we are root with apt; the fixture test fails with the reason otherwise.

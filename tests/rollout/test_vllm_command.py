@@ -31,7 +31,7 @@ def _cfg(**kw) -> EngineConfig:
 
 
 def test_command_starts_with_vllm_serve_and_the_model_directory_positionally() -> None:
-    argv = build_vllm_command(_cfg(), Path("/models/step-7"), 8123)
+    argv = build_vllm_command(_cfg(), Path("/models/step-7"), 8123, sleep_mode=True)
     assert argv[:3] == ["vllm", "serve", "/models/step-7"]
 
 
@@ -47,7 +47,7 @@ def test_every_flag_is_a_documented_vllm_serve_option_with_the_configured_value(
         dtype="bfloat16",
         seed=17,
     )
-    flags = _flags(build_vllm_command(cfg, Path("/m"), 8123))
+    flags = _flags(build_vllm_command(cfg, Path("/m"), 8123, sleep_mode=True))
     assert flags == {
         "--host": "10.0.0.5",
         "--port": "8123",
@@ -60,7 +60,7 @@ def test_every_flag_is_a_documented_vllm_serve_option_with_the_configured_value(
         "--seed": "17",
         "--generation-config": "vllm",
     }
-    assert _flags(build_vllm_command(_cfg(), Path("/m"), 1))["--enable-sleep-mode"] == ""
+    assert _flags(build_vllm_command(_cfg(), Path("/m"), 1, sleep_mode=True))["--enable-sleep-mode"] == ""
 
 
 def test_reload_refuses_a_host_other_nodes_can_reach() -> None:
@@ -87,21 +87,21 @@ def _model_dir(tmp_path: Path) -> Path:
 
 
 def test_max_model_len_is_left_to_the_model_when_not_configured() -> None:
-    flags = _flags(build_vllm_command(_cfg(), Path("/m"), 1))
+    flags = _flags(build_vllm_command(_cfg(), Path("/m"), 1, sleep_mode=True))
     assert "--max-model-len" not in flags
 
 
 def test_model_generation_config_is_ignored_unless_asked_for() -> None:
-    assert _flags(build_vllm_command(_cfg(), Path("/m"), 1))["--generation-config"] == "vllm"
-    flags = _flags(build_vllm_command(_cfg(use_model_generation_config=True), Path("/m"), 1))
+    assert _flags(build_vllm_command(_cfg(), Path("/m"), 1, sleep_mode=True))["--generation-config"] == "vllm"
+    flags = _flags(build_vllm_command(_cfg(use_model_generation_config=True), Path("/m"), 1, sleep_mode=True))
     assert "--generation-config" not in flags
 
 
 def test_extra_args_are_passed_through_verbatim_at_the_end() -> None:
     extra = ("--enforce-eager", "--max-num-seqs", "64")
     argv = build_vllm_command(
-        _cfg(extra_args=extra, vllm_executable="/opt/venv/bin/vllm"), Path("/m"), 1
-    )
+        _cfg(extra_args=extra, vllm_executable="/opt/venv/bin/vllm"), Path("/m"), 1,
+        sleep_mode=True)
     assert argv[0] == "/opt/venv/bin/vllm"
     assert tuple(argv[-3:]) == extra
 
