@@ -327,6 +327,8 @@ def demo(
     nodes: Annotated[int, typer.Option(help="Simulated nodes (daemons) on this machine.")] = 3,
     iterations: Annotated[int, typer.Option(help="RL iterations.")] = 8,
     eval_interval: Annotated[int, typer.Option(help="Evaluate every K-th iteration.")] = 2,
+    engine: Annotated[str, typer.Option(help="Inference engine: hf (built in) or vllm (installed; see --vllm).")] = "hf",
+    vllm: Annotated[str, typer.Option(help="With --engine vllm: the `vllm` executable to run.")] = "vllm",
     extra: Annotated[list[str], typer.Option("--set", help="Extra config: section.key=value.")] = [],  # noqa: B006
 ) -> None:
     """Run the whole loop on simulated nodes of this machine with the tiny local model."""
@@ -347,8 +349,12 @@ def demo(
         typer.echo(f"building the tiny model in {model} (random init + short warm start)...")
         report = build_demo_model(model, seed=0, warmstart_steps=65)
         typer.echo(f"  done: {report}")
-    extra_args = [a for item in extra for a in ("--set", item)]
-    typer.echo(f"starting {nodes} nodes; run directory {path}")
+    try:
+        engine_items = demo_mod.engine_settings(engine, vllm=vllm, nodes=nodes)
+    except UsageError as exc:
+        raise fail_usage(str(exc)) from None
+    extra_args = [a for item in [*engine_items, *extra] for a in ("--set", item)]
+    typer.echo(f"starting {nodes} nodes with the {engine} engine; run directory {path}")
     result = demo_mod.run_demo(log_path=path, nodes=nodes, iterations=iterations,
                                eval_interval=eval_interval, extra_args=extra_args)
     typer.echo(demo_mod.render_table(result.rows))

@@ -9,6 +9,7 @@ reward curve PNG into the log path.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import layout
+from coordinator.errors import UsageError
 from coordinator.liveness import describe_phase
 from coordinator.status import plain
 from rl import history
@@ -37,6 +39,30 @@ eval_before_train = true
 heartbeat_interval_s = 1.0
 lease_s = 10.0
 """
+
+
+def engine_settings(engine: str, *, vllm: str, nodes: int) -> list[str]:
+    """The --set items that run the demo's engines: nothing for the hf engine; for
+    vLLM, the executable and what the tiny model on `nodes` engines of one machine
+    needs: float32 (the model's own dtype), its 128 positions, eager mode (a graph
+    compile costs more than the tiny model's whole rollout), and memory shared
+    among the engines: on a GPU a share of it each; on CPU, where vLLM's
+    gpu_memory_utilization is a share of the node's RAM, a KV cache of 256 MiB."""
+    if engine == "hf":
+        return []
+    if engine != "vllm":
+        raise UsageError(f"--engine {engine!r} is not an engine: use hf or vllm")
+    from rollout.vllm_platform import probe
+
+    platform = probe(vllm)
+    extra = ["--enforce-eager"]
+    items = ["engine.kind=vllm", "engine.dtype=float32", "engine.max_model_len=128",
+             f"engine.vllm_executable={vllm}"]
+    if platform.device == "cpu":
+        extra += ["--kv-cache-memory-bytes", str(256 << 20)]
+    else:
+        items.append(f"engine.gpu_memory_utilization={max(0.05, 0.8 / nodes):.2f}")
+    return [*items, "engine.extra_args=" + json.dumps(extra)]
 
 
 @dataclass(frozen=True, kw_only=True)
