@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.integration.usage import assert_reloaded_in_place
 from tests.rollout.test_vllm_real import VLLM
 
 pytestmark = pytest.mark.slow
@@ -58,14 +59,8 @@ def test_the_demo_on_vllm_trains_two_nodes_reloading_in_place_and_draws_its_rewa
     width, height = struct.unpack(">II", header_bytes[16:24])
     assert (width, height) == (600, 350)  # figsize 6 x 3.5 in at 100 dpi
     assert f"reward curve: {png}" in out
-    # The engines stayed up: each rank's phase-12 payload names one process,
-    # reloaded in place, serving what the trainer published.
+    assert_reloaded_in_place(run, ranks=2)  # the vLLM engines stayed up
     for rank in range(2):
-        served = [json.loads((run / f"iterations/{it:06d}/phase-12/arrive-{rank}.json")
-                             .read_text())["payload"] for it in (0, 1)]
-        assert [s["engine"] for s in served] == ["reloaded", "reloaded"], served
-        assert served[0]["engine_pid"] == served[1]["engine_pid"]
-        assert all(s["probe_mean_abs_diff"] <= s["probe_tolerance"] for s in served)
         log = (run / f"ranks/{rank}/logs/vllm_server.log").read_text()
         assert "--enable-sleep-mode" not in log  # vLLM's CPU build refuses it
     # Nothing left behind: no process of this run (vLLM serves the run's node-local

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.usage import README_PATH, coordinator, run_nodes, usage_line
+from tests.integration.usage import (
+    README_PATH,
+    assert_reloaded_in_place,
+    coordinator,
+    run_nodes,
+    usage_line,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +44,7 @@ def test_the_usage_line_as_the_readme_writes_it_trains_every_iteration_and_learn
     # One GRPO iteration lifts the tiny model's reward (0.107 -> 0.151 measured;
     # seeded sampling and training make the run repeat).
     assert rewards[1] > rewards[0] + 0.02, rewards
-    # The hf engines stayed up: each rank's phase-12 payload names one process,
-    # reloaded in place, serving what the trainer published.
-    for rank in range(3):
-        served = [json.loads((run / f"iterations/{it:06d}/phase-12/arrive-{rank}.json")
-                             .read_text())["payload"] for it in (0, 1)]
-        assert [s["engine"] for s in served] == ["reloaded", "reloaded"], served
-        assert served[0]["engine_pid"] == served[1]["engine_pid"]
-        assert all(s["probe_mean_abs_diff"] <= s["probe_tolerance"] for s in served)
+    assert_reloaded_in_place(run, ranks=3)  # the hf engines stayed up
     for rank, log in done.logs.items():
         assert (f"rank {rank} finished 2 iterations of run" in log
                 and "2048 samples trained, 0 failed, 0 recoveries" in log), log[-2000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -69,3 +70,15 @@ def run_nodes(commands: Sequence[Sequence[str]], *, cwd: Path, timeout_s: float,
                 proc.wait(timeout=10)
     return Run(codes=codes, logs={r: p.read_text(errors="replace") for r, p in outs.items()},
                seconds=time.monotonic() - started)
+
+
+def assert_reloaded_in_place(run: Path, ranks: int, iterations: int = 2) -> None:
+    """The engines stayed up: each rank's phase-12 payload names one process,
+    reloaded in place, serving what the trainer published (probes within
+    tolerance)."""
+    for rank in range(ranks):
+        served = [json.loads((run / f"iterations/{it:06d}/phase-12/arrive-{rank}.json")
+                             .read_text())["payload"] for it in range(iterations)]
+        assert [s["engine"] for s in served] == ["reloaded"] * iterations, served
+        assert len({s["engine_pid"] for s in served}) == 1, served
+        assert all(s["probe_mean_abs_diff"] <= s["probe_tolerance"] for s in served), served
