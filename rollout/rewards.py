@@ -30,6 +30,7 @@ from importlib.metadata import entry_points
 from typing import Final
 
 from rollout.errors import UnknownRewardError
+from rollout.guarded_call import CallTimedOut, GuardedWorker
 from rollout.tasks import REVERSE_SOURCE
 
 logger = logging.getLogger(__name__)
@@ -41,20 +42,50 @@ def exact_match(response: str, ground_truth: str) -> float:
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
 
 
-# math-verify bounds each parse and each comparison with signal.alarm, which
-# Python allows only on the main thread; sympy can otherwise run for minutes
-# on adversarial output such as a huge power tower.
+# Each parse and the comparison are bounded by math-verify's own alarm in the
+# worker process, and the whole call by killing that process (guarded_call.py
+# says why an alarm alone is no deadline).
 DEFAULT_MATH_TIMEOUT_SECONDS: Final = 5
+
+_MATH_WORKER = GuardedWorker("rollout.rewards:math_score")
+
+
+def math_score(response: str, ground_truth: str, timeout_seconds: int) -> float:
+    """math-verify's verdict, computed in the process that calls it (the guarded worker)."""
+    # Deferred: math-verify pulls in sympy and antlr, seconds of import time
+    # that callers of exact_match should not pay.
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
+    on_main = threading.current_thread() is threading.main_thread()
+    timeout = timeout_seconds if on_main else None
+    try:
+        # Boxing the reference makes math-verify read it as one LaTeX answer
+        # ("1,000" stays a number, "\frac{1}{2}" stays a fraction).
+        boxed = ground_truth if "\\boxed" in ground_truth else f"\\boxed{{{ground_truth}}}"
+        gold = parse(boxed, parsing_timeout=timeout) or parse(ground_truth, parsing_timeout=timeout)
+        if not gold:
+            logger.warning("math reward: ground truth %r does not parse; scoring 0", ground_truth)
+            return 0.0
+        answer = parse(response, parsing_timeout=timeout)
+        if not answer:
+            return 0.0
+        return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
+    except TimeoutException:  # a BaseException in math-verify, so named explicitly
+        return 0.0
+    except Exception:
+        # Parsing untrusted model output can fail in many sympy/antlr ways;
+        # all of them mean "not a correct answer".
+        return 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
 class MathVerifyReward:
     """math-verify equivalence of the response's final answer and the ground truth.
 
-    `timeout_seconds` bounds each parse and each comparison when called on the
-    main thread.  Off the main thread math-verify cannot arm its alarm, so the
-    call runs unguarded; run rewards on the main thread (or in a worker
-    process) when the data may contain pathological answers.
+    Computed in a worker process: a call that takes longer than three times
+    `timeout_seconds` (two parses and a comparison) is killed and scores 0,
+    on any thread, whatever sympy is doing.
     """
 
     timeout_seconds: int = DEFAULT_MATH_TIMEOUT_SECONDS
@@ -67,37 +98,14 @@ class MathVerifyReward:
             )
 
     def __call__(self, response: str, ground_truth: str) -> float:
-        # Deferred: math-verify pulls in sympy and antlr, seconds of import time
-        # that callers of exact_match should not pay.
-        from math_verify import parse, verify
-        from math_verify.errors import TimeoutException
-
-        on_main = threading.current_thread() is threading.main_thread()
-        timeout = self.timeout_seconds if on_main else None
         try:
-            # Boxing the reference makes math-verify read it as one LaTeX answer
-            # ("1,000" stays a number, "\frac{1}{2}" stays a fraction).
-            boxed = ground_truth if "\\boxed" in ground_truth else f"\\boxed{{{ground_truth}}}"
-            gold = parse(boxed, parsing_timeout=timeout) or parse(
-                ground_truth, parsing_timeout=timeout
-            )
-            if not gold:
-                logger.warning(
-                    "math reward: ground truth %r does not parse; scoring 0", ground_truth
-                )
-                return 0.0
-            answer = parse(response, parsing_timeout=timeout)
-            if not answer:
-                return 0.0
-            return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
-        except TimeoutException:  # a BaseException in math-verify, so named explicitly
-            logger.info("math reward: timed out after %ss; scoring 0", self.timeout_seconds)
+            value = _MATH_WORKER.call(response, ground_truth, self.timeout_seconds,
+                                      seconds=3 * self.timeout_seconds + 1)
+        except CallTimedOut:
+            logger.info("math reward: no verdict within %ss; scoring 0",
+                        3 * self.timeout_seconds + 1)
             return 0.0
-        except Exception:
-            # Parsing untrusted model output can fail in many sympy/antlr ways;
-            # all of them mean "not a correct answer".
-            logger.debug("math reward: parse/verify failed; scoring 0", exc_info=True)
-            return 0.0
+        return float(value)
 
 
 _REGISTRY: dict[str, RewardFn] = {

@@ -45,17 +45,25 @@ def test_math_reward_checks_equivalence_and_scores_unparsable_output_zero(
 def test_math_reward_times_out_on_pathological_answers_instead_of_hanging() -> None:
     reward = MathVerifyReward(timeout_seconds=1)
     start = time.monotonic()
-    # Unguarded, sympy expands this for minutes.
+    # Unguarded, sympy expands this for minutes; an alarm alone once let it run
+    # 579 s in CI.  The worker is killed at 3 * 1 + 1 s; the rest is its start.
     assert reward("\\boxed{(x+1)^{100000}}", "5") == 0.0
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 30
+    assert reward("\\boxed{4}", "4") == 1.0  # a new worker scores the next one
 
 
-def test_math_reward_works_off_the_main_thread() -> None:
+def test_math_reward_works_and_is_bounded_off_the_main_thread() -> None:
     results: list[float] = []
-    worker = threading.Thread(target=lambda: results.append(get_reward("math")("\\boxed{4}", "4")))
+    reward = MathVerifyReward(timeout_seconds=1)
+
+    def score() -> None:
+        results.append(reward("\\boxed{4}", "4"))
+        results.append(reward("\\boxed{(x+1)^{100000}}", "5"))
+
+    worker = threading.Thread(target=score)
     worker.start()
     worker.join(timeout=60)
-    assert results == [1.0]
+    assert results == [1.0, 0.0]
 
 
 def test_math_reward_refuses_a_timeout_below_one_second() -> None:
