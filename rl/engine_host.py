@@ -3,19 +3,13 @@
 `ensure(ctx, model_dir)` makes the engine serve `model_dir`: a published
 checkpoint is first copied into the node-local cache and verified against its
 manifest (a tampered file is refused, naming it), then served from the local
-copy:
-
-    engine READY on that copy         kept
-    engine SLEEPING (phase 7 slept)   load_weights in place (engine.weight_update
-                                      "reload"); any failed step falls back to a
-                                      restart, logged with the reason
-    otherwise                         (re)started on the copy
-
-and the served weights are checked against the checkpoint's probes
-(served_weights.py).  `release()` (phase 7) puts the engine to sleep, or stops
-it with weight_update "restart" or when the sleep fails; either way the GPU
-is free for training.  The engine's process is registered with the daemon's
-runtime, so a lost peer or a failure kills it at once.
+copy by the engine's own verb (rollout/serving.py: kept, reloaded in place
+into the sleeping engine, started, restarted; a failed reload restarts), and
+the served weights are checked against the checkpoint's probes
+(served_weights.py).  `release()` (phase 7) parks the engine (rollout/
+serving.py: asleep, or stopped); either way the GPU is free for training.
+The engine's process is registered with the daemon's runtime, so a lost peer
+or a failure kills it at once.
 """
 
 from __future__ import annotations
@@ -31,10 +25,11 @@ from rl import layout
 from rl.config import RlSections, requests_in_flight
 from rl.locks import node_lock
 from rl.served_weights import checkpoint_probes, verify_served_weights
+from rollout import serving
 from rollout.agents import EngineEndpoint
 from rollout.client import CompletionClient
 from rollout.engine import Engine, EngineError, EngineState, make_engine
-from rollout.engine_config import WeightUpdate
+from rollout.serving import Parked
 from trainer.probes import ProbeSet
 
 log = logging.getLogger(__name__)
@@ -74,79 +69,54 @@ class EngineHost:
                 raise ActionError(f"refusing checkpoint {model_dir}: {exc}") from exc
 
     def ensure(self, ctx: StepContext, model_dir: Path) -> dict[str, Any]:
-        """Serve `model_dir`; returns how (kept, reloaded, started, restarted) and the check."""
+        """Serve `model_dir` (rollout/serving.py decides how: kept, reloaded in place,
+        started, restarted); then check the served weights against its probes."""
         local = self.local_copy(ctx, model_dir)
-        engine = self._engine
-        if engine is not None and engine.state is EngineState.READY and self._serving == local:
-            engine.check_alive()
-            return {"engine": "kept", "engine_pid": engine.pid}
-        how = "started"
-        if engine is not None and engine.state is EngineState.SLEEPING:
-            how = self._reload(ctx, local)
-        elif engine is not None and engine.state is EngineState.READY:
-            self.stop()
-            how = "restarted"
-        if how != "reloaded":
-            self._start(ctx, local)
-        engine = self._engine
-        assert engine is not None
+        if self._engine is None:
+            self._engine = make_engine(
+                self.s.engine, log_dir=layout.logs(self.run_dir, self.rank),
+                port_file=layout.engine_port_file(self.run_dir, self.rank))
+        engine, pid = self._engine, self._engine.pid
+        log.info("rank %d: the %s engine is to serve %s", self.rank, self.s.engine.kind.value,
+                 local)
+        try:
+            how = serving.serve(engine, local, serving=self._serving)
+        except EngineError as exc:
+            self._serving = None
+            raise ActionError(f"rank {self.rank} on host {ctx.host}: the {self.s.engine.kind.value}"
+                              f" inference engine could not serve {local}: {exc}") from exc
+        finally:
+            self._register(ctx, before=pid)
         verdict = verify_served_weights(engine.control(), self.s.engine, local, rank=self.rank,
                                         host=ctx.host, previous=self._probes)
         self._probes = checkpoint_probes(local)
         self._serving = local
         self._prune_cache(local, self.cache_root(ctx.run_id))
-        return {"engine": how, "engine_pid": engine.pid, **verdict.payload()}
+        return {"engine": how.value, "engine_pid": engine.pid, **verdict.payload()}
 
-    def _reload(self, ctx: StepContext, local: Path) -> str:
-        """load_weights on the sleeping engine; "reloaded", or "restarted" after a fallback."""
-        engine = self._engine
-        assert engine is not None
-        try:
-            engine.load_weights(local)
-            return "reloaded"
-        except EngineError as exc:
-            log.warning("rank %d on %s: reloading %s in place failed, restarting the engine "
-                        "instead: %s", self.rank, ctx.host, local.name, exc)
-        try:
-            self.stop()
-        except EngineError as exc:
-            raise ActionError(f"rank {self.rank} on host {ctx.host}: after a failed reload the "
-                              f"inference engine could not be stopped either: {exc}") from exc
-        return "restarted after a failed reload"
-
-    def _start(self, ctx: StepContext, local: Path) -> None:
-        if self._engine is None:
-            self._engine = make_engine(
-                self.s.engine, log_dir=layout.logs(self.run_dir, self.rank),
-                port_file=layout.engine_port_file(self.run_dir, self.rank))
-        log.info("rank %d: starting the %s engine on %s", self.rank, self.s.engine.kind.value,
-                 local)
-        try:
-            self._engine.start(local)
-        except EngineError as exc:
-            raise ActionError(f"rank {self.rank} on host {ctx.host}: the {self.s.engine.kind.value}"
-                              f" inference engine could not start on {local}: {exc}") from exc
-        self._serving = local
-        if self._engine.pid is not None:
-            self._registered = self._engine.pid
-            ctx.add_child(self._engine.pid, f"{self.s.engine.kind.value} inference engine")
-        self._ctx = ctx
+    def _register(self, ctx: StepContext, *, before: int | None) -> None:
+        """The engine's process is the daemon's child: a failure anywhere kills it."""
+        pid = self._engine.pid if self._engine is not None else None
+        if pid == before and pid == self._registered:
+            return
+        if self._registered is not None:
+            ctx.remove_child(self._registered)
+        self._registered = pid
+        if pid is not None:
+            ctx.add_child(pid, f"{self.s.engine.kind.value} inference engine")
 
     def release(self, ctx: StepContext) -> dict[str, Any]:
-        """Phase 7: free the accelerator for training: sleep, or stop (restart mode, or a
-        sleep that failed)."""
-        engine = self._engine
-        if engine is None or engine.state is not EngineState.READY:
+        """Phase 7: free the accelerator for training (rollout/serving.py: sleep, or
+        stop in restart mode or when the sleep fails)."""
+        parked = serving.park(self._engine)
+        if parked is Parked.IDLE:
             return {}
-        if self.s.engine.weight_update is WeightUpdate.RELOAD:
-            try:
-                engine.sleep()
-                return {"engine": "asleep", "engine_pid": engine.pid}
-            except EngineError as exc:
-                log.warning("rank %d on %s: putting the engine to sleep failed, stopping it "
-                            "instead: %s", self.rank, ctx.host, exc)
-        self.stop()
-        return {"engine": "stopped"}
+        if parked is Parked.STOPPED:
+            self._register(ctx, before=None)
+            self._serving = None
+            return {"engine": parked.value}
+        assert self._engine is not None
+        return {"engine": parked.value, "engine_pid": self._engine.pid}
 
     def _prune_cache(self, keep: Path, root: Path) -> None:
         """Old local copies go once the engine serves a newer one: the cache holds one model.
@@ -185,15 +155,6 @@ class EngineHost:
     def check_alive(self) -> None:
         if self._engine is not None and self._engine.state is EngineState.READY:
             self._engine.check_alive()
-
-    def stop(self) -> None:
-        """Stop the engine and wait until its accelerator memory is released."""
-        if self._engine is not None and self._engine.state is not EngineState.STOPPED:
-            self._engine.stop()
-        if self._registered is not None and getattr(self, "_ctx", None) is not None:
-            self._ctx.remove_child(self._registered)
-        self._registered = None
-        self._serving = None
 
     def close(self) -> None:
         if self._engine is not None:

@@ -298,6 +298,13 @@ class EngineConfig:
             )
 
     @property
+    def reloads_in_place(self) -> bool:
+        """The one reading of weight_update: True keeps the engine's process between
+        iterations (asleep during training, new weights loaded in place) and starts
+        its server with the sleep and reload endpoints; False stops and restarts it."""
+        return self.weight_update is WeightUpdate.RELOAD
+
+    @property
     def gpus(self) -> int:
         """GPUs the engine occupies: every replica's tensor-parallel group."""
         return self.tensor_parallel_size * self.data_parallel_size

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from rollout import process as proc_mod
-from rollout.engine_config import EngineKind, WeightUpdate
+from rollout.engine_config import EngineKind
 from rollout.hf_server import API_KEY_ENV
 from rollout.server_engine import ServerEngine
 
@@ -70,7 +70,7 @@ class HfEngine(ServerEngine):
         ]
         if c.max_model_len is not None:
             argv += ["--max-model-len", str(c.max_model_len)]
-        if c.weight_update is WeightUpdate.RELOAD:
+        if c.reloads_in_place:
             argv.append("--enable-sleep-mode")
         return argv + list(c.extra_args)
 

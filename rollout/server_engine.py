@@ -58,7 +58,6 @@ from rollout.engine_config import (
     EngineState,
     EngineStateError,
     GpuNotReleased,
-    WeightUpdate,
 )
 from rollout.engine_control import EngineControl, WeightUpdateError
 
@@ -126,7 +125,7 @@ class ServerEngine:
     def environment(self, api_key: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-        if self.config.weight_update is WeightUpdate.RELOAD:
+        if self.config.reloads_in_place:
             env[DEV_MODE_ENV] = "1"  # registers /sleep, /wake_up, /collective_rpc
         if self.config.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.cuda_visible_devices
@@ -335,7 +334,7 @@ class ServerEngine:
         if self._state is not state:
             raise EngineStateError(f"{what} while {self._state.value}: the engine must be "
                                    f"{state.value}")
-        if self.config.weight_update is not WeightUpdate.RELOAD:
+        if not self.config.reloads_in_place:
             raise EngineStateError(f"{what} with weight_update='restart': the server was "
                                    "started without sleep mode")
 

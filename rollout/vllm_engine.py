@@ -44,7 +44,7 @@ from pathlib import Path
 
 from rollout import process as proc_mod
 from rollout import vllm_platform
-from rollout.engine_config import EngineConfig, EngineKind, EngineStartError, WeightUpdate
+from rollout.engine_config import EngineConfig, EngineKind, EngineStartError
 from rollout.server_engine import ServerEngine
 
 API_KEY_ENV = "VLLM_API_KEY"
@@ -82,7 +82,7 @@ def build_vllm_command(cfg: EngineConfig, model_dir: Path, port: int, *,
         # and the like as server-wide defaults; RL needs samples from the plain
         # policy at the temperature/top_p it asks for, so ignore it.
         argv += ["--generation-config", "vllm"]
-    if cfg.weight_update is WeightUpdate.RELOAD and sleep_mode:
+    if cfg.reloads_in_place and sleep_mode:
         argv.append("--enable-sleep-mode")
     return argv + list(cfg.extra_args)
 

@@ -88,6 +88,6 @@ def test_a_restart_that_fails_after_a_failed_reload_stops_the_run_with_the_log_t
                               {"reload": "unreadable", "fail_start_from": 2})
     assert codes == {0: 4, 1: 4}, {r: c.output(r)[-2000:] for r in codes}
     text = c.output(0)
-    assert re.search(rf"rank {FAULTY} on host \S+: the hf inference engine could not start on "
+    assert re.search(rf"rank {FAULTY} on host \S+: the hf inference engine could not serve "
                      r"\S+iter-000000-\w+", text), text[-3000:]
     assert "an injected fault" in phase12(c, FAULTY)["error"]  # the log tail

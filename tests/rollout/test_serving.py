@@ -1,0 +1,123 @@
+"""The engine's verbs: each decision a table, each verb on an engine that records its calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from rollout.engine_config import EngineConfig, EngineError, EngineState, WeightUpdate
+from rollout.serving import Parked, Served, park, park_step, serve, serve_step
+
+PARK_TABLE = [
+    (EngineState.READY, True, Parked.ASLEEP),
+    (EngineState.READY, False, Parked.STOPPED),
+    (EngineState.SLEEPING, True, Parked.IDLE),
+    (EngineState.STOPPED, True, Parked.IDLE),
+    (EngineState.STOPPED, False, Parked.IDLE),
+    (EngineState.FAILED, True, Parked.IDLE),
+    (EngineState.STARTING, True, Parked.IDLE),
+    (EngineState.STOPPING, False, Parked.IDLE),
+    (None, True, Parked.IDLE),
+]
+
+SERVE_TABLE = [
+    (EngineState.READY, True, Served.KEPT),
+    (EngineState.READY, False, Served.RESTARTED),
+    (EngineState.SLEEPING, True, Served.RELOADED),
+    (EngineState.SLEEPING, False, Served.RELOADED),
+    (EngineState.STOPPED, False, Served.STARTED),
+    (EngineState.FAILED, False, Served.STARTED),
+    (EngineState.STARTING, False, Served.STARTED),
+    (EngineState.STOPPING, False, Served.STARTED),
+    (None, False, Served.STARTED),
+]
+
+
+@pytest.mark.parametrize(("state", "reloads", "parked"), PARK_TABLE)
+def test_park_decides_from_the_engine_state_and_the_weight_update_mode(
+        state: EngineState | None, reloads: bool, parked: Parked) -> None:
+    assert park_step(state, reloads_in_place=reloads) is parked
+
+
+@pytest.mark.parametrize(("state", "same", "served"), SERVE_TABLE)
+def test_serve_decides_from_the_engine_state_and_the_model_served(
+        state: EngineState | None, same: bool, served: Served) -> None:
+    assert serve_step(state, same_model=same) is served
+
+
+def test_the_tables_cover_every_engine_state() -> None:
+    states = {*EngineState, None}
+    assert {row[0] for row in PARK_TABLE} == states
+    assert {row[0] for row in SERVE_TABLE} == states
+
+
+@dataclass
+class RecordingEngine:
+    """The Engine interface's state machine, recording each call; `fail` names calls that raise."""
+
+    config: EngineConfig
+    state: EngineState = EngineState.STOPPED
+    fail: set[str] = field(default_factory=set)
+    calls: list[str] = field(default_factory=list)
+
+    def _do(self, name: str, then: EngineState) -> None:
+        self.calls.append(name)
+        if name in self.fail:
+            self.state = EngineState.FAILED
+            raise EngineError(f"{name} failed (injected)")
+        self.state = then
+
+    def start(self, model_dir: Path) -> None:
+        self._do(f"start {model_dir.name}", EngineState.READY)
+
+    def stop(self) -> None:
+        self._do("stop", EngineState.STOPPED)
+
+    def sleep(self, level: int | None = None) -> None:
+        self._do("sleep", EngineState.SLEEPING)
+
+    def load_weights(self, model_dir: Path) -> None:
+        self._do(f"load {model_dir.name}", EngineState.READY)
+
+    def check_alive(self) -> None:
+        self.calls.append("check_alive")
+
+
+def engine(mode: WeightUpdate, state: EngineState, fail: set[str] | None = None) -> RecordingEngine:
+    return RecordingEngine(EngineConfig(weight_update=mode), state, fail or set())
+
+
+def test_park_sleeps_in_reload_mode_and_stops_when_the_sleep_fails() -> None:
+    e = engine(WeightUpdate.RELOAD, EngineState.READY)
+    assert park(e) is Parked.ASLEEP  # type: ignore[arg-type]
+    assert e.calls == ["sleep"]
+    e = engine(WeightUpdate.RELOAD, EngineState.READY, {"sleep"})
+    assert park(e) is Parked.STOPPED  # type: ignore[arg-type]
+    assert e.calls == ["sleep", "stop"]
+    e = engine(WeightUpdate.RESTART, EngineState.READY)
+    assert park(e) is Parked.STOPPED  # type: ignore[arg-type]
+    assert e.calls == ["stop"]
+    assert park(None) is Parked.IDLE
+
+
+def test_serve_reloads_a_sleeping_engine_and_restarts_when_the_reload_fails(tmp_path: Path) -> None:
+    new = tmp_path / "iter_000002"
+    e = engine(WeightUpdate.RELOAD, EngineState.SLEEPING)
+    assert serve(e, new, serving=tmp_path / "iter_000001") is Served.RELOADED  # type: ignore[arg-type]
+    assert e.calls == ["load iter_000002"]
+    e = engine(WeightUpdate.RELOAD, EngineState.SLEEPING, {"load iter_000002"})
+    assert serve(e, new, serving=None) is Served.RESTARTED_AFTER_FAILED_RELOAD  # type: ignore[arg-type]
+    assert e.calls == ["load iter_000002", "stop", "start iter_000002"]
+
+
+def test_serve_keeps_restarts_or_starts_and_a_failed_start_is_raised(tmp_path: Path) -> None:
+    model = tmp_path / "iter_000001"
+    e = engine(WeightUpdate.RESTART, EngineState.READY)
+    assert serve(e, model, serving=model) is Served.KEPT  # type: ignore[arg-type]
+    assert serve(e, tmp_path / "iter_000002", serving=model) is Served.RESTARTED  # type: ignore[arg-type]
+    assert e.calls == ["check_alive", "stop", "start iter_000002"]
+    e = engine(WeightUpdate.RESTART, EngineState.STOPPED, {"start iter_000001"})
+    with pytest.raises(EngineError, match="start iter_000001 failed"):
+        serve(e, model, serving=None)  # type: ignore[arg-type]
