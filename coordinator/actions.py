@@ -134,6 +134,13 @@ class ActionKind:
     # (run dir, iterations) -> one row per iteration (column -> value) for
     # `coordinator status`, which adds each iteration's recoveries
     iteration_report: Callable[[Path, int], list[dict[str, Any]]] | None = None
+    # config -> the phases every iteration runs, in order (the rl kind can run
+    # one half of the loop); None: all of them.  The phase machine asks here
+    # and never reads the kind's own settings.
+    phases: Callable[[RunConfig], tuple[Phase, ...]] | None = None
+
+    def phases_of(self, config: RunConfig) -> tuple[Phase, ...]:
+        return tuple(Phase) if self.phases is None else self.phases(config)
 
 
 ENTRY_POINT_GROUP: Final = "coordinator.actions"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar, Union
 
 from coordinator.errors import UsageError
-from coordinator.phases import RlPhase, RolloutSplit, TimeoutKey
+from coordinator.phases import TimeoutKey
 from coordinator.records import MAX_RANKS
 
 if sys.version_info >= (3, 11):
@@ -135,10 +135,6 @@ class RunSection:
     """What the run does; `iterations` and `progress` are operational."""
 
     iterations: int = 8
-    rl_phase: RlPhase = RlPhase.BOTH
-    eval_interval: int = 2
-    eval_before_train: bool = True
-    rollout_split: RolloutSplit = RolloutSplit.BOTH
     seed: int = 0
     actions: str = "rl"
     progress: bool = True
@@ -148,11 +144,6 @@ class RunSection:
             raise UsageError(
                 f"run.iterations={self.iterations} is outside 1..999999: give the number of "
                 "RL iterations to run, e.g. --iterations 8"
-            )
-        if self.eval_interval < 0:
-            raise UsageError(
-                f"run.eval_interval={self.eval_interval} is negative: use 0 to never evaluate, "
-                "K to evaluate every K-th iteration"
             )
 
 

@@ -52,7 +52,7 @@ from coordinator.group import GroupForming
 from coordinator.journal import JournalBook
 from coordinator.liveness import HeartbeatPublisher, Monitor, fence_check, session_monitor
 from coordinator.mounts import LOCAL_FILESYSTEMS, filesystem_type
-from coordinator.phases import Phase, RlPhase
+from coordinator.phases import Phase
 from coordinator.polling import Backoff, Clock
 from coordinator.records import (
     Abort,
@@ -89,7 +89,7 @@ class Daemon:
         self.runtime = Runtime(cancel_grace_s=self.coord.cancel_grace_s)
         self.backoff = Backoff(initial_s=self.coord.poll_initial_s, factor=self.coord.poll_factor,
                                ceiling_s=self.coord.poll_ceiling_s)
-        self.phases = RlPhase(self.config.run.rl_phase).phases
+        self.phases = kind(self.config.run.actions).phases_of(self.config)
         self.heartbeat: HeartbeatPublisher | None = None
         self.monitor: Monitor | None = None
         self.probe_server: netaddr.ProbeServer | None = None

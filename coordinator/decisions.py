@@ -4,7 +4,6 @@
     judge_arrivals(arrivals)                         -> Verdict      release or abort
     collective_flags(phases, phase, arrivals)        -> RunFlags     who reruns a collective
     abort_kind(error)                                -> AbortKind    how a failure reads
-    should_eval(iteration, ...)                      -> bool         the eval schedule
 
 The daemon (coordinator/daemon.py) does every read and write; these take
 values and return values, so each rule is unit-tested without files,
@@ -29,7 +28,7 @@ from coordinator.errors import (
     UsageError,
     WaitTimeout,
 )
-from coordinator.phases import Phase, RolloutSplit, spec
+from coordinator.phases import Phase, spec
 from coordinator.records import AbortKind, Arrival, ArrivalStatus, Record
 
 
@@ -141,23 +140,3 @@ def abort_kind(error: BaseException) -> AbortKind:
     if isinstance(error, CoordinatorError):
         return AbortKind.FAILED
     return AbortKind.INTERNAL
-
-
-def should_eval(
-    iteration: int, *, eval_interval: int, eval_before_train: bool, split: RolloutSplit
-) -> bool:
-    """The phase-5 eval schedule.
-
-    Iteration i samples from the model trained i times, so iteration 0
-    evaluates the initial model: only with `--eval-before-train`.  Unlike
-    the rule we replace (`i % K == 1`), K = 1 evaluates every iteration.
-    """
-    if split is RolloutSplit.TRAIN_ONLY:
-        return False
-    if split is RolloutSplit.EVAL_ONLY:
-        return True
-    if eval_interval <= 0:
-        return False
-    if iteration == 0:
-        return eval_before_train
-    return iteration % eval_interval == 0

@@ -94,27 +94,3 @@ assert [s.phase for s in PHASES] == list(Phase), "PHASES must list every phase i
 
 def spec(phase: Phase | int) -> PhaseSpec:
     return PHASES[int(phase)]
-
-
-class RlPhase(str, enum.Enum):
-    """Which half of the loop this run executes (`--rl-phase`)."""
-
-    BOTH = "both"
-    ROLLOUT = "rollout"
-    UPDATE = "update"
-
-    @property
-    def phases(self) -> tuple[Phase, ...]:
-        if self is RlPhase.ROLLOUT:
-            return tuple(p for p in Phase if p <= Phase.EVAL)
-        if self is RlPhase.UPDATE:
-            return tuple(p for p in Phase if p >= Phase.STOP_ENGINE)
-        return tuple(Phase)
-
-
-class RolloutSplit(str, enum.Enum):
-    """Which task splits the rollout phases cover (`--rollout-split`)."""
-
-    TRAIN_ONLY = "train-only"
-    EVAL_ONLY = "eval-only"
-    BOTH = "both"

@@ -31,6 +31,7 @@ from rl import (
 )
 from rl.config import NODE_LOCAL_KEYS, resolve_sections
 from rl.loop import Loop
+from rl.schedule import phases_of
 
 Work = Callable[[Loop, StepContext], Mapping[str, Any]]
 Decision = Callable[[Loop, StepContext, Mapping[int, Arrival]], Mapping[str, Any]]
@@ -103,6 +104,6 @@ def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> RlA
 
 KIND = ActionKind(name="rl", build=build, resolve_sections=resolve_sections,
                   node_local=NODE_LOCAL_KEYS, summarize=history.summarize,
-                  iteration_report=history.report)
+                  iteration_report=history.report, phases=phases_of)
 
 __all__ = ["KIND", "PHASE_WORK", "RlActions", "build"]

@@ -39,10 +39,10 @@ PROTOCOL_UMASK = 0o022
 # CLI flag -> config key.  Flags override the config file.
 FLAG_KEYS = {
     "iterations": "run.iterations",
-    "eval_interval": "run.eval_interval",
-    "eval_before_train": "run.eval_before_train",
-    "rollout_split": "run.rollout_split",
-    "rl_phase": "run.rl_phase",
+    "eval_interval": "schedule.eval_interval",
+    "eval_before_train": "schedule.eval_before_train",
+    "rollout_split": "schedule.rollout_split",
+    "rl_phase": "schedule.rl_phase",
     "actions": "run.actions",
     "seed": "run.seed",
     "lease": "coordination.lease_s",

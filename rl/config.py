@@ -1,5 +1,6 @@
 """Configuration sections of the RL actions (`run.actions = "rl"`).
 
+    [schedule]    which phases run, when to evaluate (rl/schedule.py)
     [model]       which model to start from
     [data]        where tasks come from, which reward
     [rollout]     sampling and checkpointing of the rollout
@@ -27,11 +28,12 @@ from typing import Any, Final
 
 from coordinator.config import deep_merge, from_mapping, to_plain
 from coordinator.errors import UsageError
+from rl.schedule import ScheduleSection, schedule_of
 from rollout.engine import EngineConfig
 from trainer.config import ConfigError, TrainConfig
 
-SECTIONS: Final = ("model", "data", "rollout", "engine", "train", "torchrun", "checkpoint",
-                   "metrics")
+SECTIONS: Final = ("schedule", "model", "data", "rollout", "engine", "train", "torchrun",
+                   "checkpoint", "metrics")
 
 # Each node's own business, never written to run.json and never taken from it
 # (docs/PROTOCOL.md, node-local keys): what a node executes and with which
@@ -185,6 +187,7 @@ class MetricsSection:
 
 @dataclass(frozen=True, kw_only=True)
 class RlSections:
+    schedule: ScheduleSection
     model: ModelSection
     data: DataSection
     rollout: RolloutSection
@@ -240,6 +243,7 @@ def parse_sections(raw: Mapping[str, Any]) -> RlSections:
     except ValueError as exc:
         raise UsageError(f"[engine]: {exc}") from exc
     return RlSections(
+        schedule=schedule_of(raw),
         model=from_mapping(ModelSection, raw.get("model", {}), "model"),
         data=from_mapping(DataSection, raw.get("data", {}), "data"),
         rollout=from_mapping(RolloutSection, raw.get("rollout", {}), "rollout"),

@@ -32,6 +32,8 @@ DEMO_CONFIG = """\
 [run]
 actions = "rl"
 iterations = {iterations}
+
+[schedule]
 eval_interval = {eval_interval}
 eval_before_train = true
 

@@ -1,7 +1,7 @@
 """Phases 5 and 6: whether this iteration evaluates, and the eval rollout.
 
     5   all      nothing to do: the master decides
-        decide   EvalDecision, from the schedule (coordinator/decisions.py should_eval)
+        decide   EvalDecision, from the schedule (rl/schedule.py ScheduleSection.evaluates)
     6   all      roll out this rank's eval shard when phase 5 said so
         decide   merge every rank's eval output into metrics/eval.json (EvalResult)
 """
@@ -14,7 +14,6 @@ from typing import Any
 
 from coordinator import fsio
 from coordinator.actions import StepContext
-from coordinator.decisions import should_eval
 from coordinator.errors import ActionError
 from coordinator.records import Arrival
 from rl import layout
@@ -35,10 +34,7 @@ def await_eval_decision(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
 def decide_eval(loop: Loop, ctx: StepContext,
                 arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
     """Phase 5's decision, from the run's schedule."""
-    run = loop.config.run
-    return EvalDecision(eval=should_eval(ctx.iteration, eval_interval=run.eval_interval,
-                                         eval_before_train=run.eval_before_train,
-                                         split=run.rollout_split)).fields()
+    return EvalDecision(eval=loop.s.schedule.evaluates(ctx.iteration)).fields()
 
 
 def roll_out_eval(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:

@@ -28,9 +28,10 @@ from typing import Any
 
 from coordinator.actions import RunSummary
 from coordinator.config import RunConfig
-from coordinator.phases import Phase, RlPhase, RolloutSplit
+from coordinator.phases import Phase
 from coordinator.store import read_document
 from rl import layout
+from rl.schedule import RolloutSplit, schedule_of
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,15 +109,15 @@ def report(run_dir: Path, iterations: int) -> list[dict[str, Any]]:
 
 
 def _trains(config: RunConfig) -> bool:
-    return config.run.rollout_split is not RolloutSplit.EVAL_ONLY and \
-        Phase.TRAIN in RlPhase(config.run.rl_phase).phases
+    schedule = schedule_of(config.sections)
+    return schedule.trains and Phase.TRAIN in schedule.rl_phase.phases
 
 
 def _problem(r: IterationRecord, config: RunConfig, fraction: float) -> str | None:
     """Why iteration `r` did not learn as asked, or None."""
     if not _trains(config):
         return None
-    if Phase.AGGREGATE in RlPhase(config.run.rl_phase).phases:
+    if Phase.AGGREGATE in schedule_of(config.sections).rl_phase.phases:
         if r.rolled_out is None or r.batch is None or r.train_failed is None:
             return "no rollout metrics"
         if not r.batch:
@@ -141,7 +142,8 @@ def summarize(run_dir: Path, config: RunConfig) -> RunSummary:
     problems = [f"iteration {r.iteration}: {p}" for r in found
                 if (p := _problem(r, config, fraction)) is not None]
     if not _trains(config):
-        text += " (no training asked: " + ("eval only" if config.run.rollout_split is
-                                           RolloutSplit.EVAL_ONLY else "rollout only") + ")"
+        text += " (no training asked: " + ("eval only" if schedule_of(config.sections)
+                                           .rollout_split is RolloutSplit.EVAL_ONLY
+                                           else "rollout only") + ")"
     return RunSummary(text=text, problem="; ".join(problems[:5]) + (
         f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") if problems else None)

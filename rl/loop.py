@@ -17,7 +17,6 @@ from coordinator.beneath import relative_inside
 from coordinator.config import RunConfig
 from coordinator.layout import release as release_key
 from coordinator.netaddr import Listener
-from coordinator.phases import RolloutSplit
 from coordinator.store import read_document
 from rl import layout
 from rl.config import RlSections, parse_sections
@@ -46,7 +45,7 @@ class Loop:
     @property
     def trains(self) -> bool:
         """False with --rollout-split eval-only: no train rollout, no training."""
-        return self.config.run.rollout_split is not RolloutSplit.EVAL_ONLY
+        return self.s.schedule.trains
 
     def tasks(self, split: layout.Split) -> dict[str, Task]:
         """The split's tasks by id, loaded once per daemon."""

@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Final
 
 from coordinator.config import RunSection
-from coordinator.decisions import should_eval
 from coordinator.errors import UsageError
-from coordinator.phases import Phase, RlPhase, RolloutSplit
+from coordinator.phases import Phase
 from rl.config import RlSections
 from rl.layout import Split
 from rl.loop import Loop
@@ -74,20 +73,19 @@ class Facts:
 
     @property
     def rolls_out_train(self) -> bool:
-        return self.run.rollout_split is not RolloutSplit.EVAL_ONLY
+        return self.s.schedule.trains
 
     @property
     def trains(self) -> bool:
         """Whether the run trains on what it rolls out (--rl-phase rollout does not)."""
-        return self.rolls_out_train and Phase.TRAIN in RlPhase(self.run.rl_phase).phases
+        return self.rolls_out_train and Phase.TRAIN in self.s.schedule.rl_phase.phases
 
     @property
     def evaluates(self) -> bool:
         """Whether any iteration of the run rolls out the eval split."""
-        return any(should_eval(i, eval_interval=self.run.eval_interval,
-                               eval_before_train=self.run.eval_before_train,
-                               split=self.run.rollout_split)
-                   for i in range(min(self.run.iterations, max(self.run.eval_interval, 1) + 1)))
+        schedule = self.s.schedule
+        return any(schedule.evaluates(i) for i in
+                   range(min(self.run.iterations, max(schedule.eval_interval, 1) + 1)))
 
     @property
     def train_tasks_per_iteration(self) -> int:
@@ -153,10 +151,10 @@ def _eval_tasks(f: Facts) -> str | None:
     if not f.evaluates:
         return None
     return _split_tasks(f, "eval", "eval_tasks", f.tasks.eval, empty=(
-        f"the run evaluates (run.eval_interval={f.run.eval_interval}, run.rollout_split="
-        f"{f.run.rollout_split.value}) but {f.tasks.source!r} has no eval split: give a task "
-        "directory with test.<ext> or eval.<ext>, or set run.eval_interval=0 and "
-        "run.eval_before_train=false"))
+        f"the run evaluates (schedule.eval_interval={f.s.schedule.eval_interval}, "
+        f"schedule.rollout_split={f.s.schedule.rollout_split.value}) but {f.tasks.source!r} has no eval split: give a task "
+        "directory with test.<ext> or eval.<ext>, or set schedule.eval_interval=0 and "
+        "schedule.eval_before_train=false"))
 
 
 def _mini_batch(f: Facts) -> str | None:

@@ -24,7 +24,6 @@ TEST_CONFIG = """
 [run]
 actions = "scripted"
 iterations = {iterations}
-eval_interval = 1
 
 [coordination]
 heartbeat_interval_s = 0.5

@@ -14,7 +14,6 @@ from coordinator.decisions import (
     collective_flags,
     judge_arrivals,
     rerun_phases,
-    should_eval,
     step_action,
 )
 from coordinator.errors import (
@@ -25,7 +24,7 @@ from coordinator.errors import (
     PeerLostError,
     WaitTimeout,
 )
-from coordinator.phases import PHASES, Phase, RlPhase, RolloutSplit
+from coordinator.phases import Phase
 from coordinator.records import AbortKind, Arrival, ArrivalStatus
 
 
@@ -37,36 +36,13 @@ def arrival(rank: int, *, phase: Phase = Phase.READY_TO_TRAIN, done: tuple[int, 
                    done=done, payload={})
 
 
-def test_rl_phase_selects_the_halves_of_the_loop() -> None:
-    assert RlPhase.ROLLOUT.phases == tuple(Phase(p) for p in range(7))
-    assert RlPhase.UPDATE.phases == tuple(Phase(p) for p in range(7, 14))
-    assert len(RlPhase.BOTH.phases) == 14 == len(PHASES)
-
-
-def test_eval_interval_one_evaluates_every_iteration_unlike_the_anchor() -> None:
-    both = RolloutSplit.BOTH
-    assert [should_eval(i, eval_interval=1, eval_before_train=False, split=both)
-            for i in range(4)] == [False, True, True, True]
-    assert [should_eval(i, eval_interval=1, eval_before_train=True, split=both)
-            for i in range(3)] == [True, True, True]
-    assert [should_eval(i, eval_interval=3, eval_before_train=False, split=both)
-            for i in range(7)] == [False, False, False, True, False, False, True]
-    assert not should_eval(5, eval_interval=0, eval_before_train=True, split=both)
-
-
-def test_the_rollout_split_overrides_the_interval() -> None:
-    assert not should_eval(3, eval_interval=1, eval_before_train=True,
-                           split=RolloutSplit.TRAIN_ONLY)
-    assert should_eval(1, eval_interval=0, eval_before_train=False, split=RolloutSplit.EVAL_ONLY)
-
-
 def test_an_action_the_journal_marks_done_is_skipped_never_redone() -> None:
     assert step_action(collective=False, journal_done=True, run_flag=None) is StepAction.SKIP_DONE
     assert step_action(collective=False, journal_done=False, run_flag=None) is StepAction.RUN
 
 
 def test_a_collective_phase_reruns_on_every_rank_when_only_some_report_it_done() -> None:
-    phases = RlPhase.BOTH.phases
+    phases = tuple(Phase)
     some = {0: arrival(0, done=(10,)), 1: arrival(1, done=(10,)), 2: arrival(2, done=())}
     flags = collective_flags(phases, Phase.READY_TO_TRAIN, some)
     assert flags == RunFlags(run={"10": True})
@@ -81,7 +57,7 @@ def test_a_collective_phase_reruns_on_every_rank_when_only_some_report_it_done()
     # No flag (an older release) means run; a phase before an ordinary one gets none.
     assert step_action(collective=True, journal_done=True, run_flag=None) is StepAction.RUN
     assert collective_flags(phases, Phase.SYNC, everyone) is None
-    assert collective_flags(RlPhase.ROLLOUT.phases, Phase.EVAL, everyone) is None
+    assert collective_flags(tuple(p for p in Phase if p <= Phase.EVAL), Phase.EVAL, everyone) is None
 
 
 def test_run_flags_are_parsed_strictly_from_a_release() -> None:

@@ -25,7 +25,7 @@ def test_a_transient_failure_is_redone_by_the_rerun_and_the_run_completes(
     agent = ["--set", "rollout.agent=tests.integration.broken_plugins:FlakyAgent"]
     quick = [a for s in ("coordination.heartbeat_interval_s=0.5", "coordination.lease_s=4",
                          "rollout.tasks_per_iteration=8", "rollout.group_size=4",
-                         "train.mini_batch_size=0", "run.eval_before_train=false",
+                         "train.mini_batch_size=0", "schedule.eval_before_train=false",
                          "rollout.keep_rank_files=true")
              for a in ("--set", s)]
     commands = [

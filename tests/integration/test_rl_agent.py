@@ -22,6 +22,8 @@ CONFIG = """
 [run]
 actions = "rl"
 iterations = {iterations}
+
+[schedule]
 eval_interval = 0
 
 [model]
@@ -108,6 +110,8 @@ KILL_CONFIG = """
 [run]
 actions = "rl"
 iterations = 1
+
+[schedule]
 eval_interval = 0
 
 [model]

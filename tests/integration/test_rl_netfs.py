@@ -34,6 +34,8 @@ CONFIG = """
 [run]
 actions = "rl"
 iterations = {iterations}
+
+[schedule]
 eval_interval = 1
 eval_before_train = {eval_before_train}
 

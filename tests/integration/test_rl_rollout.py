@@ -15,8 +15,10 @@ pytestmark = pytest.mark.slow
 CONFIG = """
 [run]
 actions = "rl"
-rl_phase = "rollout"
 iterations = 1
+
+[schedule]
+rl_phase = "rollout"
 eval_interval = 1
 eval_before_train = true
 

@@ -27,8 +27,8 @@ def iteration(run: Path, it: int, *, samples: int = 1024, kept: int = 1024, fail
     write(run, it, "train", samples=kept if trained is None else trained, loss=0.1)
 
 
-def config(**run: Any):  # type: ignore[no-untyped-def]
-    return resolve_config({"run": {"iterations": 2, **run}})
+def config(iterations: int = 2, **schedule: Any):  # type: ignore[no-untyped-def]
+    return resolve_config({"run": {"iterations": iterations}, "schedule": schedule})
 
 
 def test_a_run_that_trained_every_iteration_within_the_budget_summarises_and_passes(

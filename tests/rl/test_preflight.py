@@ -11,7 +11,6 @@ import pytest
 
 from coordinator.config import RunSection, deep_merge
 from coordinator.errors import UsageError
-from coordinator.phases import RlPhase, RolloutSplit
 from rl import preflight
 from rl.config import TINY_MODEL_DEFAULTS, parse_sections, resolve_sections, with_model_defaults
 from rl.preflight import Facts, ModelFacts, TaskFacts
@@ -62,7 +61,7 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = [
     ("more eval tasks than the split", {"rollout": {"eval_tasks": 65}}, {},
      ("rollout.eval_tasks=65", "64 tasks of the eval split", "at most 64")),
     ("no eval split in a run that evaluates", {}, {"eval_": 0},
-     ("no eval split", "run.eval_interval=0")),
+     ("no eval split", "schedule.eval_interval=0")),
     ("a mini-batch larger than an iteration", {"rollout": {"tasks_per_iteration": 8},
                                                "train": {"mini_batch_size": 128}}, {},
      ("train.mini_batch_size=128", "64 samples", "8 tasks x rollout.group_size=8",
@@ -105,15 +104,17 @@ def test_max_tokens_does_not_bound_an_agent_which_asks_for_its_own_lengths() -> 
 
 
 def test_eval_limits_do_not_apply_to_a_run_that_never_evaluates() -> None:
-    never = RunSection(eval_interval=0, eval_before_train=False)
-    assert preflight.problems(facts({"rollout": {"eval_tasks": 99}}, eval_=0, run=never)) == []
-    train_only = RunSection(rollout_split=RolloutSplit.TRAIN_ONLY)
-    assert preflight.problems(facts(eval_=0, run=train_only)) == []
-    rollout_only = RunSection(rl_phase=RlPhase.ROLLOUT)
-    assert preflight.problems(facts({"train": {"mini_batch_size": 4096}}, run=rollout_only)) == []
-    eval_only = RunSection(rollout_split=RolloutSplit.EVAL_ONLY)
-    assert preflight.problems(facts({"rollout": {"tasks_per_iteration": 999}},
-                                    run=eval_only)) == []
+    never = {"eval_interval": 0, "eval_before_train": False}
+    assert preflight.problems(facts({"rollout": {"eval_tasks": 99}, "schedule": never},
+                                    eval_=0)) == []
+    train_only = {"rollout_split": "train-only"}
+    assert preflight.problems(facts({"schedule": train_only}, eval_=0)) == []
+    rollout_only = {"rl_phase": "rollout"}
+    assert preflight.problems(facts({"train": {"mini_batch_size": 4096},
+                                     "schedule": rollout_only})) == []
+    eval_only = {"rollout_split": "eval-only"}
+    assert preflight.problems(facts({"rollout": {"tasks_per_iteration": 999},
+                                     "schedule": eval_only})) == []
 
 
 def test_facts_come_from_the_models_config_and_its_tokenizer(tiny_model: Path) -> None:
