@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar, Union
 
 from coordinator.errors import UsageError
+from coordinator.on_failure import OnFailure
 from coordinator.phases import TimeoutKey
 from coordinator.records import MAX_RANKS
 
@@ -53,16 +54,6 @@ class PhaseTimeouts:
         return float(getattr(self, key.value))
 
 
-class OnFailure(str, enum.Enum):
-    """What survivors do when a rank is lost or a step fails (`--on-failure`)."""
-
-    EXIT = "exit"  # every daemon exits with the failure's code; `recover` by hand
-    WAIT = "wait"  # survivors re-form the group and wait for the rank to come back
-    # as wait, then after shrink_after_s go on without the missing workers; they
-    # rejoin at the next iteration boundary once restarted
-    SHRINK = "shrink"
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CoordinationConfig:
     """Heartbeats, leases, polling and deadlines (all operational)."""
@@ -79,7 +70,7 @@ class CoordinationConfig:
     probe_timeout_s: float = 5.0
     # inotify wake-ups on a local filesystem (a hint: NFS never delivers them).
     wakeups: bool = True
-    on_failure: OnFailure = OnFailure.WAIT
+    on_failure: OnFailure = OnFailure.WAIT  # coordinator/on_failure.py: the policies
     max_recoveries: int = 10  # per run, counted in recoveries.json
     # A step (one phase of one iteration) that fails the same way this many
     # times stops the run with exit 4 under every on_failure: a retry that met

@@ -36,7 +36,6 @@ from typing import Any
 from coordinator import fsio, layout, membership, netaddr, regroup
 from coordinator.actions import Actions, StepContext, kind
 from coordinator.barrier import Barrier, Membership
-from coordinator.config import OnFailure
 from coordinator.decisions import abort_kind
 from coordinator.errors import (
     Cancelled,
@@ -52,6 +51,7 @@ from coordinator.group import GroupForming
 from coordinator.journal import JournalBook
 from coordinator.liveness import HeartbeatPublisher, Monitor, fence_check, session_monitor
 from coordinator.mounts import LOCAL_FILESYSTEMS, filesystem_type
+from coordinator.on_failure import policy
 from coordinator.phases import Phase
 from coordinator.polling import Backoff, Clock
 from coordinator.records import (
@@ -204,7 +204,7 @@ class Daemon:
         same way for the coordination.max_attempts-th time (regroup.py); the workers
         then exit with it, the master having stopped for good."""
         if not self.is_master or self.heartbeat is None or \
-                self.coord.on_failure is OnFailure.EXIT:
+                not policy(self.coord.on_failure).regroups:
             return None
         incident = regroup.Incident.of(error, by=self.rank, where=self.heartbeat.record)
         return regroup.repeated_failure(self.history, incident,

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator import membership, regroup
-from coordinator.config import CoordinationConfig, OnFailure
+from coordinator.config import CoordinationConfig
 from coordinator.errors import PeerLostError, WaitTimeout
 from coordinator.liveness import HeartbeatPublisher
+from coordinator.on_failure import policy
 from coordinator.phases import Phase
 from coordinator.polling import Backoff, Clock
 from coordinator.records import Claim, Heartbeat, Manifest, NodeState, Session
@@ -135,7 +136,7 @@ class GroupForming:
         if admit and left is not None:
             return membership.Quorum(nodes=len(left.members), rule="the shrunk group",
                                      after_s=coord.lease_s + 2 * coord.heartbeat_interval_s)
-        if coord.on_failure is OnFailure.SHRINK and after_failure:
+        if policy(coord.on_failure).shrinks and after_failure:
             return membership.Quorum(nodes=coord.min_nodes, after_s=coord.shrink_after_s,
                                      rule=f"coordination.min_nodes={coord.min_nodes}")
         return None

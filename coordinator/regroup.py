@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping
 from typing import ClassVar, Final
 
 from coordinator import layout
-from coordinator.config import MAX_RECOVERIES, CoordinationConfig, OnFailure
+from coordinator.config import MAX_RECOVERIES, CoordinationConfig
 from coordinator.errors import (
     CoordinatorError,
     ExitCode,
@@ -50,6 +50,7 @@ from coordinator.errors import (
     PhaseFailedError,
     fault_signature,
 )
+from coordinator.on_failure import policy
 from coordinator.phases import Phase
 from coordinator.records import (
     Heartbeat,
@@ -85,7 +86,7 @@ class RepeatedFailure(PhaseFailedError):
 
 def regroups(coord: CoordinationConfig, *, recoveries: int) -> bool:
     """Whether this daemon would regroup after a recoverable failure now."""
-    return coord.on_failure is not OnFailure.EXIT and recoveries < coord.max_recoveries
+    return policy(coord.on_failure).regroups and recoveries < coord.max_recoveries
 
 
 def recoverable(error: CoordinatorError, coord: CoordinationConfig, *, recoveries: int) -> bool:
@@ -94,7 +95,7 @@ def recoverable(error: CoordinatorError, coord: CoordinationConfig, *, recoverie
             error.exit_code not in RECOVERABLE:
         # Told to stop, superseded, a failure that will recur, or the run dir is unusable.
         return False
-    if coord.on_failure is not OnFailure.EXIT and not regroups(coord, recoveries=recoveries):
+    if policy(coord.on_failure).regroups and not regroups(coord, recoveries=recoveries):
         log.error("coordination.max_recoveries=%d recoveries already made in this run: "
                   "stopping instead", coord.max_recoveries)
     return regroups(coord, recoveries=recoveries)

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from coordinator import on_failure
 from coordinator.errors import CoordinatorError, ExitCode, MalformedRecordError, UsageError
 from rl.cli_args import (
     check_log_path,
@@ -111,7 +112,7 @@ def run(
     seed: Annotated[int | None, typer.Option(help="Run seed.")] = None,
     lease: Annotated[float | None, typer.Option(help="Seconds without heartbeat before a node is lost.")] = None,
     heartbeat_interval: Annotated[float | None, typer.Option(help="Seconds between heartbeats.")] = None,
-    on_failure: Annotated[str | None, typer.Option(help="After a lost node or failed step: wait (re-form the group, default), shrink (go on without a missing worker after coordination.shrink_after_s) or exit.")] = None,
+    on_failure: Annotated[str | None, typer.Option(help=on_failure.cli_help())] = None,
     max_recoveries: Annotated[int | None, typer.Option(help="Automatic recoveries per run before every node exits.")] = None,
     min_nodes: Annotated[int | None, typer.Option(help="With --on-failure shrink: the fewest nodes (master included) to go on with.")] = None,
     model: Annotated[Path | None, typer.Option(help="Hugging Face model directory (default: the tiny demo model).")] = None,

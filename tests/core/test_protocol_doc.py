@@ -65,3 +65,20 @@ def test_the_recovery_record_and_heartbeat_states_are_documented_field_by_field(
     states = text.split("**heartbeat** `ranks/<R>/heartbeat.json`")[1].split("\n\n")[0]
     for state in NodeState:
         assert f"`{state.value}`" in states, f"heartbeat state {state.value} is not documented"
+
+
+def test_the_on_failure_table_covers_every_policy_and_the_doc_and_help_come_from_it() -> None:
+    import subprocess
+    import sys
+
+    from coordinator.on_failure import POLICIES, OnFailure, cli_help
+
+    assert set(POLICIES) == set(OnFailure)
+    rows = table("on-failure")
+    assert [r[0].split()[0].strip("`") for r in rows] == [m.value for m in POLICIES]
+    script = Path(__file__).resolve().parents[2] / "scripts" / "update_docs.py"
+    check = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
+    for mode, p in POLICIES.items():
+        assert f"{mode.value} ({p.summary}" in cli_help()
