@@ -1,9 +1,10 @@
 """Rank weights: each node's share of the rollout work, checked by one rule.
 
-`--rank-weights 2,1,1` (or `auto`) is parsed once at the command line
-(`parse`); run.json records the result and the manifest's parser applies the
-same `check` to what it reads back (run.json is untrusted); the shard plan
-then splits tasks by weights that passed it.
+`--rank-weights 2,1,1` (or `auto`) is parsed and checked once at the command
+line (`parse`, against --num-nodes); run.json records the result and the
+manifest's parser applies the same `check` to what it reads back (run.json is
+untrusted, a boundary of its own); every layer after these two receives
+weights that passed it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ def check(values: Sequence[object], *, num_nodes: int | None = None) -> tuple[fl
     """The weights as floats, or ValueError naming the bad one and the fix."""
     if num_nodes is not None and len(values) != num_nodes:
         example = ",".join("1" for _ in range(num_nodes))
-        raise ValueError(f"{len(values)} weights for {num_nodes} nodes: give one weight per "
-                         f"node, e.g. {example}")
+        raise ValueError(f"has {len(values)} values but --num-nodes is {num_nodes}: give one "
+                         f"weight per node, e.g. {example}")
     if not values:
         raise ValueError("no weights: give one weight per node, e.g. 1,1")
     out = []
@@ -37,8 +38,9 @@ def check(values: Sequence[object], *, num_nodes: int | None = None) -> tuple[fl
     return tuple(out)
 
 
-def parse(text: str) -> Weights:
-    """`--rank-weights` as typed: comma-separated numbers, or `auto`."""
+def parse(text: str, *, num_nodes: int | None = None) -> Weights:
+    """`--rank-weights` as typed: comma-separated numbers, or `auto`; one per node
+    when the node count is known."""
     if text.strip() == "auto":
         return "auto"
     values: list[float] = []
@@ -48,4 +50,4 @@ def parse(text: str) -> Weights:
         except ValueError:
             raise ValueError(f"{part!r} is not a number; give comma-separated numbers, one per "
                              "node, e.g. 2,1,1, or 'auto'") from None
-    return check(values)
+    return check(values, num_nodes=num_nodes)

@@ -15,19 +15,18 @@ from typing import Annotated, Any
 
 import typer
 
-from coordinator import on_failure
 from coordinator.errors import CoordinatorError, ExitCode, MalformedRecordError, UsageError
+from rl import cli_flags
 from rl.cli_args import (
     check_log_path,
     check_num_nodes,
     existing_run_dir,
     fail_usage,
     log_path_arg,
-    parse_set,
     parse_weights,
     resolve_rank,
-    set_dotted,
 )
+from rl.cli_flags import with_config_flags
 from rl.layout import INITIAL_MODEL
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -36,28 +35,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 # Files and directories the daemons create are 0644 and 0755 whatever umask
 # the job inherited (docs/PROTOCOL.md, rule 7): no group or world write.
 PROTOCOL_UMASK = 0o022
-
-# CLI flag -> config key.  Flags override the config file.
-FLAG_KEYS = {
-    "iterations": "run.iterations",
-    "eval_interval": "schedule.eval_interval",
-    "eval_before_train": "schedule.eval_before_train",
-    "rollout_split": "schedule.rollout_split",
-    "rl_phase": "schedule.rl_phase",
-    "actions": "run.actions",
-    "seed": "run.seed",
-    "lease": "coordination.lease_s",
-    "heartbeat_interval": "coordination.heartbeat_interval_s",
-    "on_failure": "coordination.on_failure",
-    "max_recoveries": "coordination.max_recoveries",
-    "min_nodes": "coordination.min_nodes",
-    "model": "model.path",
-    "data_path": "data.path",
-    "engine": "engine.kind",
-    "local_cache": "checkpoint.local_cache",
-    "keep_checkpoints": "checkpoint.keep",
-}
-
 
 def setup_logging(verbose: bool, rank: int | None = None) -> None:
     level = logging.DEBUG if verbose else logging.INFO
@@ -68,17 +45,6 @@ def setup_logging(verbose: bool, rank: int | None = None) -> None:
     )
     for noisy in ("watchdog", "urllib3", "filelock", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def flag_overrides(items: list[str], given: dict[str, Any]) -> dict[str, Any]:
-    """Config overrides from --set items, then from the named flags (which win)."""
-    overrides = parse_set(items)
-    for flag, key in FLAG_KEYS.items():
-        value = given[flag]
-        if value is not None:
-            set_dotted(overrides, key, str(value) if isinstance(value, Path) else value,
-                       given=f"--{flag.replace('_', '-')}")
-    return overrides
 
 
 def report(exc: CoordinatorError) -> typer.Exit:
@@ -93,9 +59,11 @@ def report(exc: CoordinatorError) -> typer.Exit:
     return typer.Exit(int(exc.exit_code))
 
 
-# The options are declared in the signature, as typer wants them (30 lines);
-# the body validates them and starts the daemon.
+# The options that set a config key come from rl/cli_flags.py (CONFIG_FLAGS);
+# the others are declared here, as typer wants them.  The body validates them
+# and starts the daemon.
 @app.command()
+@with_config_flags
 def run(
     log_path: Annotated[str | None, typer.Option(help="Run directory on the shared filesystem.")] = None,
     master: Annotated[bool, typer.Option("--master", help="This node is rank 0.")] = False,
@@ -103,28 +71,12 @@ def run(
     num_nodes: Annotated[int | None, typer.Option(help="Number of nodes (master; workers read it).")] = None,
     rank_weights: Annotated[str | None, typer.Option(help="Share of rollout work per node, e.g. 2,1,1, or 'auto'.")] = None,
     config: Annotated[Path | None, typer.Option(help="TOML or YAML config file.")] = None,
-    iterations: Annotated[int | None, typer.Option(help="Number of RL iterations.")] = None,
-    eval_interval: Annotated[int | None, typer.Option(help="Evaluate every K-th iteration (0: never).")] = None,
-    eval_before_train: Annotated[bool | None, typer.Option("--eval-before-train/--no-eval-before-train", help="Evaluate the initial model in iteration 0.")] = None,
-    rollout_split: Annotated[str | None, typer.Option(help="train-only, eval-only or both.")] = None,
-    rl_phase: Annotated[str | None, typer.Option(help="both (phases 0-13), rollout (0-6) or update (7-13).")] = None,
-    actions: Annotated[str | None, typer.Option(help="rl (default) or scripted (no ML; smoke test).")] = None,
-    seed: Annotated[int | None, typer.Option(help="Run seed.")] = None,
-    lease: Annotated[float | None, typer.Option(help="Seconds without heartbeat before a node is lost.")] = None,
-    heartbeat_interval: Annotated[float | None, typer.Option(help="Seconds between heartbeats.")] = None,
-    on_failure: Annotated[str | None, typer.Option(help=on_failure.cli_help())] = None,
-    max_recoveries: Annotated[int | None, typer.Option(help="Automatic recoveries per run before every node exits.")] = None,
-    min_nodes: Annotated[int | None, typer.Option(help="With --on-failure shrink: the fewest nodes (master included) to go on with.")] = None,
-    model: Annotated[Path | None, typer.Option(help="Hugging Face model directory (default: the tiny demo model).")] = None,
-    data_path: Annotated[str | None, typer.Option(help="Task data: builtin:reverse, a parquet or JSONL file or directory.")] = None,
-    engine: Annotated[str | None, typer.Option(help="Inference engine: hf or vllm.")] = None,
-    local_cache: Annotated[Path | None, typer.Option(help="Node-local directory for checkpoint copies.")] = None,
-    keep_checkpoints: Annotated[int | None, typer.Option(help="Published checkpoints to keep.")] = None,
     node_ip: Annotated[str | None, typer.Option(help="Address of this host to serve on (master: what workers use).")] = None,
     ifname: Annotated[str | None, typer.Option(help="Interface whose IPv4 address to serve on.")] = None,
     new_run: Annotated[bool, typer.Option("--new-run", help="Archive an existing run in --log-path and start anew.")] = False,
     set_: Annotated[list[str], typer.Option("--set", help="Any config key: section.key=value.")] = [],  # noqa: B006
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Run this node's daemon until every iteration is done (or something fails)."""
     from coordinator import beneath, netaddr
@@ -139,22 +91,10 @@ def run(
             raise UsageError(
                 f"--worker {rank} is out of range for --num-nodes {num_nodes}: workers are "
                 f"1..{num_nodes - 1}")
-        weights = parse_weights(rank_weights)
-        if weights is not None and num_nodes is not None and isinstance(weights, tuple) \
-                and len(weights) != num_nodes:
-            raise UsageError(
-                f"--rank-weights has {len(weights)} values but --num-nodes is {num_nodes}: give "
-                f"one weight per node, e.g. {','.join('1' for _ in range(num_nodes))}")
+        weights = parse_weights(rank_weights, num_nodes=num_nodes)
         if rank == 0 and weights is not None and num_nodes is None and isinstance(weights, tuple):
             num_nodes = check_num_nodes(len(weights))
-        overrides = flag_overrides(set_, {
-            "iterations": iterations, "eval_interval": eval_interval,
-            "eval_before_train": eval_before_train, "rollout_split": rollout_split,
-            "rl_phase": rl_phase, "actions": actions, "seed": seed, "lease": lease,
-            "heartbeat_interval": heartbeat_interval, "on_failure": on_failure,
-            "max_recoveries": max_recoveries, "min_nodes": min_nodes, "model": model, "data_path": data_path,
-            "engine": engine, "local_cache": local_cache, "keep_checkpoints": keep_checkpoints,
-        })
+        overrides = cli_flags.overrides(set_, flags or {})
         # Checked before anything is written: a wrong address must not leave a
         # run.json behind that workers would then wait on.
         address = netaddr.choose_address(node_ip=node_ip, ifname=ifname)

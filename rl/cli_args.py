@@ -28,13 +28,16 @@ def fail_usage(message: str) -> typer.Exit:
     return typer.Exit(int(ExitCode.USAGE))
 
 
-def parse_weights(text: str | None) -> Weights | None:
+def parse_weights(text: str | None, *, num_nodes: int | None) -> Weights | None:
+    """--rank-weights checked by the one rule (coordinator/weights.py), against
+    --num-nodes when given."""
     if text is None:
         return None
     try:
-        return weights.parse(text)
+        return weights.parse(text, num_nodes=num_nodes)
     except ValueError as exc:
-        raise UsageError(f"--rank-weights {text!r}: {exc}") from None
+        raise UsageError(f"--rank-weights {exc}" if str(exc).startswith("has ")
+                         else f"--rank-weights {text!r}: {exc}") from None
 
 
 def check_num_nodes(num_nodes: int | None) -> int | None:
