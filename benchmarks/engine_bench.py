@@ -3,7 +3,7 @@
     python benchmarks/engine_bench.py                 # engine cycles + the demo, both settings
     python benchmarks/engine_bench.py --no-demo       # engine cycles only (~1 min)
 
-On the hf engine (a real `python -m rollout.hf_server` process) with the
+On the hf engine (a real `python -m rollout.hf.server` process) with the
 demo's model, in one run:
 
 1. Engine cycles.  Two checkpoints of the demo model (different seeds); each
@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from rollout.client import CompletionClient  # noqa: E402
-from rollout.engine import EngineConfig, EngineKind, make_engine  # noqa: E402
+from rollout.engines.engine import EngineConfig, EngineKind, make_engine  # noqa: E402
 from trainer.tiny_model import create_tiny_model  # noqa: E402
 
 SETTINGS = ("restart", "reload")

@@ -3,7 +3,7 @@
     python benchmarks/vllm_bench.py                       # .venv-vllm/bin/vllm
     python benchmarks/vllm_bench.py --vllm /path/to/vllm --starts 2 --cycles 5
 
-Both engines are driven by the project's own engine code (rollout/engine.py)
+Both engines are driven by the project's own engine code (rollout/engines/engine.py)
 with the settings the demo gives them (float32, 128 positions; vLLM eager with
 a 256 MiB KV cache, the hf engine on one thread per process), alternating so
 that load hits both alike:
@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from rollout.client import CompletionClient  # noqa: E402
-from rollout.engine import EngineConfig, EngineKind, make_engine  # noqa: E402
+from rollout.engines.engine import EngineConfig, EngineKind, make_engine  # noqa: E402
 from rollout.tasks import BuiltinReverseTasks  # noqa: E402
 from trainer.warmstart import build_initial_model  # noqa: E402
 

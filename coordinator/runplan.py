@@ -32,9 +32,9 @@ from coordinator.config import (
     pick_keys,
 )
 from coordinator.errors import UsageError
+from coordinator.ops.status import collect
 from coordinator.polling import Backoff
 from coordinator.records import Manifest
-from coordinator.status import collect
 from coordinator.store import FsStore, read_record
 from coordinator.weights import Weights
 

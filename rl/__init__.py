@@ -1,6 +1,6 @@
 """The RL loop: rollout, aggregation, evaluation, training and serving, phase by phase.
 
-Layers, bottom to top (tests/core/test_layers.py keeps the rule):
+Layers, bottom to top (tests/project/test_layers.py keeps the rule):
 coordinator/ (the protocol and phase machine) < rollout/ (engines, tasks,
 rewards, trajectories, aggregation) < trainer/ (GRPO under torchrun,
 checkpoints) < rl/ (this package: what each phase does, the RL config, the
@@ -8,7 +8,7 @@ demo and the `coordinator` command line).  The phase machine finds this
 package through the `coordinator.actions` entry point (`rl.actions:KIND`).
 
 Each phase's work is one function; the master's decision, where a phase has
-one, another (rl/actions.py `PHASE_WORK`; tests/core/test_rl_phase_table.py
+one, another (rl/actions.py `PHASE_WORK`; tests/rl/test_rl_phase_table.py
 compares this table with it):
 
 <!-- rl-phases:start -->

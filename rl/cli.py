@@ -125,7 +125,7 @@ def status(
     import sys
 
     from coordinator import beneath
-    from coordinator import status as status_mod
+    from coordinator.ops import status as status_mod
 
     try:
         path = existing_run_dir(log_path)
@@ -167,7 +167,7 @@ def doctor(
 ) -> None:
     """Prove the run directory is shared and coherent among the nodes (start it on every node)."""
     from coordinator import beneath, netaddr
-    from coordinator.doctor import Doctor
+    from coordinator.ops.doctor import Doctor
 
     setup_logging(False)
     try:
@@ -198,7 +198,7 @@ def timeline(
 ) -> None:
     """Draw every rank's phases in every iteration (action and barrier wait), with recoveries."""
     from coordinator import beneath
-    from coordinator import timeline as timeline_mod
+    from coordinator.ops import timeline as timeline_mod
 
     setup_logging(False)
     try:
@@ -227,7 +227,7 @@ def recover(
 ) -> None:
     """Clean up a failed iteration so that restarting every node resumes the run."""
     from coordinator import beneath
-    from coordinator import recover as recover_mod
+    from coordinator.ops import recover as recover_mod
 
     setup_logging(False)
     try:

@@ -4,7 +4,7 @@
     [model]       which model to start from
     [data]        where tasks come from, which reward
     [rollout]     sampling and checkpointing of the rollout
-    [engine]      the inference server (rollout/engine.py: EngineConfig)
+    [engine]      the inference server (rollout/engines/engine.py: EngineConfig)
     [train]       GRPO hyper-parameters (trainer/config.py: TrainConfig)
     [torchrun]    how phase 10 launches the trainer
     [checkpoint]  node-local cache and how many published checkpoints to keep
@@ -29,7 +29,7 @@ from typing import Any, Final
 from coordinator.config import deep_merge, from_mapping, to_plain
 from coordinator.errors import UsageError
 from rl.schedule import ScheduleSection, schedule_of
-from rollout.engine import EngineConfig
+from rollout.engines.engine import EngineConfig
 from trainer.config import ConfigError, TrainConfig
 
 SECTIONS: Final = ("schedule", "model", "data", "rollout", "engine", "train", "torchrun",

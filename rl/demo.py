@@ -22,7 +22,7 @@ from typing import Any
 from coordinator import layout
 from coordinator.errors import UsageError
 from coordinator.liveness import describe_phase
-from coordinator.status import plain
+from coordinator.ops.status import plain
 from rl import history
 
 DEMO_CONFIG = """\
@@ -54,7 +54,7 @@ def engine_settings(engine: str, *, vllm: str, nodes: int) -> list[str]:
         return []
     if engine != "vllm":
         raise UsageError(f"--engine {engine!r} is not an engine: use hf or vllm")
-    from rollout.vllm_platform import probe
+    from rollout.engines.vllm_platform import probe
 
     platform = probe(vllm)
     extra = ["--enforce-eager"]

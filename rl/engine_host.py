@@ -3,7 +3,7 @@
 `ensure(ctx, model_dir)` makes the engine serve `model_dir`: a published
 checkpoint is first copied into the node-local cache and verified against its
 manifest (a tampered file is refused, naming it), then served from the local
-copy by the engine's own verb (rollout/serving.py: kept, reloaded in place
+copy by the engine's own verb (rollout/engines/serving.py: kept, reloaded in place
 into the sleeping engine, started, restarted; a failed reload restarts), and
 the served weights are checked against the checkpoint's probes
 (served_weights.py).  `release()` (phase 7) parks the engine (rollout/
@@ -25,11 +25,11 @@ from rl import layout
 from rl.config import RlSections, requests_in_flight
 from rl.locks import node_lock
 from rl.served_weights import checkpoint_probes, verify_served_weights
-from rollout import serving
 from rollout.agents import EngineEndpoint
 from rollout.client import CompletionClient
-from rollout.engine import Engine, EngineError, EngineState, make_engine
-from rollout.serving import Parked
+from rollout.engines import serving
+from rollout.engines.engine import Engine, EngineError, EngineState, make_engine
+from rollout.engines.serving import Parked
 from trainer.probes import ProbeSet
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class EngineHost:
                 raise ActionError(f"refusing checkpoint {model_dir}: {exc}") from exc
 
     def ensure(self, ctx: StepContext, model_dir: Path) -> dict[str, Any]:
-        """Serve `model_dir` (rollout/serving.py decides how: kept, reloaded in place,
+        """Serve `model_dir` (rollout/engines/serving.py decides how: kept, reloaded in place,
         started, restarted); then check the served weights against its probes."""
         local = self.local_copy(ctx, model_dir)
         if self._engine is None:
@@ -106,7 +106,7 @@ class EngineHost:
             ctx.add_child(pid, f"{self.s.engine.kind.value} inference engine")
 
     def release(self, ctx: StepContext) -> dict[str, Any]:
-        """Phase 7: free the accelerator for training (rollout/serving.py: sleep, or
+        """Phase 7: free the accelerator for training (rollout/engines/serving.py: sleep, or
         stop in restart mode or when the sleep fails)."""
         parked = serving.park(self._engine)
         if parked is Parked.IDLE:

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ActionError
-from rollout.engine import EngineConfig, EngineKind
-from rollout.engine_control import EngineControl
+from rollout.engines.control import EngineControl
+from rollout.engines.engine import EngineConfig, EngineKind
 from trainer.checkpoint import MANIFEST_NAME, read_manifest
 from trainer.probes import ProbeCheck, ProbeSet, compare, moved, tolerance_for
 

@@ -41,7 +41,7 @@ from rl import layout
 from rl.config import RlSections
 from rl.contracts import CheckpointAnnouncement, PolicyChoice, TrainRendezvous
 from rl.loop import Loop
-from rollout.process import ManagedProcess, describe_exit
+from rollout.engines.process import ManagedProcess, describe_exit
 from trainer.lifeline import LAUNCHER_PID_ENV
 from trainer.rendezvous import BACKEND as RDZV_BACKEND
 

@@ -1,4 +1,4 @@
-"""One rollout client for both servers (rollout.hf_server and `vllm serve`).
+"""One rollout client for both servers (rollout.hf.server and `vllm serve`).
 
 Text prompts go to /v1/completions, chat messages to /v1/chat/completions
 (the engine applies the chat template); rollout/wire.py has the request

@@ -7,7 +7,7 @@ One rollout request asks for the n samples of one prompt (a GRPO group):
                         `top_logprobs: 0`; the engine applies the model's chat
                         template, so nothing is rendered or tokenised here
 
-both with `return_token_ids: true` (vLLM >= 0.10.2, and rollout.hf_server).
+both with `return_token_ids: true` (vLLM >= 0.10.2, and rollout.hf.server).
 An answer is read as vLLM's CompletionResponse or ChatCompletionResponse:
 each sample's exact prompt and response token ids and the policy's
 log-probability of each response token.  The trainer needs exactly those, so
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from rollout.engine_config import EngineError
+from rollout.engines.config import EngineError
 
 _MAX_ERROR_BODY: Final = 2000
 COMPLETIONS: Final = "/v1/completions"
@@ -97,7 +97,7 @@ def _ids(value: Any, what: str) -> tuple[int, ...]:
     ):
         raise ProtocolError(
             f"{what} is missing or not a list of token ids: the server must honour "
-            "return_token_ids (vLLM >= 0.10.2, or rollout.hf_server)"
+            "return_token_ids (vLLM >= 0.10.2, or rollout.hf.server)"
         )
     return tuple(value)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write what `vllm serve` accepts on its command line, read from vLLM's source, as JSON.
 
-Why: rollout/vllm_engine.py builds a `vllm serve` argv without importing
+Why: rollout/engines/vllm.py builds a `vllm serve` argv without importing
 vllm, so nothing at run time notices when a release renames a flag, changes
 the type of its value or turns it into a --x/--no-x switch.  The fixture this
 script writes (tests/rollout/fixtures/vllm_serve_<version>.json) lets
@@ -75,7 +75,7 @@ from vllm_source import (
     require_call,
 )
 
-# The flags rollout/vllm_engine.py passes (or may pass) to `vllm serve`.
+# The flags rollout/engines/vllm.py passes (or may pass) to `vllm serve`.
 FLAGS: Final = (
     "--host",
     "--port",
@@ -255,7 +255,7 @@ def describe_flag(src: SourceTree, index: FlagIndex, flag: str) -> dict[str, Any
             f"{flag} is not an option of `vllm {SUBCOMMAND}` in {src.root}: searched "
             f"{FRONTEND_ARGS} ({PARSER_FUNCTION}, FrontendArgs) and {ENGINE_ARGS} "
             "(EngineArgs/AsyncEngineArgs.add_cli_args); it was renamed or removed in this "
-            "release, so update rollout/vllm_engine.py and FLAGS"
+            "release, so update rollout/engines/vllm.py and FLAGS"
         )
     if len(matches) > 1:
         raise ExtractError(f"{flag} is registered twice: {[s.source for s in matches]}")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.core.cluster import LocalCluster
 from tests.integration.test_rl_loop import LEASE
+from tests.support.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 ITERATIONS = 3

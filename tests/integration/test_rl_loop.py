@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.core.cluster import LocalCluster
+from tests.support.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 LEASE = 6.0
@@ -149,7 +149,7 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
         # the check can tell a stale engine from a fresh one on this model.
         assert served[1]["probe_moved"] > served[1]["probe_tolerance"], served[1]
     # The timeline has every rank's every phase of both iterations, action and wait.
-    from coordinator.timeline import SpanKind, load
+    from coordinator.ops.timeline import SpanKind, load
 
     drawn = load(run)
     assert {(s.rank, s.iteration, s.phase, s.kind) for s in drawn.spans} == {
@@ -167,7 +167,7 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
 
 
 # Whole nodes killed on the real loop, with on_failure "wait" and with "exit"
-# and `recover`: tests/integration/test_rl_netfs.py; scripted: tests/core/.
+# and `recover`: tests/integration/test_rl_netfs.py; scripted: tests/coordinator/.
 @pytest.mark.parametrize("victim", ["trainer"])
 def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
     tmp_path: Path, warm_model: Path, victim: str

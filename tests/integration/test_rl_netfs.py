@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.core.cluster import LocalCluster
 from tests.integration.test_rl_loop import check_two_iterations, trainers
+from tests.support.cluster import LocalCluster
 from tests.support.netfs import NetFs
 
 pytestmark = [pytest.mark.slow, pytest.mark.netfs]

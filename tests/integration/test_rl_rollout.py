@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.core.cluster import LocalCluster
+from tests.support.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +77,7 @@ def test_three_ranks_roll_out_and_the_batch_holds_every_assigned_task_times_the_
 
     run_id = json.loads((c.log_path / "run.json").read_text())["run_id"]
     servers = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
-    servers = [s for s in servers if "rollout.hf_server" in s]
+    servers = [s for s in servers if "rollout.hf.server" in s]
     assert not [s for s in servers if run_id in s], servers
     # The engines served the node-local, verified copies of the model.
     engine_log = (c.log_path / "ranks" / "1" / "logs").iterdir()

@@ -1,6 +1,6 @@
 """Phase 12's in-place weight update gone wrong on one node, in the real loop on 2 daemons.
 
-The hf engine's fault hook (rollout/hf_control.py, ROLLOUT_HF_FAULTS) is set
+The hf engine's fault hook (rollout/hf/control.py, ROLLOUT_HF_FAULTS) is set
 in rank 1's environment only, as a broken engine would be on one node:
 
     reload "skip"            the engine answers the reload but keeps serving
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout.hf_control import FAULTS_ENV
-from tests.core.cluster import LocalCluster
+from rollout.hf.control import FAULTS_ENV
 from tests.integration.test_rl_loop import CONFIG, LEASE
+from tests.support.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 FAULTY = 1

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollout.hf_server import Generator, Server
+from rollout.hf.server import Generator, Server
 from trainer.tiny_model import create_tiny_model
 
 KEY = "k"

@@ -1,6 +1,6 @@
 """vLLM's sleep / wake_up / reload_weights / reset_prefix_cache sequence against the hf server.
 
-The daemon's own client (rollout.engine_control.EngineControl) drives the hf
+The daemon's own client (rollout.engines.control.EngineControl) drives the hf
 server's development routes, in process (fast), then the engine's lifecycle
 through a real server subprocess, with the faults a test can inject.
 """
@@ -18,10 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout.client import CompletionClient, HttpError, TransientError
-from rollout.engine import EngineConfig, EngineKind, EngineState, make_engine
-from rollout.engine_control import EngineControl, WeightUpdateError
-from rollout.hf_control import Control, Faults, dev_mode
-from rollout.hf_server import Generator, Server
+from rollout.engines.control import EngineControl, WeightUpdateError
+from rollout.engines.engine import EngineConfig, EngineKind, EngineState, make_engine
+from rollout.hf.control import Control, Faults, dev_mode
+from rollout.hf.server import Generator, Server
 from trainer.probes import compare, make_probe_set, score
 from trainer.tiny_model import create_tiny_model
 
@@ -210,7 +210,7 @@ def test_injected_faults_skip_or_fail_the_reload(tmp_path: Path, models: tuple[P
 
 def test_a_reload_of_another_shape_is_refused_before_any_tensor_changes(
         tmp_path: Path, models: tuple[Path, Path]) -> None:
-    from rollout.hf_weights import ResidentModel, WeightsError
+    from rollout.hf.weights import ResidentModel, WeightsError
     from trainer.tiny_model import TinyModelSpec
 
     # Same tensor names, a wider MLP: the first tensors of the file still fit.
@@ -228,7 +228,7 @@ def test_a_reload_of_another_shape_is_refused_before_any_tensor_changes(
 @pytest.mark.slow
 def test_a_server_that_is_up_but_fails_every_completion_fails_its_start_at_once(
         tmp_path: Path, models: tuple[Path, Path]) -> None:
-    from rollout.engine import EngineStartError
+    from rollout.engines.engine import EngineStartError
 
     engine = _engine(tmp_path, {"completions": 500})  # ready_timeout_s=120
     started = time.monotonic()

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from rollout.client import CompletionClient, GroupResult
-from rollout.engine import (
+from rollout.engines.engine import (
     EngineConfig,
     EngineDied,
     EngineKind,
@@ -26,7 +26,7 @@ from rollout.engine import (
     EngineState,
     make_engine,
 )
-from rollout.hf_engine import HfEngine
+from rollout.engines.hf import HfEngine
 from trainer.tiny_model import EOS_ID, SPECIAL_TOKENS, TINY_VOCAB, create_tiny_model
 
 # Tests marked slow start real server processes: each imports torch and
@@ -237,7 +237,7 @@ def test_a_server_that_dies_while_starting_is_reported_with_its_traceback(
 
 @pytest.fixture(scope="module")
 def served(models: tuple[Path, Path]) -> Iterator[str]:
-    from rollout.hf_server import Generator, Server
+    from rollout.hf.server import Generator, Server
 
     server = Server(("127.0.0.1", 0), api_key="k", model_name="policy")
     server.attach(

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rollout.engine import GpuNotReleased
-from rollout.process import (
+from rollout.engines.engine import GpuNotReleased
+from rollout.engines.process import (
     ManagedProcess,
     describe_exit,
     free_port,
@@ -118,7 +118,7 @@ def test_server_dies_when_the_daemon_that_started_it_is_sigkilled(
     daemon_code = textwrap.dedent(f"""
         import json, os, sys, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
-        from rollout.process import ManagedProcess
+        from rollout.engines.process import ManagedProcess
         mp = ManagedProcess([sys.executable, "-c", "import time; time.sleep(60)"],
                             log_path={str(tmp_path / "c.log")!r}, env=os.environ)
         open({str(child_file)!r}, "w").write(json.dumps(mp.pid))

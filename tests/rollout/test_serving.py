@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.engine_config import EngineConfig, EngineError, EngineState, WeightUpdate
-from rollout.serving import Parked, Served, park, park_step, serve, serve_step
+from rollout.engines.config import EngineConfig, EngineError, EngineState, WeightUpdate
+from rollout.engines.serving import Parked, Served, park, park_step, serve, serve_step
 
 PARK_TABLE = [
     (EngineState.READY, True, Parked.ASLEEP),

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.engine import EngineConfig, EngineKind, EngineStartError, make_engine
-from rollout.vllm_engine import VllmEngine, build_vllm_command
+from rollout.engines.engine import EngineConfig, EngineKind, EngineStartError, make_engine
+from rollout.engines.vllm import VllmEngine, build_vllm_command
 
 # The values each flag gets; test_vllm_flags.py checks every flag against
 # vLLM 0.29.0's own parser (a fixture extracted from its source).
@@ -155,10 +155,10 @@ def test_invalid_configuration_is_rejected_with_value_and_fix(field, value, mess
 def test_make_engine_builds_the_vllm_engine_without_importing_vllm(tmp_path: Path) -> None:
     assert isinstance(make_engine(_cfg(), log_dir=tmp_path), VllmEngine)
     code = (
-        "import sys; from rollout.engine import make_engine, EngineConfig; "
+        "import sys; from rollout.engines.engine import make_engine, EngineConfig; "
         "from pathlib import Path; "
         "make_engine(EngineConfig(kind='vllm'), log_dir=Path('.')); "
-        "import rollout.vllm_engine, rollout.client; "
+        "import rollout.engines.vllm, rollout.client; "
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
     )
     subprocess.run(

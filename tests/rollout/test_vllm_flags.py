@@ -1,6 +1,6 @@
 """The `vllm serve` command line we build, checked flag by flag against vLLM 0.29.0's parser.
 
-rollout/vllm_engine.py never imports vllm, so a renamed flag, a value of the
+rollout/engines/vllm.py never imports vllm, so a renamed flag, a value of the
 wrong type or a --x/--no-x switch given a value would only show when a GPU
 node starts the server.  fixtures/vllm_serve_0.29.0.json records what the
 pinned release's `vllm serve` parser accepts; it is extracted from the wheel's
@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from rollout.engine import EngineConfig, EngineKind
-from rollout.engine_config import WeightUpdate
-from rollout.vllm_engine import VllmEngine, build_vllm_command
+from rollout.engines.config import WeightUpdate
+from rollout.engines.engine import EngineConfig, EngineKind
+from rollout.engines.vllm import VllmEngine, build_vllm_command
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,7 +41,7 @@ WHEEL_HOWTO = (
     "python -m zipfile -e ../vllm-0.29.0*.whl ."
 )
 
-# The development routes rollout/engine_control.py calls on a vLLM server.
+# The development routes rollout/engines/control.py calls on a vLLM server.
 CONTROL_ROUTES = [
     ("POST", "/sleep"),
     ("POST", "/wake_up"),
@@ -93,7 +93,7 @@ def _parse_argv(argv: list[str], fixture: dict[str, Any]) -> dict[str, tuple[str
         assert option in canonical, (
             f"{option} is not among the vLLM {fixture['vllm_version']} options in {FIXTURE.name} "
             f"({sorted(canonical)}): add it to FLAGS in scripts/extract_vllm_flags.py and "
-            "regenerate the fixture, or fix rollout/vllm_engine.py"
+            "regenerate the fixture, or fix rollout/engines/vllm.py"
         )
         name = canonical[option]
         assert name not in parsed, f"{name} given twice in {argv}"

@@ -26,10 +26,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rl.served_weights import verify_served_weights
 from rollout.client import CompletionClient, HttpError
 from rollout.conversation import Conversation
-from rollout.engine import EngineConfig, EngineDied, EngineKind, EngineState, make_engine
-from rollout.engine_config import WeightUpdate
-from rollout.engine_control import WeightUpdateError
-from rollout.vllm_engine import VllmEngine
+from rollout.engines.config import WeightUpdate
+from rollout.engines.control import WeightUpdateError
+from rollout.engines.engine import EngineConfig, EngineDied, EngineKind, EngineState, make_engine
+from rollout.engines.vllm import VllmEngine
 from trainer.checkpoint import publish_checkpoint
 from trainer.probes import make_probe_set
 from trainer.tiny_model import create_tiny_model

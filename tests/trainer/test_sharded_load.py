@@ -188,7 +188,7 @@ def test_a_checkpoint_saved_shard_by_shard_verifies_and_loads_in_the_hf_engine(
     exactly the weights that were loaded."""
     from safetensors.torch import load_file
 
-    from rollout.hf_weights import load_safetensors
+    from rollout.hf.weights import load_safetensors
     from trainer.checkpoint import verify_checkpoint
     from trainer.sharded_save import staging_dir
 

@@ -1,0 +1,1 @@
+"""The inference engines behind one interface (engine.py), their config, processes and verbs (serving.py)."""

@@ -1,0 +1,107 @@
+"""The engine's verbs around training: park it for the trainer, serve a checkpoint.
+
+    park(engine)                  phase 7: the accelerator is freed for training
+        ASLEEP     weight_update "reload": weights and KV cache released, the
+                   process kept (a failed sleep falls back to STOPPED)
+        STOPPED    weight_update "restart"
+        IDLE       nothing was serving
+    serve(engine, model, serving) phase 12, and the first start: `model` is served
+        KEPT       already served by a ready engine
+        RELOADED   loaded in place into the sleeping engine (a failed reload
+                   falls back to RESTARTED_AFTER_FAILED_RELOAD)
+        STARTED    no engine was up
+        RESTARTED  a ready engine on another model, stopped and started again
+
+Which verb does what is a pure decision of (engine state, engine.weight_update
+as EngineConfig.reloads_in_place reads it, whether the model is the one
+served): `park_step` and `serve_step`, each a table tested entry by entry.
+The RL loop calls the verbs (rl/engine_host.py) and never decides between
+sleeping and stopping itself.  Where vLLM has no sleep mode (its CPU build) sleeping
+pauses the engine and keeps its weights: the decisions are the same.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from pathlib import Path
+
+from rollout.engines.config import EngineError, EngineState
+from rollout.engines.engine import Engine
+
+log = logging.getLogger("rollout.engines.engine")
+
+
+class Parked(str, enum.Enum):
+    """How phase 7 left the engine (its value is what phase 7's payload says)."""
+
+    ASLEEP = "asleep"
+    STOPPED = "stopped"
+    IDLE = "idle"
+
+
+class Served(str, enum.Enum):
+    """How the engine came to serve a model (its value is phase 12's payload)."""
+
+    KEPT = "kept"
+    RELOADED = "reloaded"
+    STARTED = "started"
+    RESTARTED = "restarted"
+    RESTARTED_AFTER_FAILED_RELOAD = "restarted after a failed reload"
+
+
+def park_step(state: EngineState | None, *, reloads_in_place: bool) -> Parked:
+    """Phase 7's decision: only a ready engine is parked, asleep if its weights are
+    reloaded in place later (EngineConfig.reloads_in_place), else stopped."""
+    if state is not EngineState.READY:
+        return Parked.IDLE
+    return Parked.ASLEEP if reloads_in_place else Parked.STOPPED
+
+
+def serve_step(state: EngineState | None, *, same_model: bool) -> Served:
+    """Phase 12's decision (and the first start's): keep, reload in place, start."""
+    if state is EngineState.READY:
+        return Served.KEPT if same_model else Served.RESTARTED
+    if state is EngineState.SLEEPING:
+        return Served.RELOADED
+    return Served.STARTED
+
+
+def park(engine: Engine | None) -> Parked:
+    """Free the accelerator: sleep, or stop (restart mode, or a sleep that failed)."""
+    if engine is None:
+        return Parked.IDLE
+    step = park_step(engine.state, reloads_in_place=engine.config.reloads_in_place)
+    if step is Parked.IDLE:
+        return Parked.IDLE
+    if step is Parked.ASLEEP:
+        try:
+            engine.sleep()
+            return Parked.ASLEEP
+        except EngineError as exc:
+            log.warning("putting the %s engine to sleep failed, stopping it instead: %s",
+                        engine.config.kind.value, exc)
+    engine.stop()
+    return Parked.STOPPED
+
+
+def serve(engine: Engine, model_dir: Path, *, serving: Path | None) -> Served:
+    """Make `engine` serve `model_dir`; EngineError when it cannot start.  A reload
+    that fails is logged and replaced by a restart (RFC 48920: a failed reload
+    may leave a mix of old and new weights, which must not be served)."""
+    step = serve_step(engine.state, same_model=serving == model_dir)
+    if step is Served.KEPT:
+        engine.check_alive()
+        return step
+    if step is Served.RELOADED:
+        try:
+            engine.load_weights(model_dir)
+            return step
+        except EngineError as exc:
+            log.warning("reloading %s in place failed, restarting the engine instead: %s",
+                        model_dir.name, exc)
+            step = Served.RESTARTED_AFTER_FAILED_RELOAD
+    if engine.state is not EngineState.STOPPED:
+        engine.stop()
+    engine.start(model_dir)
+    return step

@@ -1,0 +1,130 @@
+"""`coordinator doctor`: shared and coherent, or not, on real mounts with real processes.
+
+- three nodes, each on its own sshfs client mount of one export, failed
+  lookups cached for 3 s (what NFS's default lookupcache=all does): every
+  node says the directory is shared, with the measured lags, and the
+  new-file lag shows with its fix;
+- three nodes given three different local directories under the same path
+  (one mount namespace each, a bind mount of its own directory): every one
+  exits 3 within its timeout, naming who it could not see;
+- mount options read from mountinfo text: each risky one explained with its fix.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.mounts import Level, mount_of, risks
+from coordinator.ops.doctor import Doctor
+from tests.support.netfs import NetFs
+
+TIMEOUT = 30  # per wait; a loaded 2-core box answers a probe in well under a second
+
+
+def doctor_command(log_path: Path, rank: int, *, timeout: float = TIMEOUT) -> list[str]:
+    base = [sys.executable, "-m", "rl", "doctor", "--log-path", str(log_path),
+            "--timeout", str(timeout), "--need-gb", "0"]
+    return [*base, "--master", "--num-nodes", "3"] if rank == 0 else [*base, "--worker",
+                                                                       str(rank)]
+
+
+def run_three(commands: list[list[str]], timeout: float) -> list[subprocess.CompletedProcess]:
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in commands]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [subprocess.CompletedProcess(c, p.returncode, o, "")
+            for c, p, o in zip(commands, procs, outs, strict=True)]
+
+
+@pytest.mark.slow
+@pytest.mark.netfs
+def test_three_nodes_on_their_own_network_mounts_are_shared_and_slow_lookups_named(
+        tmp_path: Path) -> None:
+    # Failed lookups cached for 3 s, like NFS's default lookupcache=all.
+    with NetFs(tmp_path / "fs", mounts=3, negative_timeout_s=3.0) as fs:
+        (fs.mounts[0] / "run").mkdir()
+        done = run_three([doctor_command(fs.mounts[r] / "run", r) for r in range(3)], 240)
+    for rank, d in enumerate(done):
+        assert d.returncode == 0, (rank, d.stdout)
+        assert "OK   shared: 3 node(s) see each other's files" in d.stdout, d.stdout
+        assert "verdict: the directory can carry a run" in d.stdout
+    master = done[0].stdout
+    for kind in ("replace", "new", "list"):
+        for rank in (1, 2):
+            assert f"{kind:<7} rank {rank} " in master and "publish-to-visible ~" in master
+    assert "fuse.sshfs: a FUSE filesystem" in master
+    print(master)  # the measured lags, for the record
+    # A file another node creates shows late, and the fix is named.
+    new_lines = [line for line in master.splitlines() if " new     rank " in line]
+    assert new_lines and all(line.strip().startswith("WARN") and "lookupcache=positive" in line
+                             for line in new_lines), master
+
+
+@pytest.mark.slow
+def test_three_local_directories_under_one_path_are_not_shared(tmp_path: Path) -> None:
+    """Each node sees its own directory at the same path: nobody sees anybody."""
+    path = tmp_path / "shared"
+    path.mkdir()
+    commands = []
+    for rank in range(3):
+        own = tmp_path / f"node{rank}"
+        own.mkdir()
+        inner = " ".join(doctor_command(path, rank, timeout=5))
+        commands.append(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                         f"mount --bind {own} {path} && exec {inner}"])
+    started = time.monotonic()
+    done = run_three(commands, 90)
+    took = time.monotonic() - started
+    assert [d.returncode for d in done] == [3, 3, 3], [d.stdout for d in done]
+    assert took < 5 + 30, took  # the 5 s timeout, plus python start-up on a loaded box
+    assert "FAIL shared: rank(s) [1, 2] never appeared in" in done[0].stdout
+    for rank in (1, 2):
+        assert f"FAIL shared: no round from the master naming rank {rank}" in done[rank].stdout
+        assert "cannot carry a run" in done[rank].stdout
+    assert not any((tmp_path / f"node{r}" / "doctor" / "result.json").exists() for r in (1, 2))
+
+
+NFS_DEFAULT = ("50 30 0:48 / /shared rw,relatime shared:30 - nfs4 fs1:/export "
+               "rw,vers=4.2,rsize=1048576,hard,proto=tcp,timeo=600,sec=sys\n")
+NFS_POSITIVE = NFS_DEFAULT.replace("sec=sys", "sec=sys,lookupcache=pos")
+NFS_NOCTO = NFS_POSITIVE.replace("hard", "hard,nocto,actimeo=600")
+BLOB = "51 30 0:49 / /shared rw,nosuid shared:31 - fuse.blobfuse2 blobfuse2 rw,user_id=0\n"
+S3 = "52 30 0:50 / /shared rw shared:32 - fuse.s3fs s3fs rw\n"
+
+
+@pytest.mark.parametrize(("mountinfo", "expected"), [
+    (NFS_DEFAULT, [(Level.WARN, "lookupcache=positive")]),
+    (NFS_POSITIVE, []),
+    (NFS_NOCTO, [(Level.WARN, "remove nocto"), (Level.WARN, "actimeo=60")]),
+    (BLOB, [(Level.WARN, "block_cache")]),
+    (S3, [(Level.FAIL, "put the run directory on NFS")]),
+])
+def test_risky_mount_options_are_explained_with_their_fix(
+        mountinfo: str, expected: list[tuple[Level, str]]) -> None:
+    mount = mount_of(Path("/shared/runs/exp1"), mountinfo)
+    assert mount is not None and mount.mount_point == "/shared"
+    found = risks(mount, num_nodes=3)
+    assert [(r.level, fix) for r, (_, fix) in zip(found, expected, strict=True)
+            if fix in r.fix] == [(level, fix) for level, fix in expected], found
+
+
+def test_doctor_reports_a_mount_with_negative_lookups_cached_with_its_fix(
+        tmp_path: Path) -> None:
+    """One node on a (described) NFS mount with the default lookupcache: WARN and the fix."""
+    lines: list[str] = []
+    info = NFS_DEFAULT.replace("/shared", str(tmp_path))
+    ok = Doctor(log_path=tmp_path, rank=0, num_nodes=1, timeout_s=5, need_bytes=0,
+                address="127.0.0.1", echo=lines.append, mountinfo=info).run()
+    text = "\n".join(lines)
+    assert ok, text
+    assert "WARN mount   rank 0: NFS caches negative lookups" in text
+    assert "fix: mount with lookupcache=positive" in text

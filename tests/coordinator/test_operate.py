@@ -1,0 +1,72 @@
+"""Watching a run: `status --watch` live, `timeline` from the timing records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.ops.timeline import SpanKind, load
+from tests.support.cluster import LocalCluster, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_status_watch_follows_a_run_until_every_daemon_has_stopped(tmp_path: Path) -> None:
+    # 4 iterations of >= 1 s each (the master sleeps in phase 5): several refreshes.
+    config = write_config(tmp_path / "c.toml", iterations=4, scripted='sleeps = ["0:*:5:1.0"]')
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(0, 0, 5), 60, "the run under way")
+        watch = subprocess.run(
+            [sys.executable, "-m", "rl", "status", "--log-path", str(c.log_path), "--watch",
+             "--interval", "0.5"], capture_output=True, text=True, timeout=120)
+        codes = c.wait_all(timeout=60)
+        assert codes == {0: 0, 1: 0, 2: 0}
+    finally:
+        c.close()
+    assert watch.returncode == 0, watch.stderr
+    out = watch.stdout
+    refreshes = out.count("(refreshed every 0.5 s)")
+    assert refreshes >= 4, out  # not a tty: each refresh printed after a timestamp
+    assert out.rstrip().endswith("every daemon has stopped (finished)"), out[-500:]
+    shown = {int(line.split("│")[4].strip()) for line in out.splitlines()
+             if line.startswith("│ 0 ") and line.split("│")[4].strip().isdigit()}
+    assert len(shown) >= 2, shown  # the master's iteration moved between refreshes
+
+
+def test_status_watch_refuses_bad_options(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    for args, message in ((["--interval", "0"], "--interval 0 is outside 0.1..600"),
+                          (["--json"], "--watch and --json do not go together")):
+        done = subprocess.run([sys.executable, "-m", "rl", "status", "--log-path",
+                               str(tmp_path / "run"), "--watch", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_timeline_skips_malformed_timing_records_and_refuses_a_bad_format(
+        tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.toml", iterations=2)
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=2, config=config)
+    try:
+        c.start_all()
+        assert c.wait_all(timeout=60) == {0: 0, 1: 0}
+    finally:
+        c.close()
+    bad = c.log_path / "iterations/000001/timings/rank-1.json"
+    record = json.loads(bad.read_text())
+    record["phases"]["3"]["arrived_at"] = "soon"  # a value a hostile writer could leave
+    bad.write_text(json.dumps(record))
+    drawn = load(c.log_path)
+    assert drawn.skipped == 1
+    assert {(s.rank, s.iteration) for s in drawn.spans} == {(0, 0), (1, 0), (0, 1)}
+    assert {s.kind for s in drawn.spans} == set(SpanKind)
+    done = subprocess.run([sys.executable, "-m", "rl", "timeline", "--log-path",
+                           str(c.log_path), "--out", str(tmp_path / "t.svg")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "give a file ending in .png or .html" in done.stderr

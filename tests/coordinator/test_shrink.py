@@ -1,0 +1,141 @@
+"""coordination.on_failure "shrink": the group goes on without a lost worker and
+takes it back at an iteration boundary once it is restarted.
+
+One scripted run of 3 daemons: rank 2 is SIGKILLed inside a 1.5 s action of
+iteration 1 and not restarted.  After shrink_after_s the master forms a
+session of ranks 0 and 1, which finish iteration 1 and go on.  Rank 2 is then
+restarted with its original command and taken back between two iterations:
+it never runs an iteration the others completed without it.  The RL loop's
+side (tasks re-sharded, training on fewer nodes) is tests/integration/test_rl_shrink.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from coordinator.ops.status import collect, render
+from coordinator.phases import Phase
+from tests.coordinator.test_regroup import recoveries
+from tests.support.cluster import LocalCluster, scripted_log, scripted_runs, write_config
+
+pytestmark = pytest.mark.slow
+LEASE = 3.0
+SHRINK_AFTER_S = 2.0
+ITERATIONS = 9
+KILLED_AT = (1, 1)  # iteration, phase
+# Each iteration takes >= 1 s (the master sleeps in phase 5), so the restarted
+# rank 2 (imports ~1.5 s on a loaded machine) finds the run still going.
+SCRIPT = f'sleeps = ["2:{KILLED_AT[0]}:{KILLED_AT[1]}:1.5", "0:*:5:1.0"]'
+
+
+def session(log_path: Path) -> dict:
+    return json.loads((log_path / "session.json").read_text())  # type: ignore[no-any-return]
+
+
+def timings(log_path: Path, rank: int) -> list[int]:
+    return sorted(int(p.parent.parent.name) for p in (log_path / "iterations").glob(
+        f"*/timings/rank-{rank}.json"))
+
+
+def test_a_lost_worker_is_left_out_then_taken_back_at_an_iteration_boundary(
+        tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.toml", iterations=ITERATIONS, lease=LEASE,
+                          scripted=SCRIPT, on_failure="shrink")
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
+                     master_args=["--set", f"coordination.shrink_after_s={SHRINK_AFTER_S}",
+                                  "--min-nodes", "2"])
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(2, *KILLED_AT, "running"), 120, "rank 2 in phase 1")
+        c.kill(2)
+        # Lease (3 s) to notice, shrink_after_s (2 s), then the group goes on:
+        # the master records the recovery, then publishes the new session.
+        c.wait_until(lambda: len(recoveries(c.log_path)) == 1 and
+                     sorted(session(c.log_path)["members"]) == ["0", "1"], 60, "the shrunk group")
+        shrunk = session(c.log_path)
+        assert shrunk["start_iteration"] == KILLED_AT[0]
+        c.wait_until(lambda: c.at_phase(0, KILLED_AT[0] + 1, 5), 60, "iteration 2 without 2")
+        for rank in (0, 1):
+            assert c.procs[rank].poll() is None, c.output(rank)[-2000:]
+        shown = " ".join(render(collect(c.log_path)).split())
+        assert "going on without rank(s) [2] (on_failure shrink)" in shown
+        assert "without rank(s) [2] (their unfinished tasks go to the others)" in shown
+        c.start(2)
+        codes = c.wait_all(timeout=120)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+    finally:
+        c.close()
+
+    # Taking rank 2 back is no failure: nobody took the master for gone meanwhile.
+    assert "to re-form the group: no reason given" not in c.output(1), c.output(1)[-3000:]
+    (recovery,) = recoveries(c.log_path)
+    assert recovery["rank"] == 2 and recovery["left_out"] == [2], recovery
+    assert recovery["members"].keys() == {"0", "1"}
+    assert recovery["resume_iteration"] == KILLED_AT[0]
+    assert session(c.log_path)["members"].keys() == {"0", "1", "2"}
+
+    # Rank 2 came back between two iterations: none of the ones the others did
+    # without it, every phase of every one after it.
+    back = min(it for it in timings(c.log_path, 2) if it > KILLED_AT[0])
+    assert back >= KILLED_AT[0] + 2
+    assert timings(c.log_path, 2) == [0, *range(back, ITERATIONS)]
+    log2 = scripted_log(c.log_path, 2)
+    assert log2 == [(0, int(p)) for p in Phase] + [(1, 0)] + [
+        (it, int(p)) for it in range(back, ITERATIONS) for p in Phase]
+    journal = json.loads((c.log_path / "ranks" / "2" / "journal.json").read_text())
+    assert journal["completed_iteration"] == ITERATIONS - 1
+
+    # The survivors did every phase of every iteration exactly once: nothing was
+    # redone, nothing skipped (rank 2's killed action was never finished by it).
+    runs = scripted_runs(c.log_path)
+    for rank in (0, 1):
+        assert scripted_log(c.log_path, rank) == [
+            (it, int(p)) for it in range(ITERATIONS) for p in Phase]
+    assert all(n == 1 for n in runs.values()), {k: n for k, n in runs.items() if n != 1}
+
+
+def test_a_rank_back_during_the_last_iteration_exits_0_when_the_run_completes(
+        tmp_path: Path) -> None:
+    """No boundary is left to take it back at: the master completes the run without
+    it, and the waiting rank exits 0 saying so (a requeue loop must not restart it)."""
+    last = 2
+    config = write_config(tmp_path / "c.toml", iterations=last + 1, lease=LEASE,
+                          scripted=f'sleeps = ["2:{last}:1:1.5", "0:{last}:5:4.0"]',
+                          on_failure="shrink")
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
+                     master_args=["--set", f"coordination.shrink_after_s={SHRINK_AFTER_S}"])
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(2, last, 1, "running"), 120, "rank 2 in phase 1")
+        c.kill(2)
+        c.wait_until(lambda: len(recoveries(c.log_path)) == 1 and
+                     sorted(session(c.log_path)["members"]) == ["0", "1"], 60, "the shrunk group")
+        c.start(2)
+        codes = c.wait_all(timeout=120)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+    finally:
+        c.close()
+    assert f"completed run {session(c.log_path)['run_id']} without rank 2" in c.output(2)
+    assert timings(c.log_path, 2) == list(range(last))
+
+
+def test_fewer_nodes_back_than_min_nodes_stop_every_daemon_with_exit_3(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.toml", iterations=3, lease=LEASE,
+                          scripted='sleeps = ["2:0:1:1.5"]', on_failure="shrink")
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
+                     master_args=["--set", f"coordination.shrink_after_s={SHRINK_AFTER_S}",
+                                  "--min-nodes", "3"])
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(2, 0, 1, "running"), 120, "rank 2 in phase 1")
+        c.kill(2)
+        codes = {r: c.wait(r, 60) for r in (0, 1)}
+    finally:
+        c.close()
+    assert codes == {0: 3, 1: 3}, {r: c.output(r)[-3000:] for r in codes}
+    assert "only 2 of 3 nodes are back" in c.output(0)
+    assert "coordination.min_nodes=3 needs 3" in c.output(0)
+    assert "coordination.min_nodes=3" in c.output(1)  # the worker says why the master stopped
