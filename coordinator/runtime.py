@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Final
 
 import psutil
 
@@ -31,18 +32,18 @@ from coordinator.errors import Cancelled, CoordinatorError, Interrupted
 log = logging.getLogger(__name__)
 
 
-def kill_tree(pid: int, *, grace_s: float = 2.0) -> list[int]:
+def kill_tree(pid: int, *, grace_s: float = 2.0) -> list[int] | None:
     """SIGTERM a process and all its descendants, SIGKILL what remains.
 
     Descendants are collected before signalling, so children that re-parent
     to init when their parent dies are still found.  Returns the PIDs that
-    needed SIGKILL.
+    needed SIGKILL, or None when the process had already exited.
     """
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return []
+        return None
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):  # it exited meanwhile: fine
             proc.send_signal(signal.SIGTERM)
@@ -94,8 +95,11 @@ class Runtime:
             children = dict(self._children)
         for pid, what in children.items():
             killed = kill_tree(pid, grace_s=1.0)
-            log.warning("stopped %s (pid %d)%s", what, pid,
-                        f"; SIGKILL needed for {killed}" if killed else "")
+            if killed is None:  # its owner stopped it already (a normal finish)
+                log.debug("%s (pid %d) had already exited", what, pid)
+            else:
+                log.warning("stopped %s (pid %d)%s", what, pid,
+                            f"; SIGKILL needed for {killed}" if killed else "")
             self.remove_child(pid)
 
     def fail(self, error: CoordinatorError) -> bool:
@@ -154,11 +158,26 @@ class Runtime:
             raise Cancelled(str(self._failure) if self._failure else "cancelled")
 
 
-def install_signal_handlers() -> None:
-    """SIGTERM and SIGINT raise Interrupted in the main thread; a second one kills at once."""
+# A stop request can arrive twice at once: on `scancel`, slurmstepd signals
+# every process of the step and srun forwards the same signal to it again.
+# Within this window a second signal is that same request, not an impatient
+# operator asking to kill at once.
+DUPLICATE_SIGNAL_WINDOW_S: Final = 2.0
+
+
+def install_signal_handlers(*, clock: Callable[[], float] = time.monotonic) -> None:
+    """SIGTERM and SIGINT raise Interrupted in the main thread; a second one, once
+    DUPLICATE_SIGNAL_WINDOW_S have passed, kills at once."""
+    first: list[float] = []
+
     def handler(signum: int, frame: FrameType | None) -> None:
+        if not first:
+            first.append(clock())
+            raise Interrupted(signum)
+        if clock() - first[0] < DUPLICATE_SIGNAL_WINDOW_S:
+            return  # the same request, delivered twice
         signal.signal(signum, signal.SIG_DFL)
-        raise Interrupted(signum)
+        os.kill(os.getpid(), signum)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)

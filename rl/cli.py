@@ -291,6 +291,7 @@ def demo(
         report = build_demo_model(model, seed=0, warmstart_steps=65)
         typer.echo(f"  done: {report}")
     try:
+        demo_mod.demo_config()
         engine_items = demo_mod.engine_settings(engine, vllm=vllm, nodes=nodes)
     except UsageError as exc:
         raise fail_usage(str(exc)) from None

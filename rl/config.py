@@ -54,6 +54,7 @@ NODE_LOCAL_KEYS: Final = (
     "engine.prewarm",
     "torchrun.extra_args",
     "checkpoint.local_cache",
+    "checkpoint.keep_local_cache",
     # The agent plugin is code each node imports and runs: named by the node's
     # own config, never by run.json (phase 1 checks every rank ran the same).
     "rollout.agent",
@@ -163,8 +164,11 @@ class TorchrunSection:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSection:
     # Node-local; the run's checkpoints go to <local_cache>/<run id>/, shared by the
-    # daemons of one node under a node-local lock ("" means /tmp/coordinator-cache).
+    # daemons of one node under a node-local lock ("" means $TMPDIR/coordinator-<uid>,
+    # rl/node_local.py).  The last daemon of the run on a node removes it as it
+    # exits, unless keep_local_cache.
     local_cache: str = ""
+    keep_local_cache: bool = False
     keep: int = 2  # published checkpoints kept (the initial model is never removed)
 
     def __post_init__(self) -> None:

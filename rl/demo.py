@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from coordinator import layout
 from coordinator.errors import UsageError
@@ -25,22 +25,15 @@ from coordinator.liveness import describe_phase
 from coordinator.ops.status import plain
 from rl import history
 
-DEMO_CONFIG = """\
-# Written by `coordinator demo`.  No model.path: the tiny model the demo built
-# in the run directory, with its own defaults (rl/config.py, TINY_MODEL_DEFAULTS);
-# every key not listed takes its default.
-[run]
-actions = "rl"
-iterations = {iterations}
+# The demo's settings, the same file README's Slurm try-out runs with.
+DEMO_CONFIG: Final = Path(__file__).resolve().parents[1] / "examples" / "configs" / "demo.toml"
 
-[schedule]
-eval_interval = {eval_interval}
-eval_before_train = true
 
-[coordination]
-heartbeat_interval_s = 1.0
-lease_s = 10.0
-"""
+def demo_config() -> Path:
+    if not DEMO_CONFIG.is_file():
+        raise UsageError(f"the demo's settings file {DEMO_CONFIG} is missing: the demo runs "
+                         "from a source checkout (git clone, then scripts/setup.sh)")
+    return DEMO_CONFIG
 
 
 def engine_settings(engine: str, *, vllm: str, nodes: int) -> list[str]:
@@ -188,8 +181,7 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
     from rich.live import Live
 
     log_path.mkdir(parents=True, exist_ok=True)
-    config = log_path / "demo-config.toml"
-    config.write_text(DEMO_CONFIG.format(iterations=iterations, eval_interval=eval_interval))
+    config = demo_config()
     logs = log_path / "demo-logs"
     logs.mkdir(exist_ok=True)
     procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -198,8 +190,9 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
     for rank in range(nodes):
         # Every daemon gets the extra settings: node-local ones (rollout.agent,
         # engine.env, ...) are read from each node's own flags, never from run.json.
-        who = ["--master", "--num-nodes", str(nodes), "--config", str(config), *extra_args] \
-            if rank == 0 else ["--worker", str(rank), *extra_args]
+        who = ["--master", "--num-nodes", str(nodes), "--config", str(config),
+               "--iterations", str(iterations), "--eval-interval", str(eval_interval),
+               *extra_args] if rank == 0 else ["--worker", str(rank), *extra_args]
         cmd = [sys.executable, "-m", "rl", "run", "--log-path", str(log_path), *who]
         with open(logs / f"rank-{rank}.log", "wb") as out:
             procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

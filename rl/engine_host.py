@@ -21,15 +21,15 @@ from typing import Any
 from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.fsio import remove_tree
-from rl import layout
+from rl import layout, node_local
 from rl.config import RlSections, requests_in_flight
-from rl.locks import node_lock
+from rl.node_local import lock_dir, node_lock
 from rl.served_weights import checkpoint_probes, verify_served_weights
 from rollout.agents import EngineEndpoint
 from rollout.client import CompletionClient
 from rollout.engines import serving
 from rollout.engines.engine import Engine, EngineError, EngineState, make_engine
-from rollout.engines.serving import Parked
+from rollout.engines.serving import Parked, Served
 from trainer.probes import ProbeSet
 
 log = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ class EngineHost:
         self._probes: ProbeSet | None = None  # of the checkpoint served before
 
     def cache_root(self, run_id: str) -> Path:
-        """This node's cache of the run's checkpoints, shared by its daemons."""
-        base = Path(self.s.checkpoint.local_cache or "/tmp/coordinator-cache")
-        return base / run_id
+        """This node's cache of the run's checkpoints, shared by its daemons
+        (rl/node_local.py: per user, under TMPDIR; the last daemon out removes it)."""
+        return node_local.run_root(run_id, self.s.checkpoint.local_cache)
 
     def local_copy(self, ctx: StepContext, model_dir: Path) -> Path:
         """A verified node-local copy of a published checkpoint (or a user model in place)."""
@@ -62,7 +62,8 @@ class EngineHost:
             return model_dir
         root = self.cache_root(ctx.run_id)
         # Daemons of this node share the cache: one copies, the others reuse.
-        with node_lock(root, timeout_s=CACHE_LOCK_TIMEOUT_S, what="copying a checkpoint"):
+        with node_lock(lock_dir(root), "cache", timeout_s=CACHE_LOCK_TIMEOUT_S,
+                       what="copying a checkpoint"):
             try:
                 return copy_to_local_cache(model_dir, root)
             except CheckpointError as exc:
@@ -87,6 +88,8 @@ class EngineHost:
                               f" inference engine could not serve {local}: {exc}") from exc
         finally:
             self._register(ctx, before=pid)
+        if how is Served.KEPT:  # verified when it was loaded; nothing moved since
+            return {"engine": how.value, "engine_pid": engine.pid}
         verdict = verify_served_weights(engine.control(), self.s.engine, local, rank=self.rank,
                                         host=ctx.host, previous=self._probes)
         self._probes = checkpoint_probes(local)
@@ -127,7 +130,8 @@ class EngineHost:
         """
         if keep.parent != root or not root.is_dir():
             return
-        with node_lock(root, timeout_s=CACHE_LOCK_TIMEOUT_S, what="copying a checkpoint"):
+        with node_lock(lock_dir(root), "cache", timeout_s=CACHE_LOCK_TIMEOUT_S,
+                       what="copying a checkpoint"):
             for child in root.iterdir():
                 if child != keep and child.is_dir() and not child.name.startswith("."):
                     remove_tree(child)

@@ -22,10 +22,9 @@ from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.records import Arrival
 from coordinator.store import read_document
-from rl import layout
+from rl import layout, node_local
 from rl.contracts import INITIAL_POLICY, PolicyChoice
 from rl.layout import Split
-from rl.locks import node_lock
 from rl.loop import Loop
 from rl.takeover import take_over_lost_tasks
 from rollout.sharding import ShardPlan, throughput_weights
@@ -39,7 +38,7 @@ def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 0 (master): the iteration's tasks of each split, shared among the ranks."""
     if not ctx.is_master:
         return {}
-    ensure_initial_model(loop)
+    ensure_initial_model(loop, ctx)
     if not loop.checked:
         from rl.preflight import check_loop
 
@@ -93,30 +92,31 @@ def shard_plan(loop: Loop, iteration: int, split: Split) -> ShardPlan:
     return plan
 
 
-def ensure_initial_model(loop: Loop) -> None:
+def ensure_initial_model(loop: Loop, ctx: StepContext) -> None:
     """Build the demo model once when no --model was given."""
     if loop.s.model.path:
         if not (loop.initial_model() / "config.json").exists():
             raise ActionError(f"model.path {loop.s.model.path} has no config.json: give a "
                               "local Hugging Face model directory")
         return
-    build_demo_model(loop.initial_model(), seed=loop.s.model.init_seed,
-                     warmstart_steps=loop.s.model.warmstart_steps)
+    locks = node_local.lock_dir(node_local.run_root(ctx.run_id, loop.s.checkpoint.local_cache))
+    with node_local.node_lock(locks, "demo-model", timeout_s=DEMO_MODEL_LOCK_TIMEOUT_S,
+                              what="building the demo model"):
+        build_demo_model(loop.initial_model(), seed=loop.s.model.init_seed,
+                         warmstart_steps=loop.s.model.warmstart_steps)
 
 
 def build_demo_model(target: Path, *, seed: int, warmstart_steps: int) -> dict[str, Any]:
-    """The tiny demo model at `target`, built once: processes of this node that ask
-    for it at the same time wait for the first one and reuse its model."""
-    with node_lock(target, timeout_s=DEMO_MODEL_LOCK_TIMEOUT_S, what="building the demo model"):
-        if (target / "manifest.json").exists():
-            return {}
-        log.info("building the tiny demo model in %s (warm start: %d steps)", target,
-                 warmstart_steps)
-        from trainer.warmstart import build_initial_model  # torch: only when needed
+    """The tiny demo model at `target`, unless it is there already (the caller holds
+    what keeps two builders apart)."""
+    if (target / "manifest.json").exists():
+        return {}
+    log.info("building the tiny demo model in %s (warm start: %d steps)", target, warmstart_steps)
+    from trainer.warmstart import build_initial_model  # torch: only when needed
 
-        report = build_initial_model(target, seed=seed, warmstart_steps=warmstart_steps)
-        log.info("tiny model ready: %s", report)
-        return report
+    report = build_initial_model(target, seed=seed, warmstart_steps=warmstart_steps)
+    log.info("tiny model ready: %s", report)
+    return report
 
 
 def rank_weights(loop: Loop, ctx: StepContext) -> list[float]:

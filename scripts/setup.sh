@@ -18,9 +18,13 @@ scripts/setup_vllm.sh
 # System tools for the network-filesystem test fixture (sshfs over sshd on
 # loopback, two FUSE mounts with their own caches). Installed when missing
 # and we are root with apt; the fixture test fails with the reason otherwise.
-if ! command -v sshfs >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ]; then
+# Slurm and munge for the launch recipe's tests: a real three-node cluster on
+# this host (tests/support/slurm.py), started by the tests, never as a service.
+if ! command -v sshfs >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ] || \
+    [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/munged ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sshfs openssh-server fuse3 >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      sshfs openssh-server fuse3 slurmctld slurmd slurm-client munge >/dev/null
   fi
 fi

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -70,3 +71,10 @@ def test_the_demo_on_vllm_trains_two_nodes_reloading_in_place_and_draws_its_rewa
                  if any(run_id in arg or str(run) in arg for arg in p.info["cmdline"] or [])]
     assert leftovers == []
     assert set(glob.glob(f"{tempfile.gettempdir()}/vllm_dist_*")) <= before
+    # Nor the node-local cache of the run (the last daemon out removes it).
+    assert not list(Path(tempfile.gettempdir()).glob(f"coordinator-*/{run_id}"))
+    # A normal finish says nothing at WARNING or above.
+    for rank in range(2):
+        lines = (run / f"demo-logs/rank-{rank}.log").read_text().splitlines()
+        loud = [line for line in lines if re.search(r" (WARNING|ERROR|CRITICAL) ", line)]
+        assert loud == [], loud

@@ -4,6 +4,7 @@ this machine, the tiny model built on the spot, two iterations that learn."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -48,6 +49,10 @@ def test_the_usage_line_as_the_readme_writes_it_trains_every_iteration_and_learn
     for rank, log in done.logs.items():
         assert (f"rank {rank} finished 2 iterations of run" in log
                 and "2048 samples trained, 0 failed, 0 recoveries" in log), log[-2000:]
+        # A normal finish says nothing at WARNING or above.
+        loud = [line for line in log.splitlines()
+                if re.search(r" (WARNING|ERROR|CRITICAL) ", line)]
+        assert loud == [], loud
     status = subprocess.run([coordinator(), "status", "--log-path", str(run), "--json"],
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr

@@ -1,11 +1,10 @@
 """The launch recipes in examples/, run as far as this machine allows.
 
-- examples/launch/slurm.sbatch runs as the batch script with Slurm's
-  variables, `srun` replaced by tests/support/fake_srun.py (one process per
-  task, SLURM_PROCID set): doctor first, then three scripted ranks to the end;
+- examples/launch/slurm.sbatch runs under a real Slurm cluster
+  (tests/project/test_slurm_recipe.py);
 - examples/launch/skypilot.yaml's `run` section runs three times with
   SKYPILOT_NODE_RANK and SKYPILOT_NUM_NODES, as SkyPilot runs it per node;
-- examples/configs/qwen2.5-1.5b-gsm8k.toml loads and validates.
+- examples/configs/qwen2.5-1.5b-gsm8k.toml and demo.toml load and validate.
 """
 
 from __future__ import annotations
@@ -38,27 +37,6 @@ def recipe_env(tmp_path: Path, **extra: str) -> dict[str, str]:
             "DOCTOR_TIMEOUT": "60", "RUN_ARGS": "", **extra}
 
 
-def test_the_slurm_script_runs_doctor_then_three_ranks_to_the_end(tmp_path: Path) -> None:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    srun = bin_dir / "srun"
-    srun.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests/support/fake_srun.py'} "
-                    '"$@"\n')
-    srun.chmod(0o755)
-    env = recipe_env(tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NNODES="3",
-                     SLURM_JOB_NAME="rl-test", SLURM_JOB_ID="4242")
-    done = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("verdict: the directory can carry a run") == 3, done.stdout
-    assert completed(tmp_path / "run", 3, 3)
-    # Requeued (the same script again): the run is found complete, nothing is redone.
-    again = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch")], env=env, cwd=ROOT,
-                           capture_output=True, text=True, timeout=240)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "is already complete (3 iterations); nothing to do" in again.stderr
-
-
 def test_the_skypilot_run_section_runs_three_ranks_to_the_end(tmp_path: Path) -> None:
     task = yaml.safe_load((LAUNCH / "skypilot.yaml").read_text())
     assert task["num_nodes"] == 3 and "setup" in task
@@ -89,3 +67,14 @@ def test_the_example_model_config_loads_and_validates() -> None:
     assert s.torchrun.nproc_per_node == 8 and s.train.strategy.value == "fsdp2"
     assert s.data.path == "/shared/data/gsm8k" and s.rollout.group_size == 8
     assert config.coordination.lease_s == 30.0
+
+
+def test_the_demo_settings_file_is_the_one_the_demo_runs_with() -> None:
+    from coordinator.actions import resolve_config
+    from coordinator.config import load_file
+    from rl.demo import demo_config
+
+    assert demo_config() == ROOT / "examples/configs/demo.toml"
+    config = resolve_config(load_file(demo_config()))
+    assert config.run.actions == "rl" and config.coordination.lease_s == 10.0
+    assert config.sections["model"]["path"] == ""  # the tiny model, built by the master
