@@ -15,6 +15,13 @@ fi
 "$PY" -m pip install --quiet -e ".[dev]"
 # vLLM's CPU build, in .venv-vllm: the tests run the vllm engine against it.
 scripts/setup_vllm.sh
+# SkyPilot, in .venv-sky: its own parser checks examples/launch/skypilot.yaml
+# (tests/project/test_launch_recipes.py).  An environment of its own because
+# its dependencies are not the project's; about 50 s and 460 MB.
+if ! .venv-sky/bin/python -c "import sky" 2>/dev/null; then
+  "$PYTHON" -m venv .venv-sky
+  .venv-sky/bin/python -m pip install --quiet "skypilot==0.14.1"
+fi
 # System tools for the network-filesystem test fixture (sshfs over sshd on
 # loopback, two FUSE mounts with their own caches). Installed when missing
 # and we are root with apt; the fixture test fails with the reason otherwise.

@@ -3,7 +3,8 @@
 - examples/launch/slurm.sbatch runs under a real Slurm cluster
   (tests/project/test_slurm_recipe.py);
 - examples/launch/skypilot.yaml's `run` section runs three times with
-  SKYPILOT_NODE_RANK and SKYPILOT_NUM_NODES, as SkyPilot runs it per node;
+  SKYPILOT_NODE_RANK and SKYPILOT_NUM_NODES, as SkyPilot runs it per node,
+  and SkyPilot's own parser (sky.Task.from_yaml, in .venv-sky) accepts it;
 - examples/configs/qwen2.5-1.5b-gsm8k.toml and demo.toml load and validate.
 """
 
@@ -78,3 +79,23 @@ def test_the_demo_settings_file_is_the_one_the_demo_runs_with() -> None:
     config = resolve_config(load_file(demo_config()))
     assert config.run.actions == "rl" and config.coordination.lease_s == 10.0
     assert config.sections["model"]["path"] == ""  # the tiny model, built by the master
+
+
+SKY = ROOT / ".venv-sky" / "bin" / "python"
+
+
+def test_skypilots_own_parser_accepts_the_skypilot_recipe() -> None:
+    assert SKY.exists(), f"{SKY} is missing: scripts/setup.sh installs SkyPilot there"
+    read = ("import json, sys, sky\n"
+            "t = sky.Task.from_yaml(sys.argv[1])\n"
+            "r = next(iter(t.resources))\n"
+            "print(json.dumps({'name': t.name, 'nodes': t.num_nodes, 'envs': t.envs,\n"
+            "                  'accelerators': r.accelerators, 'setup': bool(t.setup),\n"
+            "                  'run': bool(t.run), 'workdir': str(t.workdir)}))\n")
+    done = subprocess.run([str(SKY), "-c", read, str(LAUNCH / "skypilot.yaml")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    task = json.loads(done.stdout.strip().splitlines()[-1])
+    assert task["name"] == "coordinator-rl" and task["nodes"] == 3
+    assert task["accelerators"] == {"H100": 8} and task["setup"] and task["run"]
+    assert {"RUN_DIR", "CONFIG", "COORDINATOR"} <= set(task["envs"])
