@@ -107,10 +107,8 @@ class Actions(Protocol):
         """
         ...
 
-    def close(self, *, final: bool = False) -> None:
-        """Stop engines and children; must not raise.  Called before a regroup
-        rebuilds the actions, and with `final` when the daemon exits: then also
-        remove what the actions keep on this node's own disk."""
+    def close(self) -> None:
+        """Stop engines and children at exit; must not raise."""
         ...
 
 

@@ -352,10 +352,10 @@ class Daemon:
             self.config, rank=self.rank, num_nodes=self.manifest.num_nodes,
             run_dir=self.plan.log_path)
 
-    def _close_actions(self, *, final: bool = False) -> None:
+    def _close_actions(self) -> None:
         if self.actions is not None:
             try:
-                self.actions.close(final=final)
+                self.actions.close()
             except Exception:  # stopping path: log and go on
                 log.exception("closing the actions failed")
             self.actions = None
@@ -477,7 +477,7 @@ class Daemon:
     def _finish(self, state: NodeState, error: str | None) -> None:
         if self.monitor is not None:
             self.monitor.stop()
-        self._close_actions(final=True)
+        self._close_actions()
         self.runtime.kill_children()
         self._final_heartbeat(state, error)
         if self.heartbeat is not None and not isinstance(self.runtime.failure, FencedError):

@@ -170,7 +170,7 @@ class ScriptedActions:
     def partial_outputs(self, iteration: int, phase: Phase, rank: int) -> list[Path]:
         return [self._output(iteration, phase, rank)]
 
-    def close(self, *, final: bool = False) -> None:
+    def close(self) -> None:
         return None
 
 

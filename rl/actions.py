@@ -70,7 +70,6 @@ class RlActions:
         self.loop = Loop(config, rank=rank, num_nodes=num_nodes, run_dir=run_dir)
 
     def run(self, phase: Phase, ctx: StepContext) -> Mapping[str, Any]:
-        self.loop.enter(ctx)
         return PHASE_WORK[phase].run(self.loop, ctx)
 
     def decide(self, phase: Phase, ctx: StepContext,
@@ -95,8 +94,8 @@ class RlActions:
             return [layout.train_job(run_dir, iteration)]
         return []
 
-    def close(self, *, final: bool = False) -> None:
-        self.loop.close(final=final)
+    def close(self) -> None:
+        self.loop.close()
 
 
 def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> RlActions:

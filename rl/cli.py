@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from coordinator.errors import CoordinatorError, ExitCode, MalformedRecordError, UsageError
-from rl import cli_flags
+from rl import cli_flags, node_local
 from rl.cli_args import (
     check_log_path,
     check_num_nodes,
@@ -108,7 +108,18 @@ def run(
         raise report(exc) from None
     except KeyboardInterrupt:
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-    code = Daemon(plan).run()
+    # This node's directory of the run (rl/node_local.py) holds the checkpoint
+    # cache and is the TMPDIR of the daemon and every process it starts; the
+    # last daemon of the run on the node removes it.
+    checkpoint = plan.config.sections.get("checkpoint", {})
+    try:
+        node_local.adopt(plan.manifest.run_id, str(checkpoint.get("local_cache", "")))
+    except CoordinatorError as exc:
+        raise report(exc) from None
+    try:
+        code = Daemon(plan).run()
+    finally:
+        node_local.leave_all(keep=bool(checkpoint.get("keep_local_cache", False)))
     raise typer.Exit(int(code))
 
 

@@ -18,7 +18,7 @@ from coordinator.config import RunConfig
 from coordinator.layout import release as release_key
 from coordinator.netaddr import Listener
 from coordinator.store import read_document
-from rl import layout, node_local
+from rl import layout
 from rl.config import RlSections, parse_sections
 from rl.contracts import INITIAL_POLICY
 from rl.engine_host import EngineHost
@@ -41,14 +41,6 @@ class Loop:
         self._by_id: dict[str, dict[str, Task]] = {}
         self.wandb: Any = None  # master: the Weights & Biases run, once opened (rl/reporting.py)
         self.checked = False  # master: settings checked against model and tasks (preflight)
-        self.node_root: Path | None = None  # this node's directory of the run (enter)
-
-    def enter(self, ctx: StepContext) -> None:
-        """Once per run: this node's directory of the run (rl/node_local.py) becomes
-        the TMPDIR of every process the loop starts."""
-        if self.node_root is None:
-            self.node_root = node_local.run_root(ctx.run_id, self.s.checkpoint.local_cache)
-            node_local.children_tmpdir(self.node_root)
 
     @property
     def trains(self) -> bool:
@@ -87,16 +79,9 @@ class Loop:
             self.listener.close()
             self.listener = None
 
-    def close(self, *, final: bool = False) -> None:
-        """Stop the engine; `final` (the daemon exits): also leave this node's run
-        directory, which the last daemon of the run on the node removes."""
+    def close(self) -> None:
         self.close_listener()
         self.engines.close()
-        if final:
-            try:
-                node_local.leave_all(keep=self.s.checkpoint.keep_local_cache)
-            except Exception:  # closing path: log, never raise
-                log.exception("removing this node's cache of the run failed")
         if self.wandb is not None:
             try:
                 self.wandb.finish()

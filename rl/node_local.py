@@ -73,11 +73,19 @@ def run_root(run_id: str, local_cache: str = "") -> Path:
     return root
 
 
+def adopt(run_id: str, local_cache: str = "") -> Path:
+    """For a daemon's process, once it knows its run: hold the run's directory and
+    make its .tmp the TMPDIR of this process and of every process it starts
+    (the engines, torchrun and its workers), so that the temporary files they
+    leave (torch's compile caches, torchrun's log directories) go with it.
+    Changes this process's environment: call it from a daemon's entry point,
+    never from a library or a test's process."""
+    root = run_root(run_id, local_cache)
+    children_tmpdir(root)
+    return root
+
+
 def children_tmpdir(root: Path) -> Path:
-    """Point TMPDIR of this process and of every process it starts from now on (the
-    engines, torchrun and its workers) into the run's directory, so that the
-    temporary files they leave (torch's compile caches, torchrun's log
-    directories) go with it."""
     node_base()  # fixed first: TMPDIR no longer names the node's own temp dir
     tmp = root / CHILD_TMP
     tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -109,9 +117,13 @@ def node_lock(directory: Path, name: str, *, timeout_s: float, what: str) -> Ite
 
 
 def leave_all(*, keep: bool) -> None:
-    """At daemon exit: stop holding every run directory; the last holder removes it."""
+    """At daemon exit: stop holding every run directory; the last holder removes it.
+    A shutdown path: logs what fails, never raises."""
     for root in sorted(_joined):
-        leave(root, keep=keep)
+        try:
+            leave(root, keep=keep)
+        except Exception:
+            log.exception("removing this node's directory of the run %s failed", root)
     _joined.clear()
 
 

@@ -38,3 +38,17 @@ def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("model") / "warm"
     init_model(out, seed=0, warmstart_steps=65)
     return out
+
+
+@pytest.fixture(autouse=True)
+def temp_dir_untouched() -> Iterator[None]:
+    """No test may leave the suite's process another temporary directory: every
+    subprocess a later test starts would inherit it (rl/node_local.py changes
+    TMPDIR only in a daemon's own process)."""
+    import os
+    import tempfile
+
+    before = os.environ.get("TMPDIR"), tempfile.gettempdir()
+    yield
+    after = os.environ.get("TMPDIR"), tempfile.gettempdir()
+    assert after == before, f"this test changed the process's TMPDIR: {before} -> {after}"

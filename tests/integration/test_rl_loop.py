@@ -239,7 +239,7 @@ def test_a_checkpoint_altered_after_publishing_is_refused_at_phase_12_naming_the
                              "checkpoint": {"local_cache": str(tmp_path / "cache")}})
     actions = build(config, rank=1, num_nodes=3, run_dir=run)
     ctx = StepContext(rank=1, num_nodes=3, iteration=0, phase=Phase.RESTART_ENGINE, run_dir=run,
-                      run_id="r", config=config, weights=(1.0, 1.0, 1.0), host="h",
+                      run_id="0123456789ab", config=config, weights=(1.0, 1.0, 1.0), host="h",
                       address="127.0.0.1", runtime=Runtime(),
                       releases={11: {"checkpoint": "checkpoints/iter-000000"}})
     try:
