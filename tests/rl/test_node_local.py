@@ -85,19 +85,31 @@ def other_user() -> pwd.struct_passwd:
 
 
 def as_other_user(user: str, cmd: list[str], *, hide: Path) -> list[str]:
-    """`cmd` run as `user`.  The interpreter may live under a directory only root can
-    enter (pyenv under /root): then, in a mount namespace of the command's own,
-    that directory is a world-readable tmpfs holding just the installation."""
-    install = Path(sys.base_prefix).resolve()
-    blocked = next((d for d in reversed(install.parents) if d != Path("/") and
-                    not d.stat().st_mode & 0o001), None)
-    if blocked is None:
+    """`cmd` run as `user`.  The interpreter, the virtual environment or this checkout
+    may lie under a directory only root can enter (pyenv under /root, a CI
+    workspace): then, in a mount namespace of the command's own, each such
+    directory is a world-readable tmpfs holding just what the run needs."""
+    needed = sorted({Path(p).resolve() for p in (sys.base_prefix, sys.prefix, ROOT)})
+    steps: list[str] = []
+    covered: set[Path] = set()
+    for i, path in enumerate(needed):
+        blocked = next((d for d in reversed(path.parents) if d != Path("/") and
+                        not d.stat().st_mode & 0o001), None)
+        if blocked is None:
+            continue
+        keep = hide / str(i)
+        keep.mkdir(parents=True, exist_ok=True)
+        steps.append(f"mount --bind {path} {keep}")
+        covered.add(blocked)
+    if not steps:
         return ["runuser", "-u", user, "--", *cmd]
-    child = blocked / install.relative_to(blocked).parts[0]
-    hide.mkdir(exist_ok=True)
-    script = (f"mount --make-rprivate / && mount --bind {child} {hide} && "
-              f"mount -t tmpfs -o mode=755 tmpfs {blocked} && mkdir -p {child} && "
-              f"mount --bind {hide} {child} && exec runuser -u {user} -- \"$@\"")
+    for blocked in sorted(covered, key=lambda d: len(d.parts)):
+        steps.append(f"mount -t tmpfs -o mode=755 tmpfs {blocked}")
+    for i, path in enumerate(needed):
+        if (hide / str(i)).exists():
+            steps.append(f"mkdir -p {path} && mount --bind {hide / str(i)} {path}")
+    script = " && ".join(["mount --make-rprivate /", *steps,
+                          f'exec runuser -u {user} -- "$@"'])
     return ["unshare", "-m", "sh", "-c", script, "sh", *cmd]
 
 
