@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from coordinator.config import RunConfig
-from coordinator.errors import UsageError
+from coordinator.errors import PhaseFailedError, UsageError
 from coordinator.phases import Phase
 from coordinator.records import Arrival
 from coordinator.runtime import Runtime
@@ -141,6 +141,24 @@ class ActionKind:
 
     def phases_of(self, config: RunConfig) -> tuple[Phase, ...]:
         return tuple(Phase) if self.phases is None else self.phases(config)
+
+
+def completed_run(action_kind: ActionKind, run_dir: Path, config: RunConfig, *, run_id: str,
+                  recoveries: int, last_phase: Phase) -> str:
+    """Every iteration completed: what the run did (the action kind's summary and the
+    recoveries), each daemon's last line.  A run that did not achieve what it was
+    asked (the RL loop: an iteration that trained on nothing or past the failure
+    budget) raises PhaseFailedError: exit 4, not 0."""
+    iterations = config.run.iterations
+    summary = action_kind.summarize(run_dir, config) if action_kind.summarize else None
+    if summary is not None and summary.problem:
+        raise PhaseFailedError(
+            f"every iteration of run {run_id} completed, but not as asked: {summary.problem} "
+            f"({summary.text}, {recoveries} recoveries); the run did not learn: find the "
+            "cause in the iterations' metrics and logs", rank=None,
+            iteration=max(iterations - 1, 0), phase=int(last_phase), cause=summary.problem)
+    return (f"{iterations} iterations of run {run_id}: "
+            + (f"{summary.text}, " if summary is not None else "") + f"{recoveries} recoveries")
 
 
 ENTRY_POINT_GROUP: Final = "coordinator.actions"

@@ -39,6 +39,7 @@ from coordinator.records import (
     Heartbeat,
     NodeState,
     Release,
+    Session,
 )
 from coordinator.runtime import Runtime
 from coordinator.store import Store, publish_record, read_record
@@ -58,6 +59,13 @@ class Membership:
     token: str
     members: Mapping[int, str]
     hosts: Mapping[int, str]
+
+    @classmethod
+    def of(cls, session: Session, *, rank: int, token: str,
+           hosts: Mapping[int, str]) -> Membership:
+        return cls(run_id=session.run_id, generation=session.generation,
+                   session=session.session, rank=rank, token=token,
+                   members={int(r): t for r, t in session.members.items()}, hosts=dict(hosts))
 
     @property
     def is_master(self) -> bool:

@@ -34,28 +34,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from coordinator import fsio, layout, membership, netaddr, regroup
-from coordinator.actions import Actions, StepContext, kind
+from coordinator.actions import Actions, StepContext, completed_run, kind
 from coordinator.barrier import Barrier, Membership
-from coordinator.decisions import abort_kind
+from coordinator.decisions import abort_of
 from coordinator.errors import (
     Cancelled,
     CoordinatorError,
     ExitCode,
     FencedError,
     Interrupted,
-    PhaseFailedError,
     RunCompleted,
     storage_error,
 )
 from coordinator.group import GroupForming
 from coordinator.journal import JournalBook
-from coordinator.liveness import HeartbeatPublisher, Monitor, fence_check, session_monitor
-from coordinator.mounts import LOCAL_FILESYSTEMS, filesystem_type
+from coordinator.liveness import HeartbeatPublisher, Monitor, session_monitor
 from coordinator.on_failure import policy
 from coordinator.phases import Phase
 from coordinator.polling import Backoff, Clock
 from coordinator.records import (
-    Abort,
     Claim,
     Heartbeat,
     NodeState,
@@ -64,7 +61,7 @@ from coordinator.records import (
 from coordinator.runplan import RunPlan
 from coordinator.runtime import Runtime, install_signal_handlers
 from coordinator.stepper import PhaseStepper, publish_timings
-from coordinator.store import FsStore, publish_record, read_record
+from coordinator.store import FsStore, publish_record
 from coordinator.waker import Waker
 
 log = logging.getLogger("coordinator")
@@ -137,24 +134,11 @@ class Daemon:
             fsio.STATS.dump_for_benchmark(self.rank)
 
     def _summary(self) -> str:
-        """Every iteration completed: what the run did (the action kind's summary and
-        the recoveries); a run that did not achieve what it was asked (the RL loop:
-        an iteration that trained on nothing or past the failure budget) fails."""
-        run, iterations = self.manifest.run_id, self.config.run.iterations
-        recoveries = len(regroup.read_log(self.store, run,
+        recoveries = len(regroup.read_log(self.store, self.manifest.run_id,
                                           retry_s=self.coord.read_retry_s).recoveries)
-        summarize = kind(self.config.run.actions).summarize
-        summary = summarize(self.plan.log_path, self.config) if summarize else None
-        if summary is not None and summary.problem:
-            raise PhaseFailedError(
-                f"every iteration of run {run} completed, but not as asked: {summary.problem} "
-                f"({summary.text}, {recoveries} recoveries); the run did not learn: find the "
-                "cause in the iterations' metrics and logs", rank=None,
-                iteration=max(iterations - 1, 0), phase=int(self.phases[-1]),
-                cause=summary.problem)
-        return (f"{iterations} iterations of run {run}: "
-                + (f"{summary.text}, " if summary is not None else "")
-                + f"{recoveries} recoveries")
+        return completed_run(kind(self.config.run.actions), self.plan.log_path, self.config,
+                             run_id=self.manifest.run_id, recoveries=recoveries,
+                             last_phase=self.phases[-1])
 
     def _stop(self, error: CoordinatorError) -> ExitCode:
         state = NodeState.LEFT if isinstance(error, Interrupted) else NodeState.FAILED
@@ -290,30 +274,16 @@ class Daemon:
             retry_s=self.coord.read_retry_s, backoff=self.backoff,
             progress_interval_s=self.coord.progress_interval_s,
         )
-        if self.is_master:
-            # Read before our first beat replaces it.
-            before = read_record(self.store, layout.heartbeat(0), Heartbeat,
-                                 retry_s=self.coord.read_retry_s)
-            if before is not None and before.run_id == run_id and \
-                    before.state is not NodeState.FINISHED:
-                self.previous_master = before
+        if self.is_master:  # read before our first beat replaces it
+            self.previous_master = membership.unfinished_master(
+                self.store, run_id, retry_s=self.coord.read_retry_s)
         if self.plan.republish is not None:
             # Only the holder of rank 0 writes run.json (one writer per file).
             publish_record(self.store, layout.MANIFEST, self.plan.republish)
-        base = Heartbeat(
-            run_id=run_id, generation=generation, rank=self.rank, token=self.token,
-            host=self.host, pid=os.getpid(), counter=0, state=NodeState.STARTING,
-            iteration=self.journal.resume_iteration, phase=0, waiting_for="",
-            arrived=None, released=None, session=None,
-            resume_iteration=self.journal.resume_iteration, abort=None, error=None,
-            wall_time=time.time(),
-        )
-        self.heartbeat = HeartbeatPublisher(
-            self.store, base=base, interval_s=self.coord.heartbeat_interval_s,
-            runtime=self.runtime,
-            fence=lambda: fence_check(self.store, rank=self.rank, token=self.token, run_id=run_id,
-                                      generation=generation, retry_s=self.coord.read_retry_s),
-        )
+        self.heartbeat = HeartbeatPublisher.starting(
+            self.store, claim, resume_iteration=self.journal.resume_iteration,
+            interval_s=self.coord.heartbeat_interval_s, runtime=self.runtime,
+            retry_s=self.coord.read_retry_s)
         self.heartbeat.start()
         self.runtime.on_fail(self._publish_failure)
         self.runtime.on_last_words(lambda e: self._final_heartbeat(NodeState.FAILED, str(e)))
@@ -335,16 +305,11 @@ class Daemon:
         # master's; the master: the missing ranks'), so the inotify traffic a
         # worker sees does not grow with the node count.
         if self.coord.wakeups:
-            fs_type = filesystem_type(self.plan.log_path)
-            self.waker = Waker(local=fs_type in LOCAL_FILESYSTEMS)
+            self.waker = Waker.for_run_dir(self.plan.log_path)
             # A wait that polls only at the ceiling must still stop at once
             # when a peer is lost or a signal arrives.
             wake = self.waker.event
             self.runtime.on_fail(lambda _error: wake.set())
-            log.info("file-change wake-ups: %s on %s (%s): %s", self.waker.backend.value,
-                     self.plan.log_path, fs_type or "unknown filesystem",
-                     "polls are a safety net at the ceiling" if self.waker.local
-                     else "writers on other hosts are seen by polling")
         self._build_actions()
 
     def _build_actions(self) -> None:
@@ -375,15 +340,11 @@ class Daemon:
         self.session = session
         self.journal.skip_to(session.start_iteration)
         self.heartbeat.set(resume_iteration=self.journal.resume_iteration)
-        members = {int(r): t for r, t in session.members.items()}
+        self.membership = Membership.of(session, rank=self.rank, token=self.token, hosts=hosts)
         self.monitor = session_monitor(
             self.store, self.runtime, self.coord, rank=self.rank, run_id=self.manifest.run_id,
-            generation=self.manifest.generation, members=members, hosts=hosts, clock=self.clock)
-        self.membership = Membership(
-            run_id=self.manifest.run_id, generation=self.manifest.generation,
-            session=session.session, rank=self.rank, token=self.token, members=members,
-            hosts=dict(hosts),
-        )
+            generation=self.manifest.generation, members=self.membership.members, hosts=hosts,
+            clock=self.clock)
 
     # -- the phases -----------------------------------------------------------
     def _loop(self) -> bool:
@@ -460,11 +421,9 @@ class Daemon:
             NodeState.REGROUPING if self._regroups_after(error) else NodeState.FAILED
         changes: dict[str, Any] = {"state": state, "error": str(error),
                                    "fault": self._own_fault(error)}
-        if self.is_master and self.heartbeat.record.abort is None:
-            hb = self.heartbeat.record
-            changes["abort"] = Abort(kind=abort_kind(error), reason=str(error),
-                                     rank=getattr(error, "rank", None), iteration=hb.iteration,
-                                     phase=hb.phase)
+        hb = self.heartbeat.record
+        if self.is_master and hb.abort is None:
+            changes["abort"] = abort_of(error, iteration=hb.iteration, phase=hb.phase)
         try:
             self.heartbeat.update(**changes)
         except (OSError, CoordinatorError) as exc:

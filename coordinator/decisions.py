@@ -4,6 +4,7 @@
     judge_arrivals(arrivals)                         -> Verdict      release or abort
     collective_flags(phases, phase, arrivals)        -> RunFlags     who reruns a collective
     abort_kind(error)                                -> AbortKind    how a failure reads
+    abort_of(error, iteration, phase)                -> Abort        the master's abort record
 
 The daemon (coordinator/daemon.py) does every read and write; these take
 values and return values, so each rule is unit-tested without files,
@@ -29,7 +30,7 @@ from coordinator.errors import (
     WaitTimeout,
 )
 from coordinator.phases import Phase, spec
-from coordinator.records import AbortKind, Arrival, ArrivalStatus, Record
+from coordinator.records import Abort, AbortKind, Arrival, ArrivalStatus, Record
 
 
 class StepAction(str, enum.Enum):
@@ -127,6 +128,12 @@ def collective_flags(phases: Sequence[Phase], phase: Phase,
     nxt = later[0]
     everyone_done = all(int(nxt) in a.done for a in arrivals.values())
     return RunFlags(run={str(int(nxt)): not everyone_done})
+
+
+def abort_of(error: BaseException, *, iteration: int, phase: int) -> Abort:
+    """The master's abort record for `error` at (iteration, phase)."""
+    return Abort(kind=abort_kind(error), reason=str(error), rank=getattr(error, "rank", None),
+                 iteration=iteration, phase=int(phase))
 
 
 def abort_kind(error: BaseException) -> AbortKind:

@@ -61,6 +61,22 @@ class HeartbeatPublisher:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self.key = layout.heartbeat(base.rank)
 
+    @classmethod
+    def starting(cls, store: Store, claim: Claim, *, resume_iteration: int, interval_s: float,
+                 runtime: Runtime, retry_s: float) -> HeartbeatPublisher:
+        """The publisher of the rank `claim` holds, fenced by it: a beat stops the
+        daemon once another process took the rank or the run's generation moved on."""
+        base = Heartbeat(
+            run_id=claim.run_id, generation=claim.generation, rank=claim.rank,
+            token=claim.token, host=claim.host, pid=claim.pid, counter=0,
+            state=NodeState.STARTING, iteration=resume_iteration, phase=0, waiting_for="",
+            arrived=None, released=None, session=None, resume_iteration=resume_iteration,
+            abort=None, error=None, wall_time=time.time())
+        return cls(store, base=base, interval_s=interval_s, runtime=runtime,
+                   fence=lambda: fence_check(store, rank=claim.rank, token=claim.token,
+                                             run_id=claim.run_id, generation=claim.generation,
+                                             retry_s=retry_s))
+
     @property
     def record(self) -> Heartbeat:
         return self._record

@@ -150,6 +150,15 @@ def claim_rank(
     )
 
 
+def unfinished_master(store: Store, run_id: str, *, retry_s: float) -> Heartbeat | None:
+    """The last heartbeat of rank 0 in this run when it did not stop cleanly: a new
+    master replacing it records the restart as a recovery (regroup.py)."""
+    before = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
+    if before is not None and before.run_id == run_id and before.state is not NodeState.FINISHED:
+        return before
+    return None
+
+
 def release_claim(store: Store, rank: int, token: str, *, retry_s: float) -> None:
     """Remove our claim at exit, but only if it is still ours."""
     key = layout.claim(rank)

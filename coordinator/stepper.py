@@ -34,7 +34,7 @@ from coordinator.config import PhaseTimeouts
 from coordinator.decisions import (
     RunFlags,
     StepAction,
-    abort_kind,
+    abort_of,
     collective_flags,
     rerun_phases,
     step_action,
@@ -54,7 +54,7 @@ from coordinator.errors import (
 from coordinator.journal import JournalBook
 from coordinator.liveness import HeartbeatPublisher, Monitor
 from coordinator.phases import Phase, spec
-from coordinator.records import Abort, ArrivalStatus, NodeState
+from coordinator.records import ArrivalStatus, NodeState
 from coordinator.runtime import Runtime
 from coordinator.store import Store
 
@@ -223,8 +223,7 @@ class PhaseStepper:
     def _abort(self, iteration: int, phase: Phase, exc: BaseException) -> None:
         if isinstance(exc, Cancelled) and self.runtime.failure is not None:
             exc = self.runtime.failure  # what cancelled the decision is the cause
-        abort = Abort(kind=abort_kind(exc), reason=str(exc), rank=getattr(exc, "rank", None),
-                      iteration=iteration, phase=int(phase))
+        abort = abort_of(exc, iteration=iteration, phase=int(phase))
         try:
             self.barrier.abort(iteration, phase, abort)
         except Exception as err:  # shutdown path: the daemon exits with the cause anyway

@@ -66,6 +66,19 @@ class Backend(str, enum.Enum):
 class Waker:
     """Sets `event` when one of the files of interest is renamed into place."""
 
+    @classmethod
+    def for_run_dir(cls, run_dir: Path) -> Waker:
+        """The daemon's waker: events are trusted as local only on a local filesystem."""
+        from coordinator.mounts import LOCAL_FILESYSTEMS, filesystem_type
+
+        fs_type = filesystem_type(run_dir)
+        waker = cls(local=fs_type in LOCAL_FILESYSTEMS)
+        log.info("file-change wake-ups: %s on %s (%s): %s", waker.backend.value, run_dir,
+                 fs_type or "unknown filesystem",
+                 "polls are a safety net at the ceiling" if waker.local
+                 else "writers on other hosts are seen by polling")
+        return waker
+
     def __init__(self, *, backend: Backend | None = None, local: bool = False) -> None:
         """`backend`: None picks inotify on Linux, watchdog elsewhere."""
         # `local`: the watched files live on a filesystem in LOCAL_FILESYSTEMS.

@@ -47,12 +47,16 @@ _joined: set[Path] = set()  # the run directories this process holds
 _base: list[Path] = []  # node_base, fixed at its first use (TMPDIR later points inside)
 
 
+def _base_path() -> Path:
+    if not _base:
+        _base.append(Path(tempfile.gettempdir()) / f"coordinator-{os.getuid()}")
+    return _base[0]
+
+
 def node_base() -> Path:
     """This user's directory in the node's temporary directory (TMPDIR honoured, as
     this process found it)."""
-    if not _base:
-        _base.append(Path(tempfile.gettempdir()) / f"coordinator-{os.getuid()}")
-    base = _base[0]
+    base = _base_path()
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     owner = base.stat().st_uid
     if owner != os.getuid():
@@ -80,18 +84,13 @@ def adopt(run_id: str, local_cache: str = "") -> Path:
     leave (torch's compile caches, torchrun's log directories) go with it.
     Changes this process's environment: call it from a daemon's entry point,
     never from a library or a test's process."""
+    _base_path()  # fixed first: TMPDIR is about to name a directory inside it
     root = run_root(run_id, local_cache)
-    children_tmpdir(root)
-    return root
-
-
-def children_tmpdir(root: Path) -> Path:
-    node_base()  # fixed first: TMPDIR no longer names the node's own temp dir
     tmp = root / CHILD_TMP
     tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.environ["TMPDIR"] = str(tmp)
     tempfile.tempdir = None  # this process's own temporary files follow
-    return tmp
+    return root
 
 
 def lock_dir(root: Path) -> Path:

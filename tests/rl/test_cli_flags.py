@@ -26,7 +26,7 @@ def test_flags_win_over_set_items_and_paths_become_strings() -> None:
     assert out == {"run": {"iterations": 5}, "train": {"lr": 0.1}, "model": {"path": "/m"}}
 
 
-def test_run_help_lists_every_config_flag_once() -> None:
+def test_run_help_lists_every_config_flag() -> None:
     result = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "400"})
     assert result.exit_code == 0
     for f in CONFIG_FLAGS:
