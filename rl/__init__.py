@@ -23,7 +23,7 @@ compares this table with it):
 | 6 eval | `evaluation.roll_out_eval` | `evaluation.merge_eval` |
 | 7 stop_engine | `engines.stop_engine` | - |
 | 8 prepare_training | `training.write_train_job` | - |
-| 9 ready_to_train | `training.ready_to_train` | `training.open_rendezvous` |
+| 9 ready_to_train | `training.report_trainer` | `training.choose_trainer_group` |
 | 10 train | `training.train` | - |
 | 11 publish_checkpoint | `training.verify_new_checkpoint` | `training.announce_checkpoint` |
 | 12 restart_engine | `engines.serve_new_policy` | - |

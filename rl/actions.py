@@ -53,7 +53,7 @@ PHASE_WORK: Final[Mapping[Phase, PhaseWork]] = {
     Phase.EVAL: PhaseWork(evaluation.roll_out_eval, evaluation.merge_eval),
     Phase.STOP_ENGINE: PhaseWork(engines.stop_engine),
     Phase.PREPARE_TRAINING: PhaseWork(training.write_train_job),
-    Phase.READY_TO_TRAIN: PhaseWork(training.ready_to_train, training.open_rendezvous),
+    Phase.READY_TO_TRAIN: PhaseWork(training.report_trainer, training.choose_trainer_group),
     Phase.TRAIN: PhaseWork(training.train),
     Phase.PUBLISH_CHECKPOINT: PhaseWork(training.verify_new_checkpoint,
                                         training.announce_checkpoint),

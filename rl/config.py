@@ -153,12 +153,23 @@ class TorchrunSection:
     nproc_per_node: int = 1
     wall_limit_s: float = 21600.0  # phase 10 fails after this long
     extra_args: tuple[str, ...] = ()
+    # One torchrun group per session, kept between iterations (rl/trainer_host.py);
+    # false starts one per iteration and saves the training state every time.
+    resident: bool = True
+    # After a job on a GPU the trainer may keep this much (its CUDA context, the
+    # communicator's buffers) beside the engine; more, within release_timeout_s,
+    # and its group is stopped so the engine has the GPU.
+    offload_residual_mib: int = 3072
+    release_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise UsageError(f"torchrun.nproc_per_node={self.nproc_per_node} must be >= 1")
         if self.wall_limit_s <= 0:
             raise UsageError(f"torchrun.wall_limit_s={self.wall_limit_s} must be positive")
+        if self.offload_residual_mib < 0 or not self.release_timeout_s > 0:
+            raise UsageError("torchrun.offload_residual_mib must be >= 0 and "
+                             "torchrun.release_timeout_s positive")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ missing, mistyped or hostile value is refused with the release's path:
     phase 0   PolicyChoice            the model this iteration samples from
     phase 5   EvalDecision            whether this iteration evaluates
     phase 6   EvalResult              the merged eval accuracy
-    phase 9   TrainRendezvous         the master's address and training port
+    phase 9   TrainRendezvous         the trainer group: kept, or new on the master's port
     phase 11  CheckpointAnnouncement  the checkpoint phase 12 serves
 
 (The collective `run` flags of phase 9 are the phase machine's:
@@ -18,6 +18,7 @@ coordinator/decisions.py `RunFlags`.)
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -75,13 +76,20 @@ class EvalResult(Payload):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainRendezvous(Payload):
+    """The trainer group of phase 10: kept (`start` false: every member's resident
+    trainer goes on), or new, on the master's address and the port it holds."""
+
     SCHEMA: ClassVar[str] = "rl/train-rendezvous"
     PHASE: ClassVar[Phase] = Phase.READY_TO_TRAIN
+    group: str  # torchrun's rendezvous id: letters, digits and '-'
+    start: bool
     master_addr: str
-    train_port: int
+    train_port: int  # 0 when the group is kept
 
     def __post_init__(self) -> None:
-        if not 0 < self.train_port < 65536:
+        if not re.fullmatch(r"[A-Za-z0-9-]{1,80}", self.group):
+            raise ValueError(f"group {self.group!r} is not 1-80 letters, digits or '-'")
+        if self.start and not 0 < self.train_port < 65536:
             raise ValueError(f"train_port {self.train_port} is outside 1..65535")
         if not self.master_addr or any(c.isspace() for c in self.master_addr):
             raise ValueError(f"master_addr {self.master_addr!r} is not an address")

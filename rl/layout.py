@@ -12,7 +12,8 @@ pieces by hand.
     iterations/<N>/metrics/{rollout,eval,train}.json
     iterations/<N>/train/job.json                phase 8, master
     checkpoints/iter-<N>/                        phase 10, trainer rank 0
-    optim/rank-<R>.pt                            phase 10, trainer rank R
+    train_state/iter-<N>/shard-<K>.{pt,json}     phase 10, trainer rank K, every
+                                                 train.save_interval iterations
     tensorboard/                                 phase 13, master (event files)
     model-init/                                  phase 0 of iteration 0 (demo model)
     ranks/<R>/logs/<name>.log                    rank R's children
@@ -29,7 +30,7 @@ from coordinator import layout
 from coordinator.records import check_rank
 
 INITIAL_MODEL: Final = "model-init"
-OPTIM_DIR: Final = "optim"
+TRAIN_STATE_DIR: Final = "train_state"
 TENSORBOARD_DIR: Final = "tensorboard"
 
 
@@ -87,8 +88,8 @@ def tensorboard_dir(run_dir: Path) -> Path:
     return run_dir / TENSORBOARD_DIR
 
 
-def optim_dir(run_dir: Path) -> Path:
-    return run_dir / OPTIM_DIR
+def train_state(run_dir: Path) -> Path:
+    return run_dir / TRAIN_STATE_DIR
 
 
 def initial_model(run_dir: Path) -> Path:

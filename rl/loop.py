@@ -2,8 +2,8 @@
 
 `Loop` is handed to every phase function (rl/actions.py maps phases to
 them): the node's resolved sections, its rank, the run directory, its
-inference engine, the task index, and the training port held from phase 9
-to phase 10.  Nothing here does a phase's work.
+inference engine, its resident trainer, the task index, and the training
+port held from phase 9 to phase 10.  Nothing here does a phase's work.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from rl import layout
 from rl.config import RlSections, parse_sections
 from rl.contracts import INITIAL_POLICY
 from rl.engine_host import EngineHost
+from rl.trainer_host import TrainerHost
 from rollout.sharding import ShardPlan
 from rollout.tasks import Task, TaskSource, load_task_source
 
@@ -36,6 +37,10 @@ class Loop:
         self.num_nodes = num_nodes
         self.run_dir = run_dir
         self.engines = EngineHost(self.s, rank=rank, run_dir=run_dir)
+        coordination = config.coordination
+        self.trainers = TrainerHost(self.s, rank=rank, run_dir=run_dir,
+                                    beat_s=coordination.heartbeat_interval_s,
+                                    lease_s=coordination.lease_s)
         self.listener: Listener | None = None  # master, phases 9-10: the training port
         self._tasks: TaskSource | None = None
         self._by_id: dict[str, dict[str, Task]] = {}
@@ -81,6 +86,7 @@ class Loop:
 
     def close(self) -> None:
         self.close_listener()
+        self.trainers.close()  # first: an idle trainer saves what it has not yet
         self.engines.close()
         if self.wandb is not None:
             try:

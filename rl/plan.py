@@ -4,8 +4,8 @@
                  against the model and the tasks (rl/preflight.py, once per daemon);
                  pick each split's tasks for this iteration and publish the shard plans
         decide   the policy this iteration samples from (PolicyChoice)
-    13  master   remove the previous iteration's rank files and the checkpoints
-                 beyond checkpoint.keep
+    13  master   remove the previous iteration's rank files, the checkpoints beyond
+                 checkpoint.keep and the training states older than the newest
 """
 
 from __future__ import annotations
@@ -138,9 +138,24 @@ def rank_weights(loop: Loop, ctx: StepContext) -> list[float]:
     return throughput_weights(speeds, loop.num_nodes)
 
 
+def prune_train_states(loop: Loop, iteration: int) -> None:
+    """The saved training states older than the newest complete one (a trainer started
+    anew resumes from that one, trainer/train_state.py)."""
+    from trainer.train_state import newest_complete
+    from trainer.train_state import prune as prune_states
+
+    root = layout.train_state(loop.run_dir)
+    found = newest_complete(root, before=iteration + 1)
+    if found is not None:
+        for old in prune_states(root, keep=found[0]):
+            log.info("pruned the training state of iteration %d (iteration %d's is newer)",
+                     old, found[0])
+
+
 def prune(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 13 (master): the previous iteration's rank files (unless
-    rollout.keep_rank_files) and checkpoints beyond checkpoint.keep."""
+    rollout.keep_rank_files), checkpoints beyond checkpoint.keep, and saved
+    training states older than the newest complete one."""
     if not ctx.is_master:
         return {}
     if ctx.iteration > 0 and not loop.s.rollout.keep_rank_files:
@@ -152,6 +167,7 @@ def prune(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         if not fsio.remove_tree(path):
             break  # older ones were pruned before
         log.info("pruned %s (checkpoint.keep=%d)", path, keep)
+    prune_train_states(loop, ctx.iteration)
     root = layout.checkpoints(loop.run_dir)
     if root.is_dir():
         for child in root.iterdir():

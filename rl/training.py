@@ -1,11 +1,17 @@
-"""Phases 8-11: the training job, torchrun across nodes, the new checkpoint.
+"""Phases 8-11: the training job, the resident trainer group, the new checkpoint.
 
-    8   master   write iterations/<N>/train/job.json (TrainJob), with the batch's
-                 size and SHA-256
-    9   all      nothing to do: arriving says this rank is ready to train
-        decide   bind the training port on the master's address and hold it
+    8   master   write iterations/<N>/train/job.json (TrainJob): the batch's size and
+                 SHA-256; whether this iteration saves the training state
+                 (train.save_interval, the run's last iteration); for a trainer
+                 started anew, the newest complete saved state and the jobs since
+                 it to train again (replay)
+    9   all      report this node's resident trainer (group, members, iteration held)
+        decide   keep the group when every member holds it at iteration N-1
+                 (rl/trainer_host.py `group_to_keep`); else a new group: bind the
+                 training port on the master's address and hold it
                  (TrainRendezvous); torchrun's store takes the socket over
-    10  all      torchrun --rdzv-backend coordinator-static ... -m trainer.train,
+    10  all      a new group: torchrun --rdzv-backend coordinator-static ...
+                 -m trainer.resident; then the job to every local trainer process,
                  watched: exit status, wall-clock limit, and the daemon's cancel
                  event (set when a peer's lease expires), which kills the whole
                  torchrun tree at once instead of waiting for a collective timeout
@@ -14,24 +20,22 @@
 
 A rerun of phase 10 (a collective step redone after a failure) moves an
 existing checkpoints/iter-<N> aside first, so the trainer never has to
-overwrite a published directory.
+overwrite a published directory; the trainer that failed is gone, so the
+rerun starts a new group from the saved state.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from coordinator import fsio
 from coordinator.actions import StepContext
-from coordinator.beneath import RUN_DIR_ENV
 from coordinator.errors import ActionError
 from coordinator.netaddr import Listener
 from coordinator.records import Arrival
@@ -41,8 +45,7 @@ from rl import layout
 from rl.config import RlSections
 from rl.contracts import CheckpointAnnouncement, PolicyChoice, TrainRendezvous
 from rl.loop import Loop
-from rollout.engines.process import ManagedProcess, describe_exit
-from trainer.lifeline import LAUNCHER_PID_ENV
+from rl.trainer_host import group_to_keep
 from trainer.rendezvous import BACKEND as RDZV_BACKEND
 
 log = logging.getLogger(__name__)
@@ -50,47 +53,70 @@ log = logging.getLogger(__name__)
 
 def write_train_job(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 8 (master): the job every trainer reads, naming exactly the batch of phase 4."""
-    from trainer.config import TrainJob
+    from trainer.job import TrainJob
+    from trainer.train_state import newest_complete, state_dir
 
     if not ctx.is_master or not loop.trains:
         return {}
-    run_dir = loop.run_dir
-    batch = layout.batch(run_dir, ctx.iteration)
+    run_dir, i = loop.run_dir, ctx.iteration
+    batch = layout.batch(run_dir, i)
     batch_bytes, batch_sha256 = file_digest(batch)
+    root = layout.train_state(run_dir)
+    found = newest_complete(root, before=i)
+    since = found[0] + 1 if found is not None else 0
+    save_interval = loop.s.train.save_interval
     job = TrainJob(
-        iteration=ctx.iteration,
+        iteration=i,
         model_dir=loop.model(ctx, PolicyChoice.read(ctx).policy, where_phase=0),
         ref_model_dir=loop.initial_model() if loop.s.train.kl_coef > 0 else None,
         batch_path=batch, batch_bytes=batch_bytes, batch_sha256=batch_sha256,
-        out_dir=layout.checkpoint(run_dir, ctx.iteration),
-        optim_dir=layout.optim_dir(run_dir),
-        metrics_path=layout.metrics(run_dir, ctx.iteration, "train"),
+        out_dir=layout.checkpoint(run_dir, i),
+        state_dir=root,
+        metrics_path=layout.metrics(run_dir, i, "train"),
         config=loop.s.train,
+        save_state=(i + 1) % save_interval == 0 or i == loop.config.run.iterations - 1
+        or not loop.s.torchrun.resident,
+        resume_state=state_dir(root, found[0]) if found is not None else None,
+        resume_model_dir=loop.initial_model() if found is None else None,
+        replay=tuple(layout.train_job(run_dir, k) for k in range(since, i)),
     )
-    path = layout.train_job(run_dir, ctx.iteration)
+    path = layout.train_job(run_dir, i)
     job.save(path, run_dir=run_dir)
-    return {"job": loop.relative(path)}
+    return {"job": loop.relative(path), "save_state": job.save_state,
+            "resume_state": found[0] if found is not None else None}
 
 
-def ready_to_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
-    """Phase 9 on every rank: no work; arriving says this rank is ready."""
-    return {}
-
-
-def open_rendezvous(loop: Loop, ctx: StepContext,
-                    arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
-    """Phase 9's decision: a port bound on the master's address, held until torchrun
-    inherits it at phase 10, so no other process can take it in between."""
+def report_trainer(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 9 on every rank: this node's resident trainer, for the master to weigh."""
     if not loop.trains:
         return {}
+    return {"trainer": loop.trainers.status()}
+
+
+def choose_trainer_group(loop: Loop, ctx: StepContext,
+                         arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
+    """Phase 9's decision: keep the resident group, or a new one on a port bound on the
+    master's address and held until torchrun inherits it at phase 10, so no other
+    process can take it in between."""
+    if not loop.trains:
+        return {}
+    statuses = {rank: arrival.payload.get("trainer") for rank, arrival in arrivals.items()}
+    keep = group_to_keep(statuses, ctx.active_ranks, ctx.iteration) \
+        if loop.s.torchrun.resident else None
+    if keep is not None:
+        return TrainRendezvous(group=keep, start=False, master_addr=ctx.address,
+                               train_port=0).fields()
     loop.close_listener()
     loop.listener = Listener(ctx.address)
-    return TrainRendezvous(master_addr=ctx.address, train_port=loop.listener.port).fields()
+    group = f"{ctx.run_id[:12]}-{ctx.iteration}-{secrets.token_hex(4)}"
+    log.info("iteration %d: a new trainer group %s (trainers reported: %s)", ctx.iteration,
+             group, {r: (s or {}).get("group") for r, s in sorted(statuses.items())})
+    return TrainRendezvous(group=group, start=True, master_addr=ctx.address,
+                           train_port=loop.listener.port).fields()
 
 
 def torchrun_command(s: RlSections, *, rank: int, num_nodes: int, master_addr: str,
-                     master_port: int, job: Path, run_id: str, iteration: int,
-                     listen_fd: int | None = None) -> list[str]:
+                     master_port: int, group: str, listen_fd: int | None = None) -> list[str]:
     """torchrun with this project's rendezvous (trainer/rendezvous.py): node rank 0's
     store serves on the socket the daemon has held since it announced the port."""
     t = s.torchrun
@@ -99,37 +125,53 @@ def torchrun_command(s: RlSections, *, rank: int, num_nodes: int, master_addr: s
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(num_nodes), "--nproc-per-node", str(t.nproc_per_node),
         "--rdzv-backend", RDZV_BACKEND, "--rdzv-endpoint", f"{master_addr}:{master_port}",
-        "--rdzv-id", f"{run_id}-{iteration}", "--rdzv-conf", conf,
+        "--rdzv-id", group, "--rdzv-conf", conf,
         "--max-restarts", "0", *t.extra_args,
-        "-m", "trainer.train", "--job", str(job),
+        "-m", "trainer.resident",
     ]
 
 
 def train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
-    """Phase 10 (collective): torchrun on every node; the master's store on the held port."""
+    """Phase 10 (collective): the job to this node's trainer, started first if the master
+    chose a new group (the master's store on the held port)."""
     if not loop.trains:
         return {}
     rendezvous = TrainRendezvous.read(ctx)
+    trainers = loop.trainers
+    started = time.monotonic()
+    if rendezvous.start:
+        _start_group(loop, ctx, rendezvous)
+    elif trainers.status() is None or trainers.group != rendezvous.group:
+        raise ActionError(
+            f"the master kept trainer group {rendezvous.group}, but rank {loop.rank}'s trainer "
+            f"is gone ({trainers.lost or 'not running'}): the step is redone with a new group")
+    if ctx.is_master:
+        _set_aside_earlier_attempt(loop, ctx.iteration)
+    done = trainers.submit(ctx, layout.train_job(loop.run_dir, ctx.iteration), ctx.iteration)
+    if not loop.s.torchrun.resident:
+        trainers.stop("torchrun.resident is false: one group per iteration")
+    loss = _train_metrics(loop, ctx.iteration).get("loss") if ctx.is_master else None
+    return {"seconds": time.monotonic() - started, "loss": loss,
+            "trainer": "started" if rendezvous.start else "kept", **done}
+
+
+def _start_group(loop: Loop, ctx: StepContext, rendezvous: TrainRendezvous) -> None:
     listen_fd = None
     if ctx.is_master:
         if loop.listener is None:
             raise ActionError("the master holds no training port: phase 9 must announce one")
         listen_fd = loop.listener.fileno()
-        _set_aside_earlier_attempt(loop, ctx.iteration)
     # A group that went on without some ranks trains on its members only.
     members = ctx.active_ranks
     command = torchrun_command(
         loop.s, rank=members.index(loop.rank), num_nodes=len(members),
-        master_addr=rendezvous.master_addr,
-        master_port=rendezvous.train_port, job=layout.train_job(loop.run_dir, ctx.iteration),
-        run_id=ctx.run_id, iteration=ctx.iteration, listen_fd=listen_fd)
-    started = time.monotonic()
+        master_addr=rendezvous.master_addr, master_port=rendezvous.train_port,
+        group=rendezvous.group, listen_fd=listen_fd)
     try:
-        _run_torchrun(loop, ctx, command, listen_fd)
+        loop.trainers.start(ctx, group=rendezvous.group, members=members, command=command,
+                            pass_fds=() if listen_fd is None else (listen_fd,))
     finally:
-        loop.close_listener()  # torchrun's store held its own copy while it ran
-    loss = _train_metrics(loop, ctx.iteration).get("loss") if ctx.is_master else None
-    return {"seconds": time.monotonic() - started, "loss": loss}
+        loop.close_listener()  # torchrun's store holds its own copy
 
 
 def _set_aside_earlier_attempt(loop: Loop, iteration: int) -> None:
@@ -139,41 +181,6 @@ def _set_aside_earlier_attempt(loop: Loop, iteration: int) -> None:
         log.warning("training of iteration %d is rerun: moving %s aside to %s", iteration, out,
                     aside)
         fsio.rename(out, aside)
-
-
-def _run_torchrun(loop: Loop, ctx: StepContext, command: list[str],
-                  listen_fd: int | None) -> None:
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")  # one CPU thread per trainer process
-    env[LAUNCHER_PID_ENV] = str(os.getpid())  # lets a trainer see that torchrun died early
-    env[RUN_DIR_ENV] = str(loop.run_dir)  # the trainer confines itself to it
-    env[fsio.READ_RETRY_ENV] = str(fsio.read_retry(None))  # coordination.read_retry_s
-    log_path = layout.child_log(loop.run_dir, loop.rank, f"train-iter-{ctx.iteration:06d}")
-    wall_limit = loop.s.torchrun.wall_limit_s
-    started = time.monotonic()
-    proc = ManagedProcess(command, log_path=log_path, env=env,
-                          pass_fds=() if listen_fd is None else (listen_fd,))
-    ctx.add_child(proc.pid, "torchrun")
-    try:
-        while proc.returncode is None:
-            if ctx.runtime.cancel.is_set():
-                proc.stop(grace_s=2.0)
-                ctx.check_cancel()
-            if time.monotonic() - started > wall_limit:
-                proc.stop(grace_s=5.0)
-                raise ActionError(
-                    f"training on rank {loop.rank} passed torchrun.wall_limit_s="
-                    f"{wall_limit:g}; log tail:\n{proc.log_tail(20)}")
-            time.sleep(0.1)
-    finally:
-        if proc.returncode is None:
-            proc.stop(grace_s=2.0)
-        ctx.remove_child(proc.pid)
-    if proc.returncode != 0:
-        raise ActionError(
-            f"torchrun on rank {loop.rank} {describe_exit(proc.returncode)} "
-            f"(log {log_path}); last lines:\n{proc.log_tail(20)}")
 
 
 def _train_metrics(loop: Loop, iteration: int) -> dict[str, Any]:

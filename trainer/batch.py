@@ -14,8 +14,8 @@ import torch
 
 from rollout.batch_format import TrainBatch, TrainBatchError
 from rollout.train_batch import load_train_batch
-from trainer.config import TrainJob
 from trainer.errors import TrainError
+from trainer.job import TrainJob
 
 
 def load_batch(job: TrainJob) -> TrainBatch:

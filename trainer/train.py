@@ -1,11 +1,14 @@
-"""One GRPO training iteration: `python -m trainer.train --job JOB.json`.
+"""One GRPO training iteration: `python -m trainer.train --job JOB.json`, or a job
+handed to a resident trainer (trainer/resident.py) that holds the iteration before.
 
 Run under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
 from the environment) or as a single process.  Every rank reads the whole
 batch, computes the group advantages over all of it, then works on its own
 deterministic shard:
 
-    load job, batch, model ──> restore optimizer state (all ranks agree)
+    prepare (a new trainer only): load the start model, restore the saved
+        state (all ranks agree), train the `replay` jobs again unpublished
+    train_iteration: load and check the batch
         │
         ├─ old log-probs with the current weights (no grad)  ── PPO "old" policy
         ├─ ref log-probs (only when kl_coef > 0)
@@ -13,8 +16,9 @@ deterministic shard:
         └─ for each epoch, for each optimizer step:
                micro-batches: forward, GRPO loss, backward (grad sync on the last)
                clip grad norm, AdamW step (lr warm-up by the run's global step)
-    ──> every rank: save optimizer state ── barrier ──> rank 0: publish the
-        checkpoint to out_dir, then metrics_path (last: it means "done")
+    ──> every rank: its shard of the training state when the job says save_state
+        ── barrier ──> rank 0: publish the checkpoint to out_dir, then
+        metrics_path (last: it means "done")
 
 Every rank runs the same number of forward/backward passes (a rank short of
 samples runs a zero-weight copy of a real one), because DDP and FSDP2 issue
@@ -23,8 +27,8 @@ collectives inside them and unequal counts would hang.
 The parts live in their own modules: `trainer.batch` (the batch, checked),
 `trainer.distributed` (process group, model wrapping, grad sync),
 `trainer.policy` (model loading and forwards), `trainer.update` (one
-optimizer step), `trainer.optim_state` (Adam state across iterations); this
-module orchestrates them and publishes the results.
+optimizer step), `trainer.session` (model and optimizer across jobs, the
+saved state, offload); this module orchestrates them and publishes the results.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import random
 import sys
 import time
@@ -45,28 +48,25 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 
-from coordinator import beneath, fsio
-from coordinator.beneath import RUN_DIR_ENV
 from coordinator.fsio import publish_bytes
+from coordinator.store import read_document
 from rollout.batch_format import TrainBatch
-from rollout.errors import CheckpointError
-from trainer import grpo
+from trainer import grpo, worker
 from trainer.batch import check_vocab, load_batch
 from trainer.checkpoint import publish_checkpoint
-from trainer.config import DType, Strategy, TrainerError, TrainJob
+from trainer.config import Strategy
 from trainer.distributed import (
     DistContext,
     all_reduce,
     env_int,
-    init_distributed,
     unwrap,
 )
+from trainer.errors import TrainError
 from trainer.grpo import plan_steps, shard
-from trainer.lifeline import die_with_parent
-from trainer.master_weights import MasterWeightsAdamW
-from trainer.optim_state import restore_optimizer, save_optimizer
+from trainer.job import TrainJob
 from trainer.policy import autocast, load_policy, param_digest, policy_logprobs
 from trainer.probes import ProbeSet, make_probe_set
+from trainer.session import Session, open_session
 from trainer.sharded_save import stage_sharded_weights
 from trainer.update import Inputs, Sums, optimizer_step
 
@@ -93,33 +93,76 @@ class Progress:
     grad_norms: list[float] = field(default_factory=list)  # per step
 
 
-def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
-    """Train one iteration and publish its outputs; returns the metrics (on every rank)."""
+def run(job: TrainJob, ctx: DistContext, *, run_dir: Path | None = None) -> dict[str, Any]:
+    """Open a session for `job` (resumed and replayed as it says), train it and publish."""
     started = time.monotonic()
-    config = job.config
+    session = prepare(job, ctx, run_dir=run_dir)
+    return train_iteration(session, job, started=started)
+
+
+def prepare(job: TrainJob, ctx: DistContext, *, run_dir: Path | None = None) -> Session:
+    """A session holding iteration `job.iteration - 1`: opened on the job's start model and
+    saved state, then the `replay` jobs trained again without publishing anything.
+
+    Each replayed iteration's weights are compared with what it published the
+    first time (`params_sha256` in its metrics): equal on the same group and
+    hardware, since every iteration is seeded; a difference (another group
+    size after a shrink, GPU kernels) is reported, not an error.
+    """
+    session = open_session(job, ctx)
+    replayed = []
+    for path in job.replay:
+        earlier = TrainJob.load(path, run_dir=run_dir)
+        if earlier.iteration <= session.through:
+            continue  # the saved state was unusable: the job's model already holds it
+        earlier_metrics = _published_metrics(earlier)
+        train_iteration(session, earlier, publish=False)
+        digest = param_digest(session.model)
+        matches = digest == earlier_metrics.get("params_sha256")
+        log.info("replayed iteration %d: weights %s what it published", earlier.iteration,
+                 "equal" if matches else "differ from")
+        replayed.append({"iteration": earlier.iteration, "matches": matches})
+    session.resumed["replayed"] = replayed
+    return session
+
+
+def _published_metrics(job: TrainJob) -> dict[str, Any]:
+    try:
+        found = read_document(job.metrics_path, lambda raw, _where: json.loads(raw))
+    except (OSError, ValueError) as exc:
+        log.warning("no metrics of iteration %d to compare its replay with: %s",
+                    job.iteration, exc)
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def train_iteration(session: Session, job: TrainJob, *, publish: bool = True,
+                    started: float | None = None) -> dict[str, Any]:
+    """Train `job`'s iteration on `session`, which must hold the one before; with
+    `publish`, save the state (when the job asks) and publish checkpoint and metrics.
+
+    The metrics' `seconds` count from `started` (default: now), so that a trainer
+    started for this job counts its model loading, as a relaunched one does."""
+    started = time.monotonic() if started is None else started
+    ctx, config = session.ctx, job.config
+    if job.iteration != session.through + 1:
+        raise TrainError(
+            f"this trainer holds iteration {session.through}, but the job is iteration "
+            f"{job.iteration}: it can only train the next one; start a new trainer")
+    if config != session.config:
+        raise TrainError("the job's [train] settings differ from those this trainer started "
+                         "with: start a new trainer")
+    session.onload()
     seed_everything(config.seed * 1_000_003 + job.iteration)
     batch = load_batch(job)
     lens = [len(r) for r in batch.response_ids]
     log.info(
         "batch %s: %d samples, %d response tokens", job.batch_path, batch.num_samples, sum(lens)
     )
-
-    bf16 = config.param_dtype == DType.BFLOAT16
-    wrapped, tokenizer = load_policy(job.model_dir, ctx, trainable=True,
-                                     dtype=torch.bfloat16 if bf16 else torch.float32,
-                                     checkpointing=config.activation_checkpointing)
+    wrapped, optimizer, start_step = session.model, session.optimizer, session.step
     check_vocab(batch, unwrap(wrapped).get_input_embeddings().num_embeddings, job.batch_path)
+    tokenizer = session.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    # bf16 parameters keep fp32 copies and moments in the optimizer (master_weights.py).
-    optimizer = (MasterWeightsAdamW if bf16 else torch.optim.AdamW)(
-        wrapped.parameters(),
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.adam_eps,
-        weight_decay=config.weight_decay,
-    )
-    start_step = restore_optimizer(optimizer, job, ctx)
-
     steps = plan_steps(lens, world=ctx.world_size, config=config, iteration=job.iteration)
     inputs, mismatch = fixed_inputs(job, ctx, wrapped, batch, lens, bool(steps), pad_id)
     progress = Progress()
@@ -139,8 +182,12 @@ def run(job: TrainJob, ctx: DistContext) -> dict[str, Any]:
             grad_norm,
             optimizer.param_groups[0]["lr"],
         )
+    session.step, session.through = start_step + len(steps), job.iteration
     metrics = iteration_metrics(job, ctx, inputs, lens, progress, mismatch, start_step)
-    finish(job, ctx, wrapped, optimizer, metrics, started)
+    if publish:
+        metrics["resumed"] = session.resumed or None
+        session.resumed = {}
+        finish(job, session, metrics, started)
     return metrics
 
 
@@ -244,19 +291,14 @@ def iteration_metrics(
     }
 
 
-def finish(
-    job: TrainJob,
-    ctx: DistContext,
-    model: Any,
-    optimizer: Any,
-    metrics: dict[str, Any],
-    started: float,
-) -> None:
-    """Save every rank's optimizer state, then (rank 0) the checkpoint, then the metrics.
+def finish(job: TrainJob, session: Session, metrics: dict[str, Any], started: float) -> None:
+    """Save the training state (when the job asks), then (rank 0) the checkpoint, then
+    the metrics.
 
     The metrics file is written last: the coordinator may take its presence
     as "iteration trained", so everything it describes must exist first.
     """
+    ctx, model = session.ctx, session.model
     digest = param_digest(model)
     log.info("params sha256 %s", digest)
     probes = score_probes(model, ctx)  # every rank: FSDP all-gathers inside the forward
@@ -264,9 +306,11 @@ def finish(
     # nothing gathers the whole model.  DDP and a single process: the model as it is.
     staged = stage_sharded_weights(model, ctx, job.out_dir) if ctx.is_distributed and \
         ctx.strategy == Strategy.FSDP2 else None
-    save_optimizer(optimizer, job, ctx, metrics["optimizer_step_end"])
-    if ctx.is_distributed:
-        dist.barrier()  # every rank's optimizer state is durable before the checkpoint appears
+    if job.save_state:
+        session.save_state(job.state_dir, job.iteration)  # collective: every shard published
+    elif ctx.is_distributed:
+        dist.barrier()  # every rank's staged shards are written before rank 0 reads them
+    metrics["state_saved"] = job.save_state
     if ctx.rank == 0:
         inner = unwrap(model)
         manifest = publish_checkpoint(
@@ -317,71 +361,25 @@ def score_probes(model: Any, ctx: DistContext) -> ProbeSet:
 # ---------------------------------------------------------------- the process
 
 
-def _setup_logging(rank: int, world: int, iteration: int | str) -> None:
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(
-        logging.Formatter(f"%(asctime)s [trainer it={iteration} rank={rank}/{world}] %(message)s")
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-    for noisy in ("transformers", "torch", "httpx", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def _prepare_process() -> None:
-    """Process-wide setup done once per rank before any work: die with torchrun, stay offline."""
-    die_with_parent()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    fsio.read_retry_from_env()  # the daemon's coordination.read_retry_s
-    import transformers.utils.logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # tqdm bars would flood the per-rank logs
-
-
-def _train(job_path: Path, rank: int, world: int) -> None:
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if run_dir:
-        # Started by a daemon: every path inside the run directory is opened
-        # without following symlinks, and the job may write nowhere else.
-        beneath.confine(Path(run_dir))
-    job = TrainJob.load(job_path, run_dir=Path(run_dir) if run_dir else None)
-    if run_dir:
-        job.check_writes_inside(Path(run_dir))
-    _setup_logging(rank, world, job.iteration)
-    # Process-wide, so set here rather than in run(), which tests call in-process.
-    # warn_only: a few CUDA kernels have no deterministic version; CPU has all we use.
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    ctx = init_distributed(job.config)
-    log.info("start: %s on %s, strategy %s", job_path, ctx.device, ctx.strategy.value)
-    run(job, ctx)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.train", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
-        "--job", type=Path, required=True, help="train job JSON (trainer.config.TrainJob)"
+        "--job", type=Path, required=True, help="train job JSON (trainer.job.TrainJob)"
     )
     args = parser.parse_args(argv)
-    _prepare_process()
+    run_dir = worker.prepare_process()
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
-    _setup_logging(rank, world, "?")
+    worker.setup_logging(rank, world, "?")
     try:
-        _train(args.job, rank, world)
-    except (TrainerError, CheckpointError) as exc:  # a bad job, batch or checkpoint: exit 2
-        log.error("failed: %s", exc)
-        print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        job = worker.read_job(args.job, run_dir)
+        worker.setup_logging(rank, world, job.iteration)
+        ctx = worker.start_distributed(job)
+        log.info("start: %s on %s, strategy %s", args.job, ctx.device, ctx.strategy.value)
+        run(job, ctx, run_dir=run_dir)
     except Exception as exc:
-        log.exception("failed with an unexpected error")
-        print(
-            f"trainer: unexpected error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True
-        )
-        return 1
+        return worker.exit_code(exc)
     else:
         log.info("done")
         return 0
