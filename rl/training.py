@@ -45,7 +45,7 @@ from rl import layout
 from rl.config import RlSections
 from rl.contracts import CheckpointAnnouncement, PolicyChoice, TrainRendezvous
 from rl.loop import Loop
-from rl.trainer_host import group_to_keep
+from rl.trainer_group import group_to_keep
 from trainer.rendezvous import BACKEND as RDZV_BACKEND
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 alive for a whole session of the group and woken by its daemon for each iteration.
 
     connect to the daemon (trainer/channel.py) ── hello
-    loop:   wait for a message (idle: answer pings at once)
+    loop:   wait for a message (a thread of its own answers pings at once, busy or not)
             train JOB ─► first job: join the process group, open the session
                          (saved state, replay: trainer/train.py `prepare`)
                       ─► train the iteration, save the state when the job says,
@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -56,17 +58,16 @@ class Resident:
 
     def serve(self) -> int:
         """Answer the daemon until it says stop or goes away; the process's exit code."""
+        inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._listen, args=(inbox,), daemon=True,
+                         name="daemon-channel").start()
         while True:
-            try:
-                message = self.channel.recv()
-            except ChannelClosed as exc:
-                log.error("the daemon is gone (%s): exiting", exc)
+            message = inbox.get()
+            if message is None:
+                log.error("the daemon is gone: exiting")
                 return 1
-            assert message is not None  # no timeout: a message or ChannelClosed
             op = message["op"]
-            if op == "ping":
-                self.channel.send({"op": "pong", "n": message.get("n")})
-            elif op == "train":
+            if op == "train":
                 code = self.train(message)
                 if code:
                     return code
@@ -77,6 +78,22 @@ class Resident:
                 return 0
             else:
                 log.warning("ignoring a %r message from the daemon", op)
+
+    def _listen(self, inbox: queue.Queue[dict[str, Any] | None]) -> None:
+        """Pings answered here, at once, busy or not: the daemon takes a process that
+        stops answering (stopped, dead) for hung within a lease.  The rest is queued."""
+        while True:
+            try:
+                message = self.channel.recv()
+            except ChannelClosed as exc:
+                log.error("lost the daemon's channel: %s", exc)
+                inbox.put(None)
+                return
+            if message is not None and message["op"] == "ping":
+                with contextlib.suppress(ChannelClosed):  # seen by the next recv
+                    self.channel.send({"op": "pong", "n": message.get("n")})
+            else:
+                inbox.put(message)
 
     def train(self, message: dict[str, Any]) -> int:
         iteration = message.get("iteration")

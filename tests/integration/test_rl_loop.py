@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.support.cluster import LocalCluster
+from tests.support.trainers import trainer_processes
 
 pytestmark = pytest.mark.slow
 LEASE = 6.0
@@ -62,15 +62,6 @@ def cluster(tmp_path: Path, model: Path, iterations: int,
     return LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
 
 
-def trainers(run_dir: Path) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "trainer.train" in cmd and str(run_dir) in cmd:
-            out.append(p)
-    return out
-
-
 def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_samples: int,
                          eval_before_train: bool, uninterrupted: bool) -> None:
     """What a completed 2-iteration run of the real loop leaves on disk.
@@ -103,7 +94,7 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
 
     assert [payload(it, 5)["eval"] for it in (0, 1)] == evaluated
     assert payload(0, 9)["train_port"] > 0 and payload(0, 9)["master_addr"]
-    assert payload(0, 9)["run"] == {"10": True}
+    assert payload(0, 9)["start"] and payload(0, 9)["run"] == {"10": True}
     assert payload(1, 11)["checkpoint"] == "checkpoints/iter-000001"
     assert payload(0, 0)["policy"] == "initial"
     assert payload(1, 0)["policy"] == "checkpoints/iter-000000"
@@ -137,6 +128,12 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
         return json.loads((run / f"iterations/{it:06d}/phase-{phase:02d}/arrive-{rank}.json")
                           .read_text())["payload"]
 
+    # One trainer group for the whole session: started at iteration 0, kept at 1.
+    assert not payload(1, 9)["start"] and payload(1, 9)["group"] == payload(0, 9)["group"]
+    for rank in range(3):
+        trained = [arrival(it, 10, rank) for it in (0, 1)]
+        assert [t["trainer"] for t in trained] == ["started", "kept"], trained
+        assert trained[0]["trainer_pid"] == trained[1]["trainer_pid"], trained
     for rank in range(3):
         slept = [arrival(it, 7, rank) for it in (0, 1)]
         served = [arrival(it, 12, rank) for it in (0, 1)]
@@ -175,12 +172,10 @@ def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
     c = cluster(tmp_path, warm_model, iterations=2)
     try:
         c.start_all()
-        c.wait_until(lambda: c.at_phase(2, 1, 10) and any(
-            "rank=2" in " ".join(p.parent().cmdline()) for p in trainers(c.log_path)
-            if p.is_running()), 600, "node 2's trainer in iteration 1")
+        c.wait_until(lambda: c.at_phase(2, 1, 10) and bool(trainer_processes(c.log_path, 2)),
+                     600, "node 2's trainer in iteration 1")
         if victim == "trainer":
-            next(p for p in trainers(c.log_path)
-                 if "rank=2" in " ".join(p.parent().cmdline())).kill()
+            trainer_processes(c.log_path, 2)[0].kill()
         else:
             c.procs[2].kill()  # the whole node: its daemon, torchrun and trainer go down
         killed = time.monotonic()
@@ -191,14 +186,16 @@ def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
             assert took <= LEASE + 5, f"rank {rank} needed {took:.1f} s to stop"
             if victim == "trainer":
                 assert code == 4, c.output(rank)[-2000:]
-                assert re.search(r"rank 2 .*failed iteration 1 phase 10 \(train\).*torchrun on "
-                                 r"rank 2", c.output(rank)), c.output(rank)[-2000:]
+                assert re.search(r"rank 2 .*failed iteration 1 phase 10 \(train\).*rank 2: "
+                                 r"(trainer process 0 \(pid \d+\) closed its connection|"
+                                 r"torchrun killed by SIGKILL)", c.output(rank)), \
+                    c.output(rank)[-2000:]
             else:
                 assert code == 3, c.output(rank)[-2000:]
                 assert re.search(r"rank 2 \(host [^)]+\) lost at iteration 1 phase 10 \(train\)",
                                  c.output(rank)), c.output(rank)[-2000:]
         time.sleep(1.0)
-        assert not trainers(c.log_path), "every node stopped its torchrun"
+        assert not trainer_processes(c.log_path), "every node stopped its torchrun"
 
         out = subprocess.run([sys.executable, "-m", "rl", "recover", "--log-path",
                               str(c.log_path), "--iteration", "1"],

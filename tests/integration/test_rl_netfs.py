@@ -217,7 +217,7 @@ def test_killed_workers_and_master_rejoin_alone_without_redoing_a_saved_chunk(
             # Phase 10: node 2 dies while its trainer runs; restarted after its
             # lease, the group first sees a lost rank.
             c.wait_until(lambda: c.at_phase(2, 0, 10) and (run / "ranks/2/logs/"
-                         "train-iter-000000.log").exists(), 600, "node 2 training")
+                         "trainer.log").exists(), 600, "node 2 training")
             saved |= chunks(run)
             kill_node(c, run, 2)
             restart_alone(c, run, 2, delay=LEASE + 1)
@@ -342,7 +342,7 @@ def test_killed_nodes_recover_and_restart_without_redoing_a_saved_chunk(
 
             # Phase 10: node 1 dies while its trainer runs.
             c.wait_until(lambda: c.at_phase(1, 0, 10) and (
-                run / "ranks/1/logs/train-iter-000000.log").exists(), 600, "node 1 training")
+                run / "ranks/1/logs/trainer.log").exists(), 600, "node 1 training")
             saved |= chunks(run)
             kill_node(c, run, 1)
             stop_all_then_recover(c, run, 1, 0, (10,))

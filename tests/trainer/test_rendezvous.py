@@ -39,10 +39,9 @@ def _command(tmp_path: Path, rank: int, port: int, listen_fd: int | None) -> lis
     from rl.training import torchrun_command
 
     cmd = torchrun_command(parse_sections({}), rank=rank, num_nodes=2, master_addr="127.0.0.1",
-                           master_port=port, job=tmp_path / "job.json", run_id="0123456789ab",
-                           iteration=3, listen_fd=listen_fd)
-    assert cmd[-4:] == ["-m", "trainer.train", "--job", str(tmp_path / "job.json")]
-    return [*cmd[:-4], str(tmp_path / "script.py")]
+                           master_port=port, group="0123456789ab-3-cafe", listen_fd=listen_fd)
+    assert cmd[-2:] == ["-m", "trainer.resident"]
+    return [*cmd[:-2], str(tmp_path / "script.py")]
 
 
 def test_the_announced_port_is_held_and_the_store_serves_on_that_socket_only(

@@ -3,7 +3,8 @@
 Single process, no server: each iteration samples groups of answers from the
 current checkpoint with transformers' generate, scores them by exact match,
 writes a real train-batch file and runs the trainer's real iteration
-(`trainer.train.run`) on it, which publishes the next checkpoint.  The
+(`trainer.train.train_iteration`, on one session as the resident trainer keeps
+it) on it, which publishes the next checkpoint.  The
 hyper-parameters are the demo's defaults (see DEMO_* below).
 """
 
@@ -18,9 +19,11 @@ import torch
 from rollout.batch_format import TrainBatch
 from rollout.tasks import BuiltinReverseTasks
 from rollout.train_batch import save_train_batch
-from trainer.config import Strategy, TrainConfig, TrainJob
+from trainer.config import Strategy, TrainConfig
+from trainer.job import TrainJob
+from trainer.session import Session
 from trainer.tiny_model import create_tiny_model
-from trainer.train import DistContext, run
+from trainer.train import DistContext, prepare, train_iteration
 from trainer.warmstart import encode_task, exact_match, sample_responses, warm_start
 
 ITERATIONS = 8
@@ -74,6 +77,8 @@ def test_grpo_at_least_one_and_a_half_times_the_reward_in_eight_iterations(tmp_p
             rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), strategy=Strategy.DDP
         )
         model_dir, rewards = initial, []
+        # One session for every iteration, as the resident trainer keeps it.
+        session: Session | None = None
         for it in range(1, ITERATIONS + 1):
             batch_path = tmp_path / f"batch-{it}.pt"
             rewards.append(
@@ -85,11 +90,12 @@ def test_grpo_at_least_one_and_a_half_times_the_reward_in_eight_iterations(tmp_p
                 ref_model_dir=None,
                 batch_path=batch_path,
                 out_dir=tmp_path / f"iter-{it:06d}",
-                optim_dir=tmp_path / "optim",
+                state_dir=tmp_path / "state",
                 metrics_path=tmp_path / f"metrics-{it}.json",
                 config=CONFIG,
             )
-            run(job, ctx)
+            session = session or prepare(job, ctx)
+            train_iteration(session, job)
             model_dir = job.out_dir
     finally:
         torch.set_num_threads(threads)

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from rollout.batch_format import TrainBatch
 from rollout.train_batch import save_train_batch
 from trainer.checkpoint import verify_checkpoint
-from trainer.config import TrainConfig, TrainJob
+from trainer.config import TrainConfig
+from trainer.job import TrainJob
 from trainer.tiny_model import create_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,9 +84,10 @@ def make_job(tmp: Path, model_dir: Path, name: str, **config: object) -> Path:
         ref_model_dir=model_dir,
         batch_path=tmp / "batch.pt",
         out_dir=tmp / name / "checkpoint",
-        optim_dir=tmp / name / "optim",
+        state_dir=tmp / name / "state",
         metrics_path=tmp / name / "metrics.json",
         config=TrainConfig(**config),  # type: ignore[arg-type]
+        save_state=True,
     )
     path = tmp / f"{name}.json"
     job.save(path)
@@ -173,9 +175,10 @@ def test_two_nodes_end_with_identical_weights_and_match_a_single_process(tmp_pat
     before = load_file(model_dir / "model.safetensors")
     after = load_file(tmp_path / "two" / "checkpoint" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert sorted(p.name for p in (tmp_path / "two" / "optim").iterdir()) == [
-        "rank-0.pt",
-        "rank-1.pt",
+    # DDP's replicas are equal: trainer rank 0 saves the one shard of the state.
+    assert sorted(p.name for p in (tmp_path / "two" / "state" / "iter-000001").iterdir()) == [
+        "shard-0.json",
+        "shard-0.pt",
     ]
 
     # The PPO loss on the fixed batch falls over the four steps.
@@ -193,7 +196,7 @@ def test_two_nodes_end_with_identical_weights_and_match_a_single_process(tmp_pat
 
 def test_a_broken_job_exits_non_zero_with_a_clear_message(tmp_path: Path) -> None:
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"schema": "coordinator/train-job", "version": 1, "iteration": 1}))
+    job.write_text(json.dumps({"schema": "coordinator/train-job", "version": 2, "iteration": 1}))
     proc = run_trainer(job)
     assert proc.returncode == 2
     assert "train job is missing field 'model_dir'" in proc.stderr
@@ -306,7 +309,7 @@ def test_a_job_round_trips_through_json_and_bad_fields_are_named(tmp_path: Path)
     with pytest.raises(ConfigError, match="strategy='zero3' is not one of: auto, ddp, fsdp2"):
         TrainJob.from_json(json.dumps(data))
     data["version"] = 9
-    with pytest.raises(ConfigError, match="has version 9; this trainer reads version 1"):
+    with pytest.raises(ConfigError, match="has version 9; this trainer reads version 2"):
         TrainJob.from_json(json.dumps(data))
     with pytest.raises(ConfigError, match=r"kl_coef=0\.1 needs a reference model"):
         TrainJob(
@@ -315,7 +318,7 @@ def test_a_job_round_trips_through_json_and_bad_fields_are_named(tmp_path: Path)
             ref_model_dir=None,
             batch_path=tmp_path,
             out_dir=tmp_path / "o",
-            optim_dir=tmp_path,
+            state_dir=tmp_path,
             metrics_path=tmp_path,
             config=TrainConfig(kl_coef=0.1),
         )
