@@ -12,7 +12,11 @@ publishes it (every rank its shards, rank 0 consolidating them:
 trainer/sharded_save.py; SHA-256 manifest) and loaded back with
 from_pretrained, and the logits of both are compared.  Printed per rank: peak
 GPU memory (torch.cuda.max_memory_allocated) after loading and after the step,
-the step time, and the logit difference.  Exit 0 when the checkpoint matches.
+the step time, and the logit difference.  Then two iterations as the resident
+trainer runs them, offloading weights, grads and optimizer state to CPU memory
+between them: printed, the GPU memory each rank still holds while offloaded
+(the engine's time), and whether the weights came back unchanged.  Exit 0
+when the checkpoint matches and every round trip is exact.
 
 `--device cpu` runs the same code on gloo ranks (fp32): what CI checks here.
 """
@@ -25,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -87,11 +92,50 @@ def worker(args: argparse.Namespace) -> None:
             theirs = reloaded(input_ids=probe.input_ids,
                               attention_mask=probe.attention_mask).logits.float()
         diff = float((ours - theirs).abs().max())
+    resident = resident_iterations(ctx, config, model, optimizer, ids, probe, ours)
     print(json.dumps({"rank": ctx.rank, "load_peak": load_peak, "step_peak": step_peak,
-                      "step_s": step_s, "loss": float(out.loss.detach()), "max_logit_diff": diff}),
-          flush=True)
+                      "step_s": step_s, "loss": float(out.loss.detach()), "max_logit_diff": diff,
+                      **resident}), flush=True)
     if ctx.is_distributed:
         dist.destroy_process_group()
+
+
+def resident_iterations(ctx: Any, config: Any, model: Any, optimizer: Any, ids: Any, probe: Any,
+                        before: Any) -> dict[str, Any]:
+    """Two iterations as the resident trainer runs them (trainer/session.py): back onto
+    the GPU, one step, then weights, grads and optimizer state to CPU memory.  Returns
+    what the process still holds on the GPU while offloaded (the engine's time), and
+    whether the weights came back from CPU memory unchanged."""
+    import dataclasses
+
+    import torch
+
+    from trainer.policy import forward_logits
+    from trainer.session import Session
+
+    session = Session(ctx=ctx, config=dataclasses.replace(config, offload="on"), model=model,
+                      tokenizer=None, optimizer=optimizer)
+    cuda = ctx.device.type == "cuda"
+    held, round_trip = [], True
+    for _ in range(2):
+        session.offload()
+        held.append(torch.cuda.memory_reserved() if cuda else 0)
+        session.onload()
+        model.eval()
+        with torch.no_grad():
+            again = forward_logits(model, probe, ctx).float().cpu()
+        round_trip = round_trip and bool(torch.equal(again, before))
+        model.train()
+        out = model(input_ids=ids.to(ctx.device), labels=ids.to(ctx.device))
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            before = forward_logits(model, probe, ctx).float().cpu()
+    session.offload()
+    return {"offloaded_reserved": max(held), "offload_round_trip_exact": round_trip,
+            "offloads": session.offloads}
 
 
 def main() -> int:
@@ -139,8 +183,14 @@ def main() -> int:
         print(f"rank {r['rank']}: peak after load {r['load_peak'] / 2**20:.0f} MiB, after "
               f"step {r['step_peak'] / 2**20:.0f} MiB, step {r['step_s']:.2f} s, loss "
               f"{r['loss']:.4f}")
+    for r in sorted(rows, key=lambda r: r["rank"]):
+        print(f"rank {r['rank']}: resident trainer, 2 iterations with offload "
+              f"({'on' if r['offloads'] else 'nothing moves on CPU'}): GPU memory still "
+              f"reserved while the engine has the GPU {r['offloaded_reserved'] / 2**20:.0f} MiB; "
+              f"weights back from CPU memory unchanged: {r['offload_round_trip_exact']}")
     diff = next(r["max_logit_diff"] for r in rows if r["rank"] == 0)
-    ok = diff is not None and diff <= TOLERANCE[args.device]
+    ok = diff is not None and diff <= TOLERANCE[args.device] and all(
+        r["offload_round_trip_exact"] for r in rows)
     print(f"checkpoint saved and reloaded: max |logit difference| {diff:.2e} "
           f"({'OK' if ok else 'MISMATCH'}, tolerance {TOLERANCE[args.device]:g})")
     return 0 if ok else 1

@@ -79,7 +79,7 @@ PHASES: Final[tuple[PhaseSpec, ...]] = (
     PhaseSpec(phase=Phase.PREPARE_TRAINING, who=Who.MASTER, timeout=TimeoutKey.AGGREGATE,
               release_carries="-", what="master prepares the training data and config"),
     PhaseSpec(phase=Phase.READY_TO_TRAIN, who=Who.ALL, timeout=TimeoutKey.SYNC,
-              release_carries="`master_addr`, `train_port`, `run`", what="all ready to train"),
+              release_carries="`group`, `start`, `master_addr`, `train_port`, `run`", what="all ready to train"),
     PhaseSpec(phase=Phase.TRAIN, who=Who.COLLECTIVE, timeout=TimeoutKey.TRAIN, release_carries="-",
               what="multi-node training"),
     PhaseSpec(phase=Phase.PUBLISH_CHECKPOINT, who=Who.MASTER, timeout=TimeoutKey.AGGREGATE,

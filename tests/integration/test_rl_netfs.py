@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_rl_loop import check_two_iterations, trainers
+from tests.integration.test_rl_loop import check_two_iterations
 from tests.support.cluster import LocalCluster
 from tests.support.netfs import NetFs
+from tests.support.trainers import trainer_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.netfs]
 LEASE = 8.0  # sshfs on a loaded 2-core box: a beat can take a second or two
@@ -109,7 +110,7 @@ def test_three_nodes_train_two_iterations_each_on_its_own_mount(
             assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
         finally:
             c.close()
-        assert not any(trainers(m) for m in c.mount_paths)  # type: ignore[attr-defined]
+        assert not any(trainer_processes(m) for m in c.mount_paths)  # type: ignore[attr-defined]
         check_two_iterations(fs.export / "run", tmp_path, samples=48, eval_samples=12,
                              eval_before_train=False, uninterrupted=True)
         print(f"\nRL loop, 3 nodes x 2 iterations on sshfs (direct_io): {elapsed:.0f} s")
@@ -367,7 +368,7 @@ def test_killed_nodes_recover_and_restart_without_redoing_a_saved_chunk(
         redone = {p: v for p, v in saved.items() if final.get(p) != v}
         assert not redone, f"chunks saved before a kill were redone or lost: {redone}"
         assert any("/eval/" in str(p) for p in saved), "no eval chunk was saved before a kill"
-        assert not any(trainers(m) for m in c.mount_paths)  # type: ignore[attr-defined]
+        assert not any(trainer_processes(m) for m in c.mount_paths)  # type: ignore[attr-defined]
         # Every task exactly once in each batch (24 tasks x 4), 12 x 2 evaluated.
         check_two_iterations(run, tmp_path, samples=96, eval_samples=24,
                              eval_before_train=True, uninterrupted=False)

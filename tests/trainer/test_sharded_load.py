@@ -174,6 +174,10 @@ def test_the_gpu_check_runs_its_path_on_gloo_and_refuses_without_a_gpu() -> None
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "on 2 cpu rank(s)" in done.stdout and "(OK, tolerance 0.0001)" in done.stdout
+    # The resident trainer's two iterations: nothing moves on a CPU, the weights hold.
+    assert done.stdout.count("nothing moves on CPU): GPU memory still reserved while the "
+                             "engine has the GPU 0 MiB; weights back from CPU memory unchanged: "
+                             "True") == 2, done.stdout
     if not torch.cuda.is_available():
         refused = subprocess.run([sys.executable, str(script), *small], capture_output=True,
                                  text=True, timeout=120)
