@@ -194,12 +194,30 @@ class TrainerHost:
                 raise group.error(f"rank {self.rank}: trainer process {local} (pid "
                                   f"{group.pids.get(local)}) closed its connection ({why}) "
                                   f"while {doing}")
+            if message["op"] == "failed" and message.get("peer"):
+                self._yield_to_the_cause(ctx, group, iteration, message)
+                raise group.error(f"rank {self.rank}: the trainer lost a peer of its group while "
+                                  f"{doing}, and no other node said why: {message.get('error')}")
             if message["op"] == "failed":
                 raise group.error(f"rank {self.rank}: the trainer failed iteration {iteration}: "
                                   f"{message.get('error')}")
             if message["op"] == "done" and message.get("iteration") == iteration:
                 done[local] = message
         return done
+
+    def _yield_to_the_cause(self, ctx: StepContext, group: TrainerGroup, iteration: int,
+                            message: Mapping[str, Any]) -> None:
+        """The trainer failed because a peer of the group went away: that peer's own
+        failure (a node lost, a trainer killed) is the one to name.  Its daemon reports
+        it at once, and the phase machine then cancels this rank naming it; this failure
+        is reported only if nothing comes within a lease and a heartbeat."""
+        log.warning("rank %d: the trainer lost a peer of its group while training iteration "
+                    "%d (%s); waiting up to %.0f s for that peer's own failure", self.rank,
+                    iteration, str(message.get("error"))[:200], self.lease_s + self.beat_s)
+        deadline = time.monotonic() + self.lease_s + self.beat_s
+        while time.monotonic() < deadline:
+            ctx.check_cancel()
+            time.sleep(0.05)
 
     def _check_running(self, ctx: StepContext, group: TrainerGroup, started: float,
                        doing: str) -> None:

@@ -15,7 +15,8 @@ then waits for work.  One JSON object per line:
                          "world_size": W, "pid": P}
                         {"op": "done", "iteration": N, "seconds": S, "step": K,
                          "saved_through": M, "gpu_mib": G}
-                        {"op": "failed", "iteration": N, "error": TEXT}
+                        {"op": "failed", "iteration": N, "error": TEXT,
+                         "peer": true when a peer of the group went away}
                         {"op": "pong", "n": K}
                         {"op": "saved", "iteration": N or null}
 

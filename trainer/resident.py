@@ -117,7 +117,8 @@ class Resident:
             code = worker.exit_code(exc)
             with contextlib.suppress(ChannelClosed):  # the daemon may be gone already
                 self.channel.send({"op": "failed", "iteration": iteration,
-                                   "error": f"{type(exc).__name__}: {exc}"[:4000]})
+                                   "error": f"{type(exc).__name__}: {exc}"[:4000],
+                                   "peer": worker.lost_peer(exc)})
             return code
         gpu_mib = (torch.cuda.memory_reserved() >> 20) if torch.cuda.is_available() else 0
         self.channel.send({"op": "done", "iteration": job.iteration,

@@ -16,8 +16,10 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Final
 
 import torch
+import torch.distributed
 
 from coordinator import beneath, fsio
 from coordinator.beneath import RUN_DIR_ENV
@@ -75,6 +77,18 @@ def start_distributed(job: TrainJob) -> DistContext:
     warn_only: a few CUDA kernels have no deterministic version), then the group."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     return init_distributed(job.config)
+
+
+# What a collective raises on a rank whose peer went away mid-step (gloo's TCP
+# transport, NCCL's watchdog): the cause is on another node.
+_PEER_GONE: Final = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                     "NCCL communicator was aborted", "remote process exited")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether `exc` says a peer of the group went away rather than what failed here."""
+    return isinstance(exc, torch.distributed.DistNetworkError) or any(
+        sign in str(exc) for sign in _PEER_GONE)
 
 
 def exit_code(exc: BaseException) -> int:

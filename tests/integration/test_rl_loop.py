@@ -55,10 +55,11 @@ join_timeout_s = 120.0
 
 
 def cluster(tmp_path: Path, model: Path, iterations: int,
-            on_failure: str = "exit") -> LocalCluster:
+            on_failure: str = "exit", epochs: int = 3) -> LocalCluster:
     config = tmp_path / "rl.toml"
     config.write_text(CONFIG.format(model=model, iterations=iterations, lease=LEASE,
-                                    on_failure=on_failure))
+                                    on_failure=on_failure).replace("epochs = 3",
+                                                                   f"epochs = {epochs}"))
     return LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
 
 
@@ -169,11 +170,13 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
 def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
     tmp_path: Path, warm_model: Path, victim: str
 ) -> None:
-    c = cluster(tmp_path, warm_model, iterations=2)
+    # 30 epochs: a job of a few seconds, so the kill lands in it, after its first line.
+    c = cluster(tmp_path, warm_model, iterations=2, epochs=30)
+    trainer_log = c.log_path / "ranks/2/logs/trainer.log"
     try:
         c.start_all()
-        c.wait_until(lambda: c.at_phase(2, 1, 10) and bool(trainer_processes(c.log_path, 2)),
-                     600, "node 2's trainer in iteration 1")
+        c.wait_until(lambda: trainer_log.exists() and "[trainer it=1 rank=2/3] batch" in
+                     trainer_log.read_text(), 600, "node 2's trainer in iteration 1")
         if victim == "trainer":
             trainer_processes(c.log_path, 2)[0].kill()
         else:

@@ -4,10 +4,12 @@ Node 2 is SIGKILLed mid-rollout in iteration 0 (some of its chunks saved) and
 not restarted: after shrink_after_s the master and node 1 go on.  Phase 0's
 decision of the resumed iteration freezes what node 2 saved and gives its
 other tasks to nodes 0 and 1 (rl/takeover.py); they roll them out, the master
-merges every task exactly once, and torchrun trains on two nodes.  Iteration 1
-runs on the two alone.  Node 2 is then restarted with its original command
-and taken back at the next iteration boundary: iteration 2 runs on three
-nodes again, node 2 with its share of the tasks.
+merges every task exactly once, and torchrun trains on two nodes.  Node 2 is
+then restarted with its original command and taken back at the next
+iteration boundary it makes (1, 2 or 3: the resident trainer makes an
+iteration of this run take about 2 s, a daemon's start about 5): from there
+on every iteration runs on three nodes again, node 2 with its share of the
+tasks, and every one before it on the two alone.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tests.support.netfs import NetFs
 
 pytestmark = [pytest.mark.slow, pytest.mark.netfs]
 TASKS = 6  # 2 per node: node 2 is killed with 1 of its 2 saved
+ITERATIONS = 4
 GROUP = 4
 SHRINK_AFTER_S = 3.0
 
@@ -57,7 +60,7 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
     tmp_path: Path, warm_model: Path
 ) -> None:
     with NetFs(tmp_path / "fs", mounts=3) as fs:
-        c = netfs_cluster(tmp_path, fs, warm_model, iterations=3, tasks=TASKS, every=1,
+        c = netfs_cluster(tmp_path, fs, warm_model, iterations=ITERATIONS, tasks=TASKS, every=1,
                           concurrency=1, max_tokens=12, on_failure="shrink",
                           master_args=("--min-nodes", "2", "--set",
                                        f"coordination.shrink_after_s={SHRINK_AFTER_S}"))
@@ -70,11 +73,8 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
             saved = {p: v for p, v in chunks(run).items() if "rank-2" in str(p)}
             kill_node(c, run, 2)
             c.wait_until(lambda: recoveries(run) == 1, 120, "the group going on without 2")
-            # Restarted as soon as the master is seen in iteration 1 (its rollout
-            # can end before a beat shows phase 1), node 2 is taken back at the
-            # boundary of iteration 2.
-            c.wait_until(lambda: (c.heartbeat(0) or {}).get("iteration") == 1, 600,
-                         "iteration 1 on nodes 0 and 1")
+            # Restarted once the group went on without it: taken back at the next
+            # iteration boundary after its daemon is up.
             c.start(2, c.command(2, log_path=c.mount_paths[2]))  # type: ignore[attr-defined]
             codes = c.wait_all(timeout=900)
             assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
@@ -101,17 +101,19 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
         assert sorted(batch.group_task_ids) == every
         assert read(it0 / "metrics/rollout.json")["num_samples"] == TASKS * GROUP
 
+        # Node 2 worked from the boundary it was taken back at to the end, never before.
+        timings = {int(p.parent.parent.name) for p in run.glob("iterations/*/timings/rank-2.json")}
+        back = min(timings)
+        assert 1 <= back < ITERATIONS and timings == set(range(back, ITERATIONS)), timings
         # Training ran on the members only, then on all three once 2 was back.
         sizes = [read(run / f"iterations/{it:06d}/metrics/train.json")["world_size"]
-                 for it in range(3)]
-        assert sizes == [2, 2, 3]
-        it1, it2 = (read(run / f"iterations/{it:06d}/shard-train.json") for it in (1, 2))
-        assert it1["assignments"][2] == [] and it1["frozen"] == []
-        assert len(it2["assignments"][2]) == TASKS // 3
-        for it, plan_n in ((1, it1), (2, it2)):
+                 for it in range(ITERATIONS)]
+        assert sizes == [2] * back + [3] * (ITERATIONS - back), (back, sizes)
+        for it in range(1, ITERATIONS):
+            plan_n = read(run / f"iterations/{it:06d}/shard-train.json")
+            assert plan_n["frozen"] == []
+            assert len(plan_n["assignments"][2]) == (TASKS // 3 if it >= back else 0), it
             assert sorted(merged_task_ids(run / f"iterations/{it:06d}", plan_n)) == sorted(
                 t for a in plan_n["assignments"] for t in a)
-        timings = {int(p.parent.parent.name) for p in run.glob("iterations/*/timings/rank-2.json")}
-        assert timings == {2}  # killed in 0, left out of 1, back at the boundary of 2
         journal = read(run / "ranks/2/journal.json")
-        assert journal["completed_iteration"] == 2
+        assert journal["completed_iteration"] == ITERATIONS - 1
