@@ -111,8 +111,16 @@ def wrap_model(model: Any, ctx: DistContext, *, trainable: bool) -> Any:
         return model  # a frozen reference model needs no gradient sync
     from torch.nn.parallel import DistributedDataParallel
 
+    # find_unused_parameters keeps the reducer's buckets as they were built: by default
+    # DDP rebuilds them after the first step, in the order gradients became ready, and
+    # with 3+ ranks another layout sums ranks in another order.  A resident trainer's
+    # later iterations would then differ in the last bits from the same iterations
+    # trained (or replayed) by a trainer started for them; with fixed buckets both
+    # give the same weights (tests/integration/test_resident_trainer.py).  The cost is
+    # one walk of the autograd graph per backward.
     return DistributedDataParallel(
-        model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None
+        model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+        find_unused_parameters=True,
     )
 
 
