@@ -23,7 +23,8 @@ prints:
     iteration    the slowest rank's whole iteration (phases 0-13)
 
 and the demo's wall time, then the ratios the issue set (phase 10 at most
-1.2x the own work once the group is up; iterations at least 1.8x faster).
+1.2x the own work once the group is up; iterations at least 1.8x faster),
+and after how many iterations both runs hold the same weights.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def run_demo(run: Path, iterations: int, resident: bool) -> dict[str, Any]:
             (state_bytes if metrics.get("state_saved") else 0)
         out.append({"iteration": it, "phase10_s": phase10, "own_s": metrics["seconds"],
                     "bytes": written, "iteration_s": rows[it]["total_s"],
-                    "reward": rows[it]["reward_mean"]})
+                    "reward": rows[it]["reward_mean"], "params": metrics["params_sha256"]})
     return {"wall_s": wall, "iterations": out}
 
 
@@ -124,6 +125,10 @@ def main() -> int:
               f"{steady(res, 'bytes') / 1e6:.2f} MB resident")
         print(f"  demo wall time: {rel['wall_s']:.1f} s relaunched, {res['wall_s']:.1f} s "
               f"resident ({rel['wall_s'] / res['wall_s']:.2f}x)")
+        same = sum(a["params"] == b["params"] for a, b in zip(res["iterations"],
+                                                              rel["iterations"], strict=True))
+        print(f"  the same weights (params_sha256) as relaunched after {same} of "
+              f"{args.iterations} iterations (rollouts can differ: the engine batches by timing)")
     finally:
         if args.keep:
             print(f"\nrun directories kept in {work}")

@@ -137,11 +137,11 @@ class TrainerGroup:
     def answered_since(self, asked: float) -> bool:
         return all(last >= asked for last in self.last_pong.values())
 
-    def problem(self, lease_s: float, *, drain: bool) -> str | None:
-        """Why the group is no longer usable: a closed connection (drained from the inbox
-        only when `drain`: a job in hand reads its own), torchrun gone, or a process that
-        has not answered for a lease."""
-        while drain:
+    def problem(self, lease_s: float, *, busy: bool) -> str | None:
+        """Why the group is no longer usable: a closed connection or torchrun gone (idle
+        only: a job in hand reads its own inbox and sees those with the trainer's own
+        words), or a process that has not answered for a lease."""
+        while not busy:
             try:
                 local, message, why = self.inbox.get_nowait()
             except queue.Empty:
@@ -150,7 +150,7 @@ class TrainerGroup:
                 return (f"lost process {local} (pid {self.pids.get(local)}): its connection "
                         f"closed ({why})")
             log.warning("unexpected %r from idle trainer process %d", message.get("op"), local)
-        if self.proc.returncode is not None:
+        if not busy and self.proc.returncode is not None:
             return f"exited: torchrun pid {self.proc.pid} {describe_exit(self.proc.returncode)}"
         now = time.monotonic()
         for local, last in self.last_pong.items():

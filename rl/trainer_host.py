@@ -105,10 +105,10 @@ class TrainerHost:
             if group.answered_since(asked):
                 return {"group": group.name, "members": list(group.members),
                         "through": group.through, "pid": group.proc.pid}
-            if group.problem(self.lease_s, drain=True) is not None:
+            if group.problem(self.lease_s, busy=False) is not None:
                 break
             time.sleep(0.01)
-        problem = group.problem(self.lease_s, drain=True) or \
+        problem = group.problem(self.lease_s, busy=False) or \
             f"hung: no answer to a ping within the lease ({self.lease_s:g} s)"
         self._lose(group, problem, "at the training phase's start")
         return None
@@ -221,7 +221,7 @@ class TrainerHost:
 
     def _check_running(self, ctx: StepContext, group: TrainerGroup, started: float,
                        doing: str) -> None:
-        if group.lost is not None:  # the watcher found a process dead or hung
+        if group.lost is not None and group.inbox.empty():  # the watcher found one hung
             raise group.error(f"rank {self.rank}: the trainer {group.lost} while {doing}")
         if ctx.runtime.cancel.is_set():
             ctx.check_cancel()
@@ -260,7 +260,7 @@ class TrainerHost:
                 if self._group is not group:
                     return
                 busy = self.state is TrainerState.BUSY
-                problem = group.problem(self.lease_s, drain=not busy)
+                problem = group.problem(self.lease_s, busy=busy)
                 if problem is None:
                     group.ping()
                     continue

@@ -49,6 +49,14 @@ def in_rollout(c: LocalCluster, rank: int, iteration: int) -> bool:
     return bool(hb and hb["iteration"] == iteration and 1 <= hb["phase"] <= 6)
 
 
+def idle_trainer(c: LocalCluster, rank: int, iteration: int) -> list[psutil.Process]:
+    """Rank's trainer processes once it rolls out `iteration` (its trainer idles)."""
+    c.wait_until(lambda: in_rollout(c, rank, iteration) and
+                 bool(trainer_processes(c.log_path, rank)), 600,
+                 f"rank {rank}'s rollout of iteration {iteration}, its trainer idle")
+    return trainer_processes(c.log_path, rank)
+
+
 def wait_for_line(c: LocalCluster, rank: int, pattern: str, *, within: float) -> float:
     """Seconds until `pattern` shows in rank's log; fails past `within`."""
     started = time.monotonic()
@@ -65,9 +73,7 @@ def test_a_trainer_that_dies_or_hangs_between_jobs_is_named_within_the_lease_and
     try:
         c.start_all()
         # Iteration 1's rollout: iteration 0 trained, the group idles. Rank 2's dies.
-        c.wait_until(lambda: in_rollout(c, 2, 1) and bool(trainer_processes(run, 2)), 600,
-                     "iteration 1's rollout with rank 2's trainer idle")
-        (victim,) = trainer_processes(run, 2)
+        (victim,) = idle_trainer(c, 2, 1)
         victim.kill()
         took = wait_for_line(c, 2, rf"resident trainer \(group [^)]+\) (lost process 0 \(pid "
                                    rf"{victim.pid}\): its connection closed|exited: torchrun).* "
@@ -75,9 +81,7 @@ def test_a_trainer_that_dies_or_hangs_between_jobs_is_named_within_the_lease_and
         print(f"\na dead trainer was named after {took:.1f} s")
 
         # Iteration 2's rollout: rank 1's stops answering (SIGSTOP), named once a lease passes.
-        c.wait_until(lambda: in_rollout(c, 1, 2) and bool(trainer_processes(run, 1)), 600,
-                     "iteration 2's rollout with rank 1's trainer idle")
-        (frozen,) = trainer_processes(run, 1)
+        (frozen,) = idle_trainer(c, 1, 2)
         frozen.send_signal(signal.SIGSTOP)
         took = wait_for_line(c, 1, rf"hung: process 0 \(pid {frozen.pid}\) has not answered "
                                    rf"for \d+ s \(lease {LEASE:g} s\)",
@@ -108,11 +112,11 @@ def test_a_trainer_that_dies_or_hangs_between_jobs_is_named_within_the_lease_and
     assert not trainer_processes(run), "every trainer stopped with its daemon"
 
 
-def kill_and_restart(c: LocalCluster, rank: int, *, delay: float) -> None:
-    """SIGKILL a whole node (daemon, engine, torchrun, trainer), check that its trainer
-    went with its daemon (no orphan holds a GPU), then start it again alone."""
-    orphans = trainer_processes(c.log_path, rank)
-    assert orphans, f"rank {rank} has a trainer to lose"
+def kill_and_restart(c: LocalCluster, rank: int, iteration: int, *, delay: float) -> None:
+    """SIGKILL a whole node (daemon, engine, torchrun, trainer) as it rolls out
+    `iteration`, check that its trainer went with its daemon (no orphan holds a GPU),
+    then start it again alone."""
+    orphans = idle_trainer(c, rank, iteration)
     c.kill(rank)
     killed = time.monotonic()
     c.wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -132,13 +136,9 @@ def test_after_a_lost_node_training_resumes_from_the_saved_state_redoing_at_most
         c.start_all()
         # Iteration 1: worker 2 is lost.  The survivors regroup, and the master's idle
         # trainer (DDP: trainer rank 0 holds the state) saves iteration 0's as it stops.
-        c.wait_until(lambda: in_rollout(c, 2, 1) and bool(trainer_processes(run, 2)), 600,
-                     "iteration 1's rollout")
-        kill_and_restart(c, 2, delay=LEASE + 1)
+        kill_and_restart(c, 2, 1, delay=LEASE + 1)
         # Iteration 3: the master is lost: nobody can save for it; iteration 1's is newest.
-        c.wait_until(lambda: in_rollout(c, 0, 3) and bool(trainer_processes(run, 0)), 600,
-                     "iteration 3's rollout")
-        kill_and_restart(c, 0, delay=1.0)
+        kill_and_restart(c, 0, 3, delay=1.0)
         codes = c.wait_all(timeout=600)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
     finally:

@@ -214,52 +214,11 @@ def test_a_new_trainer_resumes_from_the_saved_state_and_replays_to_the_same_weig
 
 def torchrun_pair(job: Path, tmp: Path, name: str) -> list[str]:
     """Run `job` on two single-process torchrun nodes; return both logs."""
-    import socket
+    from tests.trainer.test_train_torchrun import free_port, run_processes, torchrun
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    procs, logs = [], []
-    try:
-        for rank in (0, 1):
-            log = tmp / f"{name}-{rank}.log"
-            logs.append(log)
-            with log.open("wb") as out:
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "torch.distributed.run",
-                            "--nnodes",
-                            "2",
-                            "--nproc-per-node",
-                            "1",
-                            "--node-rank",
-                            str(rank),
-                            "--master-addr",
-                            "127.0.0.1",
-                            "--master-port",
-                            str(port),
-                            "-m",
-                            "trainer.train",
-                            "--job",
-                            str(job),
-                        ],
-                        cwd=REPO,
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        codes = [p.wait(timeout=150) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
+    port = free_port()
+    logs = [tmp / f"{name}-{rank}.log" for rank in (0, 1)]
+    codes = run_processes([torchrun(rank, port, job) for rank in (0, 1)], logs)
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
     return texts
