@@ -99,17 +99,19 @@ class TrainerHost:
             if self.state is not TrainerState.IDLE or group is None:
                 return None
             asked = group.ping()
-        while time.monotonic() < asked + self.lease_s:
+        problem = None
+        while problem is None and time.monotonic() < asked + self.lease_s:
             if group.stopped.is_set():
                 return None  # the watcher found it gone meanwhile
             if group.answered_since(asked):
                 return {"group": group.name, "members": list(group.members),
                         "through": group.through, "pid": group.proc.pid}
-            if group.problem(self.lease_s, busy=False) is not None:
-                break
+            problem = group.problem(self.lease_s, busy=False)  # drains what it reports
             time.sleep(0.01)
-        problem = group.problem(self.lease_s, busy=False) or \
-            f"hung: no answer to a ping within the lease ({self.lease_s:g} s)"
+        silent = ", ".join(f"process {local} (pid {group.pids.get(local)})"
+                           for local, last in group.last_pong.items() if last < asked)
+        problem = problem or \
+            f"hung: {silent} did not answer a ping within the lease ({self.lease_s:g} s)"
         self._lose(group, problem, "at the training phase's start")
         return None
 

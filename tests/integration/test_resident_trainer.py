@@ -1,7 +1,8 @@
 """The resident trainer on the real loop: one torchrun group per session; a trainer
 process that dies or hangs between jobs is named within the lease and replaced;
 after a lost node, training resumes from the last saved state and trains again
-at most `train.save_interval - 1` iterations, from their kept batches."""
+at most `train.save_interval - 1` iterations, from their kept batches.  (A clean
+stop that saves first: tests/rl/test_trainer_host.py.)"""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.support.cluster import LocalCluster
 from tests.support.trainers import trainer_processes
 
 pytestmark = pytest.mark.slow
+ITERATIONS = 5
 BEAT = 0.5  # CONFIG's heartbeat_interval_s: an idle trainer is pinged this often
 # Every process is slowed by a loaded 2-core machine: seconds of margin beyond
 # the lease for a death or a hang to show in the daemon's log.
@@ -65,53 +67,6 @@ def wait_for_line(c: LocalCluster, rank: int, pattern: str, *, within: float) ->
     return time.monotonic() - started
 
 
-def test_a_trainer_that_dies_or_hangs_between_jobs_is_named_within_the_lease_and_replaced(
-    tmp_path: Path, warm_model: Path
-) -> None:
-    c = cluster(tmp_path, warm_model, iterations=4, on_failure="exit")
-    run = c.log_path
-    try:
-        c.start_all()
-        # Iteration 1's rollout: iteration 0 trained, the group idles. Rank 2's dies.
-        (victim,) = idle_trainer(c, 2, 1)
-        victim.kill()
-        took = wait_for_line(c, 2, rf"resident trainer \(group [^)]+\) (lost process 0 \(pid "
-                                   rf"{victim.pid}\): its connection closed|exited: torchrun).* "
-                                   "between training phases", within=LEASE + SLACK)
-        print(f"\na dead trainer was named after {took:.1f} s")
-
-        # Iteration 2's rollout: rank 1's stops answering (SIGSTOP), named once a lease passes.
-        (frozen,) = idle_trainer(c, 1, 2)
-        frozen.send_signal(signal.SIGSTOP)
-        took = wait_for_line(c, 1, rf"hung: process 0 \(pid {frozen.pid}\) has not answered "
-                                   rf"for \d+ s \(lease {LEASE:g} s\)",
-                             within=LEASE + 2 * BEAT + SLACK)
-        print(f"a hung trainer was named after {took:.1f} s")
-        c.wait_until(lambda: not psutil.pid_exists(frozen.pid)
-                     or frozen.status() == psutil.STATUS_ZOMBIE, 15, "the hung trainer killed")
-
-        codes = c.wait_all(timeout=600)
-        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
-    finally:
-        c.close()
-    # A new group where a member's trainer was gone, the same one otherwise.
-    for rank in range(3):
-        how = [arrival(run, it, 10, rank)["trainer"] for it in range(4)]
-        assert how == ["started", "started", "started", "kept"], (rank, how)
-    # No state before iteration 1 (saves at 1 and 3): the new group of iteration 1
-    # started from the initial model and trained iteration 0 again, to the same weights;
-    # that of iteration 2 resumed from iteration 1's state with nothing to redo.
-    assert train_metrics(run, 1)["resumed"]["from_state"] is None
-    assert train_metrics(run, 1)["resumed"]["replayed"] == [{"iteration": 0, "matches": True}]
-    assert train_metrics(run, 2)["resumed"]["from_state"] == 1
-    assert train_metrics(run, 2)["resumed"]["replayed"] == []
-    assert train_metrics(run, 3)["resumed"] is None
-    steps = [(train_metrics(run, it)["optimizer_step_start"],
-              train_metrics(run, it)["optimizer_step_end"]) for it in range(4)]
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(steps)), steps
-    assert not trainer_processes(run), "every trainer stopped with its daemon"
-
-
 def kill_and_restart(c: LocalCluster, rank: int, iteration: int, *, delay: float) -> None:
     """SIGKILL a whole node (daemon, engine, torchrun, trainer) as it rolls out
     `iteration`, check that its trainer went with its daemon (no orphan holds a GPU),
@@ -126,37 +81,65 @@ def kill_and_restart(c: LocalCluster, rank: int, iteration: int, *, delay: float
     c.start(rank)
 
 
-def test_after_a_lost_node_training_resumes_from_the_saved_state_redoing_at_most_one(
+def test_a_lost_trainer_is_named_within_the_lease_and_its_replacement_redoes_at_most_one(
     tmp_path: Path, warm_model: Path
 ) -> None:
-    """save_interval 2: states at iterations 1 and 3, and wherever a trainer stops cleanly."""
-    c = cluster(tmp_path, warm_model, iterations=4, on_failure="wait")
+    """One run, save_interval 2 (states at iterations 1, 3 and the last): a trainer
+    process killed between jobs (iteration 1), one that stops answering (2), and a
+    lost master node under on_failure "wait" (3)."""
+    c = cluster(tmp_path, warm_model, iterations=ITERATIONS, on_failure="wait")
     run = c.log_path
     try:
         c.start_all()
-        # Iteration 1: worker 2 is lost.  The survivors regroup, and the master's idle
-        # trainer (DDP: trainer rank 0 holds the state) saves iteration 0's as it stops.
-        kill_and_restart(c, 2, 1, delay=LEASE + 1)
-        # Iteration 3: the master is lost: nobody can save for it; iteration 1's is newest.
+        # Iteration 1's rollout: iteration 0 trained, the group idles. Rank 2's dies.
+        (victim,) = idle_trainer(c, 2, 1)
+        victim.kill()
+        # Named by its watcher, or by phase 9 if that comes first: both between jobs.
+        took = wait_for_line(c, 2, rf"resident trainer \(group [^)]+\) (lost process 0 \(pid "
+                                   rf"{victim.pid}\): its connection closed|exited: torchrun).* "
+                                   "(between training phases|at the training phase's start)",
+                             within=LEASE + SLACK)
+        print(f"\na dead trainer was named after {took:.1f} s")
+
+        # Iteration 2's rollout: rank 1's stops answering (SIGSTOP), named once a lease passes.
+        (frozen,) = idle_trainer(c, 1, 2)
+        frozen.send_signal(signal.SIGSTOP)
+        took = wait_for_line(c, 1, rf"hung: process 0 \(pid {frozen.pid}\) (has not answered "
+                                   rf"for \d+ s \(lease {LEASE:g} s\)|did not answer a ping "
+                                   rf"within the lease \({LEASE:g} s\))",
+                             within=LEASE + 2 * BEAT + SLACK)
+        print(f"a hung trainer was named after {took:.1f} s")
+        c.wait_until(lambda: not psutil.pid_exists(frozen.pid)
+                     or frozen.status() == psutil.STATUS_ZOMBIE, 15, "the hung trainer killed")
+
+        # Iteration 3's rollout: the master node is lost.  Nobody can save its state for
+        # it (under DDP trainer rank 0 holds the one shard): iteration 1's is the newest.
         kill_and_restart(c, 0, 3, delay=1.0)
         codes = c.wait_all(timeout=600)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
     finally:
         c.close()
-    assert len(json.loads((run / "recoveries.json").read_text())["recoveries"]) == 2
-    # Iteration 1 went on from the state its stopping trainer saved: nothing redone.
-    assert train_metrics(run, 1)["resumed"] == {
-        "from_state": 0, "model": str(run / "checkpoints/iter-000000"), "replayed": []}
-    # Iteration 3 trained on a new group: from iteration 1's state, iteration 2 again
-    # (save_interval 2: at most one iteration redone), to the weights it had published.
-    resumed = train_metrics(run, 3)["resumed"]
-    assert resumed["from_state"] == 1, resumed
-    assert resumed["replayed"] == [{"iteration": 2, "matches": True}], resumed
+    assert len(json.loads((run / "recoveries.json").read_text())["recoveries"]) == 1
+    # A new group wherever a member's trainer was gone, the same one otherwise.
+    for rank in range(3):
+        how = [arrival(run, it, 10, rank)["trainer"] for it in range(ITERATIONS)]
+        assert how == ["started"] * 4 + ["kept"], (rank, how)
+    resumed = [train_metrics(run, it)["resumed"] for it in range(ITERATIONS)]
+    # No state before iteration 1: the group of iteration 1 started from the initial
+    # model and trained iteration 0 again, to the weights it had published.
+    assert resumed[1]["from_state"] is None
+    assert resumed[1]["replayed"] == [{"iteration": 0, "matches": True}]
+    # Iteration 2's group resumed from iteration 1's state with nothing to redo.
+    assert (resumed[2]["from_state"], resumed[2]["replayed"]) == (1, [])
+    # Iteration 3's: from iteration 1's state, iteration 2 again (save_interval 2: at
+    # most one iteration redone), to the weights it had published.  Rollouts, batches
+    # and checkpoints were kept: only training was redone.
+    assert (resumed[3]["from_state"], resumed[3]["replayed"]) == (
+        1, [{"iteration": 2, "matches": True}])
+    assert resumed[4] is None
     steps = [(train_metrics(run, it)["optimizer_step_start"],
-              train_metrics(run, it)["optimizer_step_end"]) for it in range(4)]
+              train_metrics(run, it)["optimizer_step_end"]) for it in range(ITERATIONS)]
     assert all(a[1] == b[0] for a, b in itertools.pairwise(steps)), steps
-    # Every node started the new groups (the lost ones' trainers went with their daemons).
-    assert [arrival(run, 3, 10, r)["trainer"] for r in range(3)] == ["started"] * 3
     # The newest complete state is the run's last; older ones were pruned.
-    assert sorted(os.listdir(run / "train_state")) == ["iter-000003"]
-    assert not trainer_processes(run)
+    assert sorted(os.listdir(run / "train_state")) == [f"iter-{ITERATIONS - 1:06d}"]
+    assert not trainer_processes(run), "every trainer stopped with its daemon"

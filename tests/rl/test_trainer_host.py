@@ -153,3 +153,16 @@ def test_the_session_moves_nothing_on_a_cpu() -> None:
 
     assert not session("cpu", "auto").offloads and not session("cpu", "on").offloads
     assert session("cuda", "auto").offloads and not session("cuda", "off").offloads
+
+
+def test_phase_9_finds_a_process_that_died_since_the_watchers_last_look(
+        host: TrainerHost, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ctx = started(host, tmp_path)
+    host.submit(ctx, tmp_path / "job-0", 0)
+    (pid,) = host._group.pids.values()  # type: ignore[union-attr]
+    caplog.set_level(logging.ERROR, "rl.trainer_host")
+    os.kill(pid, signal.SIGKILL)
+    asked = time.monotonic()
+    assert host.status() is None
+    assert time.monotonic() - asked < LEASE  # its closed channel says so at once
+    assert f"lost process 0 (pid {pid}): its connection closed" in caplog.text
