@@ -25,6 +25,7 @@ class ExitCode(enum.IntEnum):
     FENCED = 6
     CORRUPT = 7
     STORAGE = 8
+    UNSUITABLE_STORAGE = 9
     INTERRUPTED = 130
 
 
@@ -41,6 +42,9 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     "file (a symlink, FIFO, device, directory or oversized); the message names it",
     ExitCode.STORAGE: "the shared filesystem refused a write (no space, quota, read-only, "
     "permission); the message names the path and the errno",
+    ExitCode.UNSUITABLE_STORAGE: "the run directory's filesystem cannot carry the protocol "
+    "(an object-store FUSE mount: no atomic rename, no link(2)); every node refuses at start, "
+    "naming the mount, what it lacks and the fix",
     ExitCode.INTERRUPTED: "SIGINT or SIGTERM; the daemon published that it left",
 }
 
@@ -107,6 +111,16 @@ class StorageError(CoordinatorError):
             "`coordinator recover` and restart every node")
         self.errno, self.strerror = errno_, strerror
         self.path = Path(path)
+
+
+class UnsuitableStorageError(CoordinatorError):
+    """The run directory's filesystem lacks what the protocol relies on (storage_check.py)."""
+
+    exit_code = ExitCode.UNSUITABLE_STORAGE
+
+    def __init__(self, message: str, *, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 # Errors of a write that no retry within a deadline will cure.

@@ -152,8 +152,7 @@ def risks(mount: Mount, *, num_nodes: int) -> list[Risk]:
             level=Level.FAIL,
             what=f"{kind} is an object store: rename copies then deletes, so a reader can see "
                  "a half-written file under its final name",
-            fix="put the run directory on NFS, Lustre, GPFS, CephFS or blobfuse2 with "
-                "block_cache"))
+            fix="put the run directory on NFS, Lustre, GPFS or CephFS"))
     elif kind.startswith("fuse."):
         out.append(Risk(
             level=Level.INFO,

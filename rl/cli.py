@@ -82,6 +82,7 @@ def run(
     from coordinator import beneath, netaddr
     from coordinator.daemon import Daemon
     from coordinator.runplan import RunRequest, make_plan
+    from coordinator.storage_check import check_run_directory
 
     try:
         path = log_path_arg(log_path)
@@ -99,6 +100,9 @@ def run(
         # run.json behind that workers would then wait on.
         address = netaddr.choose_address(node_ip=node_ip, ifname=ifname)
         check_log_path(path)
+        # Every node by itself, before anything is written: an object-store mount is
+        # refused here (exit 9), not by a master's traceback workers would wait on.
+        check_run_directory(path)
         beneath.confine(path)
         setup_logging(verbose, rank)
         plan = make_plan(RunRequest(

@@ -27,11 +27,14 @@ fi
 # and we are root with apt; the fixture test fails with the reason otherwise.
 # Slurm and munge for the launch recipe's tests: a real three-node cluster on
 # this host (tests/support/slurm.py), started by the tests, never as a service.
+# rclone for an object-store FUSE mount the run command must refuse
+# (tests/support/rclone.py).
 if ! command -v sshfs >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ] || \
-    [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/munged ]; then
+    [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/munged ] || \
+    ! command -v rclone >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      sshfs openssh-server fuse3 slurmctld slurmd slurm-client munge >/dev/null
+      sshfs openssh-server fuse3 slurmctld slurmd slurm-client munge rclone >/dev/null
   fi
 fi
