@@ -225,8 +225,7 @@ class TrainerHost:
                        doing: str) -> None:
         if group.lost is not None and group.inbox.empty():  # the watcher found one hung
             raise group.error(f"rank {self.rank}: the trainer {group.lost} while {doing}")
-        if ctx.runtime.cancel.is_set():
-            ctx.check_cancel()
+        ctx.check_cancel()
         limit = self.s.torchrun.wall_limit_s
         if time.monotonic() - started > limit:
             raise group.error(f"rank {self.rank}: training passed torchrun.wall_limit_s="

@@ -7,7 +7,7 @@
                  it to train again (replay)
     9   all      report this node's resident trainer (group, members, iteration held)
         decide   keep the group when every member holds it at iteration N-1
-                 (rl/trainer_host.py `group_to_keep`); else a new group: bind the
+                 (rl/trainer_group.py `group_to_keep`); else a new group: bind the
                  training port on the master's address and hold it
                  (TrainRendezvous); torchrun's store takes the socket over
     10  all      a new group: torchrun --rdzv-backend coordinator-static ...
@@ -141,7 +141,7 @@ def train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     started = time.monotonic()
     if rendezvous.start:
         _start_group(loop, ctx, rendezvous)
-    elif trainers.status() is None or trainers.group != rendezvous.group:
+    elif trainers.group != rendezvous.group:  # phase 9 asked it for a sign of life
         raise ActionError(
             f"the master kept trainer group {rendezvous.group}, but rank {loop.rank}'s trainer "
             f"is gone ({trainers.lost or 'not running'}): the step is redone with a new group")

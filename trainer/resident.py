@@ -129,13 +129,14 @@ class Resident:
         return 0
 
     def save_unsaved(self) -> int | None:
-        """A clean stop: this rank's shard of the state it trained since the last save."""
+        """A clean stop: this rank's shard of the state it trained since the last save;
+        the iteration it saved, or None (nothing unsaved, or no shard of this rank's)."""
         session = self.session
         if session is None or self.state_dir is None or session.through <= session.saved_through:
             return None
         session.onload()
-        session.save_state(self.state_dir, session.through, collective=False)
-        return session.through
+        wrote = session.save_state(self.state_dir, session.through, collective=False)
+        return session.through if wrote else None
 
 
 def main() -> int:

@@ -94,14 +94,16 @@ class Session:
         fsdp = self.ctx.is_distributed and self.ctx.strategy == Strategy.FSDP2
         return self.ctx.world_size if fsdp else 1
 
-    def save_state(self, root: Path, iteration: int, *, collective: bool = True) -> None:
-        """Write this rank's shard of the state (none on ranks > 0 under DDP).
+    def save_state(self, root: Path, iteration: int, *, collective: bool = True) -> bool:
+        """Write this rank's shard of the state (none on ranks > 0 under DDP); whether
+        this rank wrote one.
 
         Collective by default: every rank returns once every shard is published.
         A clean stop saves without the barrier, each rank on its own.
         """
         shards = self.shards()
-        if self.ctx.rank < shards:
+        wrote = self.ctx.rank < shards
+        if wrote:
             sd = self.optimizer.state_dict()
             sd["state"] = {i: {k: _local(v).cpu() if isinstance(_local(v), Tensor) else v
                                for k, v in s.items()} for i, s in sd["state"].items()}
@@ -113,8 +115,10 @@ class Session:
         if collective and self.ctx.is_distributed:
             dist.barrier()
         self.saved_through = iteration
-        log.info("saved the training state of iteration %d (step %d) in %s", iteration,
-                 self.step, train_state.state_dir(root, iteration))
+        if wrote:
+            log.info("saved the training state of iteration %d (step %d) in %s", iteration,
+                     self.step, train_state.state_dir(root, iteration))
+        return wrote
 
     def restore(self, directory: Path) -> bool:
         """Load the saved state in `directory` on every rank, or on none (False)."""

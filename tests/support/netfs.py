@@ -35,6 +35,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.support import fuse
+
 SSHD = "/usr/sbin/sshd"
 
 
@@ -128,14 +130,9 @@ class NetFs:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        unmount = shutil.which("fusermount3") or shutil.which("fusermount") or "umount"
         for mount in self._mounted:
-            subprocess.run([unmount, "-u", "-z", str(mount)], capture_output=True, timeout=30)
+            fuse.unmount(mount)
         self._mounted.clear()
         if self._sshd is not None:
-            self._sshd.terminate()
-            try:
-                self._sshd.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._sshd.kill()
+            fuse.stop(self._sshd)
             self._sshd = None

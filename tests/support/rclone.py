@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.support import fuse
+
 MOUNT_TIMEOUT_S = 20.0  # rclone's start on a loaded 2-core machine
 
 
@@ -55,12 +57,6 @@ class RcloneMount:
 
     def __exit__(self, *exc: object) -> None:
         if mounted(self.point):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.point)], check=False,
-                           capture_output=True, timeout=30)
+            fuse.unmount(self.point)
         if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+            fuse.stop(self._proc)
