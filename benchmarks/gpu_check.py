@@ -24,7 +24,6 @@ when the checkpoint matches and every round trip is exact.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -93,9 +92,11 @@ def worker(args: argparse.Namespace) -> None:
                               attention_mask=probe.attention_mask).logits.float()
         diff = float((ours - theirs).abs().max())
     resident = resident_iterations(ctx, config, model, optimizer, ids, probe, ours)
-    print(json.dumps({"rank": ctx.rank, "load_peak": load_peak, "step_peak": step_peak,
-                      "step_s": step_s, "loss": float(out.loss.detach()), "max_logit_diff": diff,
-                      **resident}), flush=True)
+    from benchmarks.train_memory_bench import emit_row
+
+    emit_row({"rank": ctx.rank, "load_peak": load_peak, "step_peak": step_peak,
+              "step_s": step_s, "loss": float(out.loss.detach()), "max_logit_diff": diff,
+              **resident})
     if ctx.is_distributed:
         dist.destroy_process_group()
 

@@ -102,10 +102,9 @@ def worker(args: argparse.Namespace) -> None:
     step_peak = _status("VmHWM") - before
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4
                 for p in model.parameters())
-    print(json.dumps({"rank": ctx.rank, "mode": args.mode, "checkpointing": args.checkpointing,
-                      "load_peak": load_peak, "ref_peak": ref_peak, "step_peak": step_peak,
-                      "local_bytes": local,
-                      "loss": float(out.loss)}), flush=True)
+    emit_row({"rank": ctx.rank, "mode": args.mode, "checkpointing": args.checkpointing,
+              "load_peak": load_peak, "ref_peak": ref_peak, "step_peak": step_peak,
+              "local_bytes": local, "loss": float(out.loss)})
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -121,17 +120,32 @@ def build_model(out: Path, *, hidden: int, intermediate: int, layers: int, heads
     return (out / "model.safetensors").stat().st_size
 
 
+ROWS_DIR = "BENCH_ROWS_DIR"
+
+
+def emit_row(row: dict[str, Any]) -> None:
+    """One torchrun rank's result, as a file of its own: torchrun merges the ranks' stdout,
+    and two ranks printing at once can share a line."""
+    Path(os.environ[ROWS_DIR], f"rank-{row['rank']}.json").write_text(json.dumps(row))
+
+
 def torchrun_rows(ranks: int, script: Path, *args: str, timeout_s: float = 1800
                   ) -> list[dict[str, Any]]:
-    """`script` on `ranks` local torchrun ranks; the JSON line each rank printed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-         "--master-port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-         str(script), *args], capture_output=True, text=True, env=env, timeout=timeout_s)
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    """`script` on `ranks` local torchrun ranks; the row each rank emitted (emit_row)."""
+    with tempfile.TemporaryDirectory(prefix="bench-rows-") as rows:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent),
+               ROWS_DIR: rows}
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+             "--master-port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+             str(script), *args], capture_output=True, text=True, env=env, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"torchrun failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        found = [json.loads(p.read_text()) for p in sorted(Path(rows).glob("rank-*.json"))]
+    if len(found) != ranks:
+        raise RuntimeError(f"torchrun exited 0 but {len(found)} of {ranks} ranks reported a "
+                           f"result:\n{done.stderr[-4000:]}")
+    return found
 
 
 def measure(model: Path, *, ranks: int, mode: str, checkpointing: bool, batch: int, seq: int,
