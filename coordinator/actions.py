@@ -138,6 +138,10 @@ class ActionKind:
     # one half of the loop); None: all of them.  The phase machine asks here
     # and never reads the kind's own settings.
     phases: Callable[[RunConfig], tuple[Phase, ...]] | None = None
+    # Whether every file its actions write and read goes through coordinator/fsio
+    # (so a bucket run directory can carry it: coordinator/objstore.py).  A kind
+    # that writes files by other means is refused on a bucket at start.
+    runs_on_buckets: bool = False
 
     def phases_of(self, config: RunConfig) -> tuple[Phase, ...]:
         return tuple(Phase) if self.phases is None else self.phases(config)

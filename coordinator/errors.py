@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Final
 
+from coordinator import places
+
 
 class ExitCode(enum.IntEnum):
     OK = 0
@@ -26,6 +28,7 @@ class ExitCode(enum.IntEnum):
     CORRUPT = 7
     STORAGE = 8
     UNSUITABLE_STORAGE = 9
+    BUCKET_UNUSABLE = 10
     INTERRUPTED = 130
 
 
@@ -45,6 +48,9 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.UNSUITABLE_STORAGE: "the run directory's filesystem cannot carry the protocol "
     "(an object-store FUSE mount: no atomic rename, no link(2)); every node refuses at start, "
     "naming the mount, what it lacks and the fix",
+    ExitCode.BUCKET_UNUSABLE: "the run directory's bucket cannot be used: wrong or missing "
+    "credentials, no such container or bucket, or the server cannot be reached; the message "
+    "names the URL and the cause, never a credential",
     ExitCode.INTERRUPTED: "SIGINT or SIGTERM; the daemon published that it left",
 }
 
@@ -77,7 +83,7 @@ class MalformedRecordError(CoordinatorError, ValueError):
     exit_code = ExitCode.CORRUPT
 
     def __init__(self, path: Path, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
+        super().__init__(f"{places.display(path)}: {problem}")
         self.path, self.problem = path, problem
 
 
@@ -107,10 +113,16 @@ class StorageError(CoordinatorError):
         name = errno.errorcode.get(errno_, str(errno_))
         fix = STORAGE_FIXES.get(errno_, "fix the filesystem")
         super().__init__(
-            f"cannot write {path}: {strerror} ({name}): {fix}, then run "
+            f"cannot write {places.display(path)}: {strerror} ({name}): {fix}, then run "
             "`coordinator recover` and restart every node")
         self.errno, self.strerror = errno_, strerror
         self.path = Path(path)
+
+
+class BucketError(CoordinatorError):
+    """A bucket run directory cannot be used (coordinator/objstore.py); no credential in it."""
+
+    exit_code = ExitCode.BUCKET_UNUSABLE
 
 
 class UnsuitableStorageError(CoordinatorError):

@@ -28,9 +28,9 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
-from coordinator import beneath
+from coordinator import beneath, places
 from coordinator.errors import UnsafeFileError, storage_error
 
 FILE_MODE: Final = 0o644  # no group/world write: peers read, only the writer writes
@@ -142,6 +142,54 @@ class FsStats:
 STATS: Final = FsStats()
 
 
+class Backend(Protocol):
+    """A run directory that is not a filesystem (coordinator/objstore.py): what the
+    functions below do to a path beneath a mounted root, by key."""
+
+    def publish(self, key: str, data: bytes) -> None: ...
+
+    def read_bytes(self, key: str, *, max_bytes: int = ...) -> bytes: ...
+
+    def create_exclusive(self, key: str, data: bytes) -> bool: ...
+
+    def remove(self, key: str) -> bool: ...
+
+    def remove_prefix(self, key: str) -> bool: ...
+
+    def rename(self, src: str, dst: str) -> None: ...
+
+    def listdir(self, key: str) -> list[str]: ...
+
+    def download(self, key: str, target: Path, *, max_bytes: int | None = None) -> None: ...
+
+
+# Node-local roots that stand for a bucket run directory (objstore.attach);
+# messages name them by the URL (places.display).
+_MOUNTS: dict[Path, Backend] = {}
+display = places.display
+
+
+def mount(root: Path, backend: Backend, *, label: str) -> None:
+    _MOUNTS[root] = backend
+    places.label(root, label)
+
+
+def unmount(root: Path) -> None:
+    _MOUNTS.pop(root, None)
+    places.forget(root)
+
+
+def routed(path: Path) -> tuple[Backend, str] | None:
+    """The backend and key of a path beneath a mounted root; None on a filesystem
+    (one empty-dict check: the POSIX path pays nothing more)."""
+    if not _MOUNTS:
+        return None
+    for root, backend in _MOUNTS.items():
+        if path == root or root in path.parents:
+            return backend, path.relative_to(root).as_posix()
+    return None
+
+
 def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
 
@@ -216,6 +264,9 @@ def _writing(path: Path) -> Iterator[tuple[int, str]]:
 
 def publish_bytes(path: Path, data: bytes) -> None:
     """Atomically replace `path` with `data`: temp, fsync, rename, fsync dir."""
+    if (route := routed(path)) is not None:
+        route[0].publish(route[1], data)
+        return
     with _writing(path) as (dir_fd, name):
         tmp = _write_temp(dir_fd, name, data)
         try:
@@ -234,6 +285,8 @@ def create_exclusive(path: Path, data: bytes) -> bool:
     link(2) is atomic and fails with EEXIST on NFSv3+, Lustre, GPFS and local
     filesystems, and unlike O_EXCL it never exposes a half-written file.
     """
+    if (route := routed(path)) is not None:
+        return route[0].create_exclusive(route[1], data)
     with _writing(path) as (dir_fd, name):
         tmp = _write_temp(dir_fd, name, data)
         try:
@@ -265,7 +318,11 @@ def open_regular(path: Path, *, max_bytes: int | None = None) -> int:
 
     O_NONBLOCK makes the open of a planted FIFO return at once instead of
     waiting for a writer; on a regular file it changes nothing.
+
+    Beneath a bucket's root the object is fetched into the local path first.
     """
+    if (route := routed(path)) is not None:
+        route[0].download(route[1], path, max_bytes=max_bytes)
     STATS.count("open")
     fd = beneath.open_file(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
@@ -310,6 +367,8 @@ def read_bytes(path: Path, *, max_bytes: int = MAX_RECORD_BYTES, fresh: bool = F
     At most `max_bytes` are read, whatever the file's size claims; `fresh`
     revalidates the cached size first (a retry after a torn read).
     """
+    if (route := routed(path)) is not None:
+        return route[0].read_bytes(route[1], max_bytes=max_bytes)
     fd = open_regular(path, max_bytes=max_bytes)
     try:
         if fresh:
@@ -353,6 +412,10 @@ def open_append(path: Path) -> int:
 
 def remove(path: Path) -> bool:
     """unlink (a symlink itself, never its target); False if it was already gone."""
+    if (route := routed(path)) is not None:
+        with contextlib.suppress(FileNotFoundError):
+            beneath.remove_tree(path)  # a copy fetched into the local root
+        return route[0].remove(route[1])
     STATS.count("unlink")
     try:
         with beneath.parent_dir(path, create=False) as (dir_fd, name):
@@ -364,11 +427,21 @@ def remove(path: Path) -> bool:
 
 def remove_tree(path: Path) -> bool:
     """rm -r beneath the run directory, never following a symlink."""
+    if (route := routed(path)) is not None:
+        with contextlib.suppress(FileNotFoundError):
+            beneath.remove_tree(path)
+        return route[0].remove_prefix(route[1])
     STATS.count("rmdir")
     return beneath.remove_tree(path)
 
 
 def rename(src: Path, dst: Path) -> None:
+    if (route := routed(src)) is not None:
+        target = routed(dst)
+        if target is None or target[0] is not route[0]:
+            raise ValueError(f"rename of {src} to {dst} leaves its bucket")
+        route[0].rename(route[1], target[1])
+        return
     STATS.count("rename")
     with beneath.parent_dir(src, create=False) as (src_fd, src_name), \
             beneath.parent_dir(dst, create=True) as (dst_fd, dst_name):

@@ -179,4 +179,5 @@ def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> Scr
     return ScriptedActions(scripted, rank=rank, run_dir=run_dir)
 
 
-KIND = ActionKind(name="scripted", build=build, resolve_sections=resolve_sections)
+KIND = ActionKind(name="scripted", build=build, resolve_sections=resolve_sections,
+                  runs_on_buckets=True)

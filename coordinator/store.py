@@ -80,6 +80,8 @@ class FsStore:
 
     def listdir(self, key: str) -> list[str]:
         """Names in a directory reached without a symlink (UnsafeFileError otherwise)."""
+        if (route := fsio.routed(self.path(key))) is not None:
+            return route[0].listdir(route[1])
         fsio.STATS.count("listdir")
         try:
             fd = beneath.open_dir(self.path(key))

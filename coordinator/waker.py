@@ -69,8 +69,13 @@ class Waker:
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> Waker:
         """The daemon's waker: events are trusted as local only on a local filesystem."""
+        from coordinator import fsio
         from coordinator.mounts import LOCAL_FILESYSTEMS, filesystem_type
 
+        if fsio.routed(run_dir) is not None:
+            log.info("file-change wake-ups: none in a bucket (%s): waits poll with capped "
+                     "backoff", fsio.display(run_dir))
+            return cls(backend=Backend.NONE)
         fs_type = filesystem_type(run_dir)
         waker = cls(local=fs_type in LOCAL_FILESYSTEMS)
         log.info("file-change wake-ups: %s on %s (%s): %s", waker.backend.value, run_dir,
@@ -93,8 +98,9 @@ class Waker:
         if backend is None:
             backend = Backend.INOTIFY if sys.platform.startswith("linux") else Backend.WATCHDOG
         try:
-            self._backend = _Inotify(self._renamed) if backend is Backend.INOTIFY else \
-                _Watchdog(self._renamed)
+            if backend is not Backend.NONE:
+                self._backend = _Inotify(self._renamed) if backend is Backend.INOTIFY else \
+                    _Watchdog(self._renamed)
         except Exception as exc:
             log.debug("file-change wake-ups unavailable (%s): %s", backend.value, exc)
         self.backend = backend if self._backend is not None else Backend.NONE

@@ -15,7 +15,7 @@ from typing import Any
 
 import typer
 
-from coordinator import fsio, weights
+from coordinator import bucket_url, fsio, weights
 from coordinator.errors import ExitCode, UsageError
 from coordinator.records import MAX_RANKS
 from coordinator.weights import Weights
@@ -85,10 +85,20 @@ def resolve_rank(master: bool, worker: int | None) -> int:
 
 
 def log_path_arg(text: str | None) -> Path:
-    """The --log-path as typed: required and never empty (an empty one would mean '.')."""
+    """The --log-path as typed: required and never empty (an empty one would mean '.').
+
+    A bucket URL (az://, s3://) is opened and checked here, and mounted at its
+    node-local root (coordinator/objstore.py), which the command then uses as the
+    run directory's path: BucketError (exit 10) when it cannot be used.
+    """
     if text is None:
         raise UsageError("--log-path is required: the run directory on the shared filesystem "
-                         "that every node mounts, e.g. --log-path /shared/runs/exp1")
+                         "that every node mounts, e.g. --log-path /shared/runs/exp1, or a "
+                         "bucket, e.g. --log-path az://runs/exp1")
+    if bucket_url.is_bucket_url(text):
+        from coordinator import objstore  # obstore is loaded only for a bucket
+
+        return objstore.attach(text)
     if not text.strip():
         raise UsageError(
             f"--log-path {text!r} is empty: give the run directory on the shared filesystem, "

@@ -38,3 +38,13 @@ if ! command -v sshfs >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ] || \
       sshfs openssh-server fuse3 slurmctld slurmd slurm-client munge rclone >/dev/null
   fi
 fi
+# Azurite, Microsoft's Azure Storage emulator, for the bucket tests
+# (tests/support/buckets.py): npm's package, pinned, in .tools/azurite; node and
+# npm from Debian when missing.  moto's S3 server comes with the dev extra.
+if [ ! -x .tools/azurite/node_modules/.bin/azurite-blob ]; then
+  if ! command -v npm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+  fi
+  npm install --silent --no-audit --no-fund --prefix .tools/azurite azurite@3.35.0 >/dev/null
+fi

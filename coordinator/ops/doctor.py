@@ -320,7 +320,7 @@ class Doctor:
         self._print(result)
 
     def _print(self, result: DoctorResult) -> None:
-        self.echo(f"doctor of {self.log_path} (rank {self.rank} on {self.host}):")
+        self.echo(f"doctor of {fsio.display(self.log_path)} (rank {self.rank} on {self.host}):")
         for line in result.lines:
             self.echo(f"  {line}")
         self.echo("verdict: " + ("the directory can carry a run" if result.ok else
