@@ -48,6 +48,7 @@ from coordinator.store import FsStore, publish_record, read_record
 log = logging.getLogger(__name__)
 
 DIRECTORY: Final = "doctor"
+BUCKET: Final = "bucket"  # how a node's mount reads when the run directory is one
 KINDS: Final = ("replace", "new", "list")
 ROUNDS_PER_KIND: Final = 2
 # Listings are hints (PROTOCOL.md rule 4): a worker waits this long for a new name
@@ -125,6 +126,7 @@ class Probed:
     reach: dict[int, str] = dataclasses.field(default_factory=dict)  # "" or what failed
     clock_offset: dict[int, float] = dataclasses.field(default_factory=dict)  # seconds
     failure: str = ""  # a probe not seen in time
+    exclusive: str = ""  # what went wrong with the exclusive create, or ""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -148,10 +150,15 @@ class Doctor:
     # -- both sides -------------------------------------------------------------
     def run(self) -> bool:
         """This node's part; True when the directory can carry a run."""
-        mount = mounts.mount_of(self.log_path, self.mountinfo)
-        self.mount = mount.describe() if mount else "unknown (no /proc/self/mountinfo)"
-        self.risks = mounts.risks(mount, num_nodes=self.num_nodes or 2) if mount else []
-        self.free = shutil.disk_usage(self.log_path).free
+        if fsio.routed(self.log_path) is not None:
+            # A bucket (coordinator/objstore.py): no mount, no free-space figure.
+            self.mount = f"{BUCKET} {fsio.display(self.log_path)}"
+            self.risks, self.free = [], 0
+        else:
+            mount = mounts.mount_of(self.log_path, self.mountinfo)
+            self.mount = mount.describe() if mount else "unknown (no /proc/self/mountinfo)"
+            self.risks = mounts.risks(mount, num_nodes=self.num_nodes or 2) if mount else []
+            self.free = shutil.disk_usage(self.log_path).free
         if self.rank == 0:
             return self._master()
         return self._worker()
@@ -198,10 +205,10 @@ class Doctor:
             return True if not missing else None
 
         try:
-            self._wait(lambda: f"node file(s) of rank(s) {missing} in {self.dir}", gather)
+            self._wait(lambda: f"node file(s) of rank(s) {missing} in {fsio.display(self.dir)}", gather)
         except WaitTimeout:
             self._publish_result(False, [
-                f"FAIL shared: rank(s) {missing} never appeared in {self.dir} within "
+                f"FAIL shared: rank(s) {missing} never appeared in {fsio.display(self.dir)} within "
                 f"{self.timeout_s:g} s: those nodes do not see this node's directory (it is not "
                 "shared with them, or they cannot write it): check that --log-path is the "
                 "same network mount on every node"])
@@ -219,6 +226,7 @@ class Doctor:
                 nonces={str(r): n.nonce for r, n in nodes.items()}, address=self.address,
                 probe_port=server.port, train_port=train.port))
             probed = self._probes(round_id)
+            probed.exclusive = self._exclusive(round_id)
         finally:
             server.close()
             train.close()
@@ -269,10 +277,25 @@ class Doctor:
                 break
         return out
 
+    def _exclusive(self, round_id: str) -> str:
+        """Create one name twice: the second must be refused, or two masters could both
+        create run.json (a bucket whose server ignores If-None-Match; a filesystem whose
+        link(2) does not fail with EEXIST)."""
+        key = self._key(f"exclusive-{round_id}.json")
+        first = self.store.create_exclusive(key, b"{}")
+        second = self.store.create_exclusive(key, b"{}")
+        if first and not second:
+            return ""
+        return ("a first create was refused" if not first else
+                "a second create of the same name succeeded: the storage does not honour "
+                "exclusive creates (a conditional PUT, If-None-Match: *), so two masters "
+                "could both create run.json; use a server that does (Azure Blob, GCS, S3 "
+                "since 2024) or a POSIX filesystem")
+
     def _verdict(self, nodes: dict[int, DoctorNode], probed: Probed) -> tuple[list[str], bool]:
         ok = not probed.failure
         lines = [f"{'OK  ' if ok else 'FAIL'} shared: {len(nodes)} node(s) see each other's "
-                 f"files in {self.log_path}" + (f"; {probed.failure}" if probed.failure else "")]
+                 f"files in {fsio.display(self.log_path)}" + (f"; {probed.failure}" if probed.failure else "")]
         for kind in KINDS:
             for rank, values in sorted(probed.trips[kind].items()):
                 if len(values) < ROUNDS_PER_KIND:  # list probes the listing did not show
@@ -291,6 +314,12 @@ class Doctor:
                              f"publish-to-visible ~{lag * 1000:.0f} ms (round trips "
                              + ", ".join(f"{v * 1000:.0f}" for v in values) + " ms)"
                              + (f"; {SLOW_FIX[kind]}" if slow else ""))
+        if probed.exclusive:
+            ok = False
+            lines.append(f"FAIL exclusive create: {probed.exclusive}")
+        elif not probed.failure:
+            lines.append("OK   exclusive create: a second create of the same name is refused "
+                         "(run.json and the rank claims rely on it)")
         for rank, reach in sorted(probed.reach.items()):
             if reach:
                 ok = False
@@ -307,6 +336,10 @@ class Doctor:
                 lines.append(f"{risk.level.value.upper():<4} mount   rank {rank}: "
                              f"{risk.what}; fix: {risk.fix}")
                 ok = ok and risk.level is not mounts.Level.FAIL
+            if node.mount.startswith(f"{BUCKET} "):
+                lines.append(f"INFO space   rank {rank}: a bucket has no free-space figure "
+                             "(its quota, if any, is the cloud account's)")
+                continue
             enough = node.free_bytes >= self.need_bytes
             lines.append(f"{'OK  ' if enough else 'WARN'} space   rank {rank}: "
                          f"{node.free_bytes / 2**30:.1f} GiB free in the run directory"
@@ -353,12 +386,12 @@ class Doctor:
             return None
 
         try:
-            round_ = self._wait(lambda: f"the master's round naming this node in {self.dir}",
+            round_ = self._wait(lambda: f"the master's round naming this node in {fsio.display(self.dir)}",
                                 named)
         except WaitTimeout:
             self._print(DoctorResult(round="", ok=False, lines=(
                 f"FAIL shared: no round from the master naming rank {self.rank} appeared in "
-                f"{self.dir} within {self.timeout_s:g} s: this node does not see the "
+                f"{fsio.display(self.dir)} within {self.timeout_s:g} s: this node does not see the "
                 "master's directory (not shared, or the master is not running doctor)",)))
             return False
         assert isinstance(round_, DoctorRound)

@@ -9,6 +9,7 @@ the objects in the bucket.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -229,3 +230,24 @@ def test_the_rl_loop_is_refused_in_a_bucket_before_anything_is_written(
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"run.actions='rl' cannot run in a bucket run directory ({bucket.url})" in done.stderr
     assert bucket.store.listdir("") == []
+
+
+def test_doctor_checks_a_bucket_as_it_checks_a_directory(server: Server, tmp_path: Path
+                                                         ) -> None:
+    bucket = server.bucket("doctor")
+    procs = []
+    for rank in range(3):
+        who = ["--master", "--num-nodes", "3"] if rank == 0 else ["--worker", str(rank)]
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "rl", "doctor", "--log-path", bucket.url, "--timeout", "60",
+             *who], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=bucket.node_env(tmp_path, str(rank))))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    master = outs[0]
+    assert f"OK   shared: 3 node(s) see each other's files in {bucket.url}" in master
+    assert "OK   exclusive create: a second create of the same name is refused" in master
+    for kind in ("replace", "new", "list"):
+        assert re.search(rf"OK   {kind} +rank 2 .*publish-to-visible ~\d+ ms", master), master
+    assert "INFO mount   rank 1 (" in master and f"bucket {bucket.url}" in master
+    assert "verdict: the directory can carry a run" in outs[1]
