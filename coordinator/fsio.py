@@ -162,6 +162,10 @@ class Backend(Protocol):
 
     def download(self, key: str, target: Path, *, max_bytes: int | None = None) -> None: ...
 
+    def upload(self, key: str, source: Path) -> None: ...
+
+    def list_files(self, key: str) -> list[str]: ...
+
 
 # Node-local roots that stand for a bucket run directory (objstore.attach);
 # messages name them by the URL (places.display).
@@ -186,8 +190,67 @@ def routed(path: Path) -> tuple[Backend, str] | None:
         return None
     for root, backend in _MOUNTS.items():
         if path == root or root in path.parents:
-            return backend, path.relative_to(root).as_posix()
+            key = path.relative_to(root).as_posix()
+            if any(_staging(part) for part in key.split("/")):
+                return None  # a writer's staging file or directory: node-local
+            return backend, key
     return None
+
+
+def _staging(name: str) -> bool:
+    """A hidden temporary name (temp_name, a checkpoint's tmp_sibling): what a writer
+    prepares before publishing, never read by another node under that name."""
+    return name.startswith(".") and (name.endswith(TMP_SUFFIX) or ".tmp-" in name)
+
+
+def is_dir(path: Path) -> bool:
+    """Whether `path` is a directory; beneath a bucket's root, whether any object's name
+    starts with it (a bucket has no directories)."""
+    if (route := routed(path)) is not None:
+        return bool(route[0].listdir(route[1]))
+    return path.is_dir()
+
+
+def list_files(root: Path) -> list[str]:
+    """Every regular file beneath `root`, as sorted relative names ('a/b.json'); a
+    symlink is refused (UnsafeFileError), as checkpoints may not hold one."""
+    if (route := routed(root)) is not None:
+        return route[0].list_files(route[1])
+    out = []
+    for path in sorted(root.rglob("*")):
+        if path.is_symlink():
+            raise UnsafeFileError(path, "is a symlink: a published tree may not hold one")
+        if path.is_file():
+            out.append(path.relative_to(root).as_posix())
+    return out
+
+
+def publish_tree(tmp: Path, final: Path, *, last: str) -> None:
+    """Publish a fully written, fsynced directory `tmp` (a checkpoint) as `final`.
+
+    On a filesystem, one rename of the directory (onto nothing or an empty one).
+    Beneath a bucket's root, where no rename exists: every file of `tmp` becomes
+    an object under `final`, the file named `last` (its manifest) after all the
+    others, so a reader that finds `last` finds the rest; then `tmp` goes.
+    FileExistsError when `final` already holds something.
+    """
+    if (route := routed(final)) is not None:
+        backend, key = route
+        if backend.listdir(key):
+            try:
+                backend.read_bytes(f"{key}/{last}", max_bytes=MAX_DOCUMENT_BYTES)
+            except FileNotFoundError:
+                # Objects without their `last`: an interrupted publish of this tree (one
+                # writer per tree), never seen by a reader: cleared, then published.
+                backend.remove_prefix(key)
+            else:
+                raise FileExistsError(errno.EEXIST, "already published", str(final))
+        names = [n for n in list_files(tmp) if n != last]
+        for name in [*names, last]:
+            backend.upload(f"{key}/{name}", tmp / name)
+        beneath.remove_tree(tmp)
+        return
+    rename(tmp, final)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -220,6 +220,18 @@ class ObjectStore:
         names.update(str(m["path"]).rsplit("/", 1)[-1] for m in listing["objects"])
         return sorted(names)
 
+    def list_files(self, key: str) -> list[str]:
+        """Every object beneath `key`/, as sorted names relative to it."""
+        prefix = self._key(key) + "/"
+        fsio.STATS.count("list")
+        names: list[str] = []
+        try:
+            for batch in obstore.list(self._store, prefix):
+                names.extend(str(meta["path"])[len(prefix):] for meta in batch)
+        except BaseError as exc:
+            raise self._fail(exc, key) from None
+        return sorted(names)
+
     def upload(self, key: str, source: Path) -> None:
         """A local file as one object, in parts when large (a checkpoint's weights)."""
         with open(source, "rb") as handle:

@@ -3,6 +3,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from typing import Any
+
 import pytest
 
 from coordinator import fsio
@@ -52,3 +54,14 @@ def temp_dir_untouched() -> Iterator[None]:
     yield
     after = os.environ.get("TMPDIR"), tempfile.gettempdir()
     assert after == before, f"this test changed the process's TMPDIR: {before} -> {after}"
+
+
+@pytest.fixture(scope="module", params=["azurite", "moto"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Any]:
+    """A real object-store server on loopback for this module's tests, once as Azurite
+    (Azure Blob) and once as moto (S3): tests/support/buckets.py."""
+    from tests.support.buckets import running
+
+    with running(request.param, tmp_path_factory.mktemp(request.param)) as started:
+        yield started

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
-from coordinator.errors import MalformedRecordError
+from coordinator import fsio
+from coordinator.errors import MalformedRecordError, UnsafeFileError
 from coordinator.fsio import (
     DIR_MODE,
     FILE_MODE,
@@ -128,17 +129,12 @@ class Manifest(Record):
 
 
 def _list_files(root: Path) -> list[str]:
-    out = []
-    for path in sorted(root.rglob("*")):
-        if path.is_symlink():
-            raise CheckpointError(
-                f"{path}: checkpoints may not contain symlinks: remove it", path=path
-            )
-        if path.is_file():
-            rel = path.relative_to(root).as_posix()
-            if rel != MANIFEST_NAME:
-                out.append(rel)
-    return out
+    try:
+        names = fsio.list_files(root)
+    except UnsafeFileError as exc:
+        raise CheckpointError(f"{exc.path}: checkpoints may not contain symlinks: remove it",
+                              path=exc.path) from None
+    return [name for name in names if name != MANIFEST_NAME]
 
 
 def _build_manifest(root: Path, iteration: int, probes: ProbeSet | None) -> Manifest:
@@ -173,9 +169,14 @@ def read_manifest(directory: Path) -> Manifest:
     return manifest
 
 
-def verify_checkpoint(directory: Path) -> Manifest:
-    """Check every file against the manifest; raise CheckpointError naming the first bad one."""
-    if not directory.is_dir():
+def verify_checkpoint(directory: Path, *, contents: bool = True) -> Manifest:
+    """Check every file against the manifest; raise CheckpointError naming the first bad one.
+
+    `contents=False` checks the names only: for a caller that hashes every file as it
+    copies it (copy_to_local_cache from a bucket, which would otherwise fetch each
+    file twice).
+    """
+    if not fsio.is_dir(directory):
         raise CheckpointError(f"checkpoint {directory} does not exist", path=directory)
     manifest = read_manifest(directory)
     present = set(_list_files(directory))
@@ -191,6 +192,8 @@ def verify_checkpoint(directory: Path) -> Manifest:
         path = directory / name
         if name not in present:
             raise CheckpointError(f"{path}: file listed in the manifest is missing", path=path)
+        if not contents:
+            continue
         try:
             read_verified(path, size=entry.size, sha256=entry.sha256, allow_map=False).close()
         except MalformedRecordError as exc:
@@ -200,13 +203,15 @@ def verify_checkpoint(directory: Path) -> Manifest:
 
 def _finalise_dir(tmp: Path, manifest: Manifest, final_dir: Path) -> Manifest:
     """Rename a fully written, fsynced tmp dir to final_dir, or accept an identical one."""
+    bucket = fsio.routed(final_dir) is not None
     try:
-        if final_dir.exists() and any(final_dir.iterdir()):
+        if not bucket and final_dir.exists() and any(final_dir.iterdir()):
             raise FileExistsError(final_dir)
-        # On Linux rename() onto an empty directory replaces it atomically.
-        rename(tmp, final_dir)
+        # On Linux rename() onto an empty directory replaces it atomically; in a
+        # bucket the manifest object, written last, publishes it (fsio.publish_tree).
+        fsio.publish_tree(tmp, final_dir, last=MANIFEST_NAME)
     except OSError as exc:
-        if not final_dir.exists():
+        if not fsio.is_dir(final_dir):
             raise CheckpointError(f"cannot publish {final_dir}: {exc}", path=final_dir) from exc
         # Another writer (or an earlier attempt of ours) got there first.
         existing = verify_checkpoint(final_dir)
@@ -219,7 +224,8 @@ def _finalise_dir(tmp: Path, manifest: Manifest, final_dir: Path) -> Manifest:
             ) from None
         remove_tree(tmp)
         return existing
-    fsync_dir(final_dir.parent)
+    if not bucket:
+        fsync_dir(final_dir.parent)
     return manifest
 
 
@@ -358,7 +364,8 @@ def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:
     The copy is hashed against the manifest verified on the source *before*
     copying, so a source file changed mid-copy is caught, not cached.
     """
-    manifest = verify_checkpoint(src_dir)
+    # From a bucket, names only: copy_verified below hashes every file it fetches.
+    manifest = verify_checkpoint(src_dir, contents=fsio.routed(src_dir) is None)
     dest = cache_root / f"{src_dir.name}-{manifest.digest}"
     if dest.exists():
         try:

@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +20,11 @@ import pytest
 
 from coordinator import bucket_url
 from coordinator.phases import Phase
-from tests.support.buckets import Bucket, Server, running
+from tests.support.buckets import Bucket, Server
 from tests.support.cluster import LocalCluster, write_config
 
 pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 90.0  # a 2-iteration scripted run takes ~5 s; room for a loaded machine
-
-
-@pytest.fixture(scope="module", params=["azurite", "moto"])
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Server]:
-    with running(request.param, tmp_path_factory.mktemp(request.param)) as started:
-        yield started
 
 
 class BucketCluster(LocalCluster):
