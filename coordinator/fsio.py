@@ -166,6 +166,8 @@ class Backend(Protocol):
 
     def list_files(self, key: str) -> list[str]: ...
 
+    def exists(self, key: str) -> bool: ...
+
 
 # Node-local roots that stand for a bucket run directory (objstore.attach);
 # messages name them by the URL (places.display).
@@ -201,6 +203,31 @@ def _staging(name: str) -> bool:
     """A hidden temporary name (temp_name, a checkpoint's tmp_sibling): what a writer
     prepares before publishing, never read by another node under that name."""
     return name.startswith(".") and (name.endswith(TMP_SUFFIX) or ".tmp-" in name)
+
+
+def exists(path: Path) -> bool:
+    """Whether a file exists (a hint, as on any shared filesystem): beneath a bucket's
+    root, whether its object does (a HEAD request)."""
+    if (route := routed(path)) is not None:
+        return route[0].exists(route[1])
+    return path.exists()
+
+
+def listdir(path: Path) -> list[str]:
+    """Sorted names in a directory reached without a symlink ([] when it does not
+    exist): a hint for recovery and humans, never for waits.  Beneath a bucket's
+    root, the names a LIST shows directly beneath the key."""
+    if (route := routed(path)) is not None:
+        return route[0].listdir(route[1])
+    STATS.count("listdir")
+    try:
+        fd = beneath.open_dir(path)
+    except FileNotFoundError:
+        return []
+    try:
+        return sorted(os.listdir(fd))
+    finally:
+        os.close(fd)
 
 
 def is_dir(path: Path) -> bool:
@@ -253,6 +280,25 @@ def publish_tree(tmp: Path, final: Path, *, last: str) -> None:
     rename(tmp, final)
 
 
+def send_local_files(directory: Path, *, replace: bool) -> int:
+    """Beneath a bucket's root: send the files written as plain local files there (a
+    library's: TensorBoard's event files; the engines' and trainers' logs), each as an
+    object of its name; with `replace`, again when the bucket holds it already (a log
+    that grew), else only the new ones.  How many were sent.  On a filesystem they
+    are where they belong already: 0."""
+    if (route := routed(directory)) is None or not directory.is_dir():
+        return 0
+    backend, key = route
+    held = set() if replace else set(backend.list_files(key))
+    sent = 0
+    for path in sorted(directory.rglob("*")):
+        name = path.relative_to(directory).as_posix()
+        if path.is_file() and not path.is_symlink() and name not in held:
+            backend.upload(f"{key}/{name}", path)
+            sent += 1
+    return sent
+
+
 def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
 
@@ -283,6 +329,8 @@ def _fsync_dir_fd(fd: int) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    if routed(path) is not None:
+        return  # a bucket: a PUT is durable when it returns
     STATS.count("open")
     fd = beneath.open_dir(path)
     try:
@@ -499,12 +547,21 @@ def remove_tree(path: Path) -> bool:
 
 
 def rename(src: Path, dst: Path) -> None:
-    if (route := routed(src)) is not None:
-        target = routed(dst)
-        if target is None or target[0] is not route[0]:
+    """rename(2) beneath the run directory.  Beneath a bucket's root: a writer's local
+    staging file published under its name is an upload (then the file goes); one object
+    to another is a copy and a delete (not atomic: never how anything is published)."""
+    source, target = routed(src), routed(dst)
+    if target is not None:
+        if source is None:
+            target[0].upload(target[1], src)
+            beneath.remove_tree(src)
+            return
+        if source[0] is not target[0]:
             raise ValueError(f"rename of {src} to {dst} leaves its bucket")
-        route[0].rename(route[1], target[1])
+        target[0].rename(source[1], target[1])
         return
+    if source is not None:
+        raise ValueError(f"rename of {src} to {dst} leaves its bucket")
     STATS.count("rename")
     with beneath.parent_dir(src, create=False) as (src_fd, src_name), \
             beneath.parent_dir(dst, create=True) as (dst_fd, dst_name):

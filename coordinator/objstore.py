@@ -200,6 +200,9 @@ class ObjectStore:
             self._call("delete", key, obstore.delete, paths[start:start + 256])
         return bool(paths)
 
+    def exists(self, key: str) -> bool:
+        return self.read_meta(key) is not None
+
     def read_meta(self, key: str) -> dict[str, Any] | None:
         try:
             return dict(self._call("head", key, obstore.head, self._key(key)))
@@ -222,11 +225,11 @@ class ObjectStore:
 
     def list_files(self, key: str) -> list[str]:
         """Every object beneath `key`/, as sorted names relative to it."""
-        prefix = self._key(key) + "/"
+        prefix = self._key(key) + "/" if self._key(key) else ""
         fsio.STATS.count("list")
         names: list[str] = []
         try:
-            for batch in obstore.list(self._store, prefix):
+            for batch in obstore.list(self._store, prefix or None):
                 names.extend(str(meta["path"])[len(prefix):] for meta in batch)
         except BaseError as exc:
             raise self._fail(exc, key) from None

@@ -189,9 +189,10 @@ def _check_bucket(log_path: Path, config: RunConfig) -> None:
     if fsio.routed(log_path) is not None and not action_kind.runs_on_buckets:
         raise UsageError(
             f"run.actions={action_kind.name!r} cannot run in a bucket run directory "
-            f"({fsio.display(log_path)}) yet: its checkpoints, models and trajectory chunks "
-            "are still written as plain files; give --log-path a directory on a shared POSIX "
-            "filesystem (NFS, Lustre, GPFS) for the RL loop")
+            f"({fsio.display(log_path)}): the package that registers it does not declare "
+            "that every file its actions write goes through coordinator/fsio "
+            "(ActionKind.runs_on_buckets); give --log-path a directory on a shared POSIX "
+            "filesystem (NFS, Lustre, GPFS)")
 
 
 def _plan_worker(req: RunRequest) -> RunPlan:

@@ -10,7 +10,6 @@ file as malformed with its path.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from typing import Protocol, TypeVar
 
 import tenacity
 
-from coordinator import beneath, fsio
+from coordinator import fsio
 from coordinator.records import Record
 
 log = logging.getLogger(__name__)
@@ -80,17 +79,7 @@ class FsStore:
 
     def listdir(self, key: str) -> list[str]:
         """Names in a directory reached without a symlink (UnsafeFileError otherwise)."""
-        if (route := fsio.routed(self.path(key))) is not None:
-            return route[0].listdir(route[1])
-        fsio.STATS.count("listdir")
-        try:
-            fd = beneath.open_dir(self.path(key))
-        except FileNotFoundError:
-            return []
-        try:
-            return sorted(os.listdir(fd))
-        finally:
-            os.close(fd)
+        return fsio.listdir(self.path(key))
 
 
 class MemoryStore:

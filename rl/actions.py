@@ -103,6 +103,7 @@ def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> RlA
 
 
 KIND = ActionKind(name="rl", build=build, resolve_sections=resolve_sections,
+                  runs_on_buckets=True,
                   node_local=NODE_LOCAL_KEYS, summarize=history.summarize,
                   iteration_report=history.report, phases=phases_of)
 

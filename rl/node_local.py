@@ -68,7 +68,13 @@ def node_base() -> Path:
 def run_root(run_id: str, local_cache: str = "") -> Path:
     """The run's directory on this node, with this process registered as a holder."""
     check_run_id(run_id)  # it becomes a path
-    root = (Path(local_cache) if local_cache else node_base()) / run_id
+    return hold((Path(local_cache) if local_cache else node_base()) / run_id)
+
+
+def hold(root: Path) -> Path:
+    """Register this process as a holder of a node-local directory of the run (its
+    cache, or a bucket run directory's local root: coordinator/objstore.py); the
+    last holder to leave removes it (leave_all)."""
     holder = root / HOLDERS / _me()
     if root not in _joined or not holder.exists():
         (root / HOLDERS).mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -104,12 +104,16 @@ def ensure_initial_model(loop: Loop, ctx: StepContext) -> None:
                               what="building the demo model"):
         build_demo_model(loop.initial_model(), seed=loop.s.model.init_seed,
                          warmstart_steps=loop.s.model.warmstart_steps)
+        # Read as local files from here on (fetched once per node from a bucket).
+        from trainer.checkpoint import local_view
+
+        local_view(loop.initial_model())
 
 
 def build_demo_model(target: Path, *, seed: int, warmstart_steps: int) -> dict[str, Any]:
     """The tiny demo model at `target`, unless it is there already (the caller holds
     what keeps two builders apart)."""
-    if (target / "manifest.json").exists():
+    if fsio.exists(target / "manifest.json"):
         return {}
     log.info("building the tiny demo model in %s (warm start: %d steps)", target, warmstart_steps)
     from trainer.warmstart import build_initial_model  # torch: only when needed

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator import fsio
 from coordinator.errors import ActionError
 from rollout.engines.control import EngineControl
 from rollout.engines.engine import EngineConfig, EngineKind
@@ -66,7 +67,7 @@ class Verdict:
 
 def checkpoint_probes(model_dir: Path) -> ProbeSet | None:
     """The probes of a published checkpoint's manifest; None without manifest or probes."""
-    if not (model_dir / MANIFEST_NAME).exists():
+    if not fsio.exists(model_dir / MANIFEST_NAME):
         return None
     return read_manifest(model_dir).probes
 

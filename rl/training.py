@@ -176,6 +176,13 @@ def _start_group(loop: Loop, ctx: StepContext, rendezvous: TrainRendezvous) -> N
 
 def _set_aside_earlier_attempt(loop: Loop, iteration: int) -> None:
     out = layout.checkpoint(loop.run_dir, iteration)
+    if fsio.routed(out) is not None:
+        # A bucket has no rename (one copy per object): the attempt's checkpoint goes
+        # now, as phase 13 would remove it set aside.
+        if fsio.remove_tree(out):
+            log.warning("training of iteration %d is rerun: removed %s", iteration,
+                        fsio.display(out))
+        return
     if out.exists():
         aside = out.with_name(f".superseded-{out.name}-{secrets.token_hex(4)}")
         log.warning("training of iteration %d is rerun: moving %s aside to %s", iteration, out,

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator import fsio
 from coordinator.errors import IntegrityError, MalformedRecordError, UnsafeFileError
 from coordinator.fsio import ensure_dir, publish_bytes
 from coordinator.verified import read_verified
@@ -102,8 +103,8 @@ class RankCheckpointWriter:
             ]
             + [
                 int(m.group(1))
-                for p in self.directory.iterdir()
-                if (m := CHUNK_NAME.fullmatch(p.name))
+                for name in fsio.listdir(self.directory)
+                if (m := CHUNK_NAME.fullmatch(name))
             ]
         )
         self._remove_stale_temp_files()

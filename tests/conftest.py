@@ -64,3 +64,12 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
     with running(request.param, tmp_path_factory.mktemp(request.param)) as started:
         yield started
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Azurite alone, for a test run on one server only."""
+    from tests.support.buckets import running
+
+    with running("azurite", tmp_path_factory.mktemp("azurite")) as started:
+        yield started

@@ -358,6 +358,38 @@ def publish_checkpoint(
     return seal_directory(tmp, final_dir, iteration=iteration, probes=probes)
 
 
+def local_view(directory: Path) -> Path:
+    """`directory` with its files readable as plain local files (what transformers and
+    safetensors open).  On a filesystem, the directory itself.  Beneath a bucket's
+    node-local root, every file of the published checkpoint is fetched to its own path
+    there and checked against the manifest (a file already there with the manifest's
+    hash is kept); the manifest is written there last."""
+    if fsio.routed(directory) is None:
+        return directory
+    manifest = verify_checkpoint(directory, contents=False)
+    for name, entry in sorted(manifest.files.items()):
+        path = directory / name
+        if path.is_file() and _local_digest(path) == (entry.size, entry.sha256):
+            continue
+        try:  # fetches the object to `path`, then hashes what it fetched
+            read_verified(path, size=entry.size, sha256=entry.sha256, allow_map=False).close()
+        except MalformedRecordError as exc:
+            raise CheckpointError(str(exc), path=path) from exc
+    local_manifest = directory / MANIFEST_NAME
+    local_manifest.write_bytes(manifest.to_bytes())
+    os.chmod(local_manifest, FILE_MODE)
+    return directory
+
+
+def _local_digest(path: Path) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
 def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:
     """A verified local copy of a published checkpoint, reused when already cached.
 

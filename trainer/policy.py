@@ -19,23 +19,34 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from coordinator import fsio
 from rollout.batch_format import TrainBatch
 from trainer import grpo
-from trainer.checkpoint import MANIFEST_NAME, verify_checkpoint
+from trainer.checkpoint import MANIFEST_NAME, local_view, verify_checkpoint
 from trainer.config import Strategy
 from trainer.distributed import DistContext, unwrap, wrap_model
 from trainer.errors import TrainError
 from trainer.grpo import shard
 
 
-def load_model(model_dir: Path, ctx: DistContext,
-               dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def readable(model_dir: Path) -> Path:
+    """A model directory checked and readable as local files: a published checkpoint
+    verified against its manifest (fetched to the node-local root from a bucket,
+    trainer/checkpoint.py local_view), or a user's own directory as it is."""
+    if fsio.routed(model_dir) is not None:
+        return local_view(model_dir)
     if (model_dir / MANIFEST_NAME).exists():
         verify_checkpoint(model_dir)
     elif not model_dir.is_dir():
         raise TrainError(f"model_dir {model_dir} does not exist")
+    return model_dir
+
+
+def load_model(model_dir: Path, ctx: DistContext,
+               dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = readable(model_dir)
     # fp32 weights unless asked (train.param_dtype); FSDP2 casts to bf16 for compute on GPUs.
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, local_files_only=True, use_safetensors=True
@@ -72,10 +83,7 @@ def load_policy(model_dir: Path, ctx: DistContext, *, trainable: bool,
 
     from trainer.sharded_load import load_sharded_model
 
-    if (model_dir / MANIFEST_NAME).exists():
-        verify_checkpoint(model_dir)
-    elif not model_dir.is_dir():
-        raise TrainError(f"model_dir {model_dir} does not exist")
+    model_dir = readable(model_dir)
     wrapped = load_sharded_model(model_dir, ctx, trainable=trainable, dtype=dtype,
                                  prepare=enable_checkpointing if checkpointing else None)
     wrapped.train(trainable)

@@ -171,10 +171,7 @@ def _iteration_of(directory: Path) -> int | None:
 
 def saved_iterations(root: Path) -> list[int]:
     """Iterations a directory listing shows a state for, newest first (a hint only)."""
-    try:
-        names = [p.name for p in root.iterdir()]
-    except FileNotFoundError:
-        return []
+    names = fsio.listdir(root)
     found = (_DIR.fullmatch(name) for name in names)
     return sorted((int(m.group(1)) for m in found if m), reverse=True)
 

@@ -53,6 +53,10 @@ def prepare_process() -> Path | None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     fsio.read_retry_from_env()  # the daemon's coordination.read_retry_s
+    if os.environ.get("COORDINATOR_BUCKET_URL"):  # a bucket run directory: the daemon's mount
+        from coordinator import objstore
+
+        objstore.attach_from_env()
     import transformers.utils.logging as hf_logging
 
     hf_logging.disable_progress_bar()  # tqdm bars would flood the per-rank logs

@@ -211,16 +211,24 @@ def test_credentials_a_missing_container_and_no_server_exit_10_at_start(
     assert good.read("run.json") is None  # nothing was written anywhere
 
 
-def test_the_rl_loop_is_refused_in_a_bucket_before_anything_is_written(
+def test_an_action_kind_not_declared_for_buckets_is_refused_before_anything_is_written(
         server: Server, tmp_path: Path) -> None:
-    bucket = server.bucket("rl")
-    # README's usage line, on a bucket: the RL loop still writes plain files.
+    from tests.support.plugins import install_entry_points
+
+    bucket = server.bucket("plain")
+    site = install_entry_points(tmp_path / "site", "plain-kind", {
+        "coordinator.actions": {"plain": "tests.support.plain_kind:KIND"}})
+    root = Path(__file__).resolve().parents[2]
+    env = {**bucket.node_env(tmp_path, "m"), "PYTHONPATH": f"{site}:{root}"}
+    config = write_config(tmp_path / "c.toml", iterations=1)
+    config.write_text(config.read_text().replace('actions = "scripted"', 'actions = "plain"'))
     done = subprocess.run(
-        [sys.executable, "-m", "rl", "run", "--master", "--num-nodes", "3", "--rank-weights",
-         "1,1,1", "--log-path", bucket.url, "--iterations", "2"],
-        capture_output=True, text=True, timeout=120, env=bucket.node_env(tmp_path, "m"))
+        [sys.executable, "-m", "rl", "run", "--master", "--num-nodes", "2", "--config",
+         str(config), "--log-path", bucket.url], capture_output=True, text=True, timeout=120,
+        env=env)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert f"run.actions='rl' cannot run in a bucket run directory ({bucket.url})" in done.stderr
+    assert f"run.actions='plain' cannot run in a bucket run directory ({bucket.url})" \
+        in done.stderr
     assert bucket.store.listdir("") == []
 
 

@@ -1,0 +1,119 @@
+"""The real RL loop with its run directory in a bucket, on Azurite and on moto's S3.
+
+Three `coordinator run` daemons, each with the credentials in its environment and
+a TMPDIR of its own (its own node-local root, so nothing reaches another node but
+through the server): the hf engine rolls out, the master aggregates, torchrun
+trains across the three, and the checkpoint is published as objects (its
+manifest last) and served from each node's verified copy.  The checks read what
+the bucket holds, downloaded into a local mirror, with the same checks as a run
+on network mounts (tests/integration/test_rl_loop.py), plus a worker killed with
+SIGKILL mid-training under on_failure "wait" and restarted alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_rl_loop import check_two_iterations
+from tests.integration.test_rl_netfs import CONFIG
+from tests.support.buckets import Bucket, Server
+from tests.support.cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+LEASE = 8.0  # a loaded 2-core box running three engines and torchrun
+
+
+class BucketRun(LocalCluster):
+    """Three daemons on one bucket URL, each its own node (TMPDIR)."""
+
+    def __init__(self, bucket: Bucket, tmp_path: Path, model: Path, *, on_failure: str,
+                 tasks: int = 12, every: int = 4) -> None:
+        config = tmp_path / "rl.toml"
+        config.write_text(CONFIG.format(
+            model=model, iterations=2, lease=LEASE, tasks=tasks, every=every, concurrency=4,
+            max_tokens=6, on_failure=on_failure, eval_before_train="false"))
+        super().__init__(Path(bucket.url), tmp_path, num_nodes=3, config=config,
+                         master_args=("--rank-weights", "1,1,1"))
+        self.bucket = bucket
+
+    def command(self, rank: int, log_path: Path | None = None) -> list[str]:
+        cmd = super().command(rank)
+        cmd[cmd.index("--log-path") + 1] = self.bucket.url
+        return cmd
+
+    def node(self, rank: int) -> Path:
+        return self.work / f"node-{rank}"
+
+    def start(self, rank: int, command: list[str] | None = None,
+              env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+        return super().start(rank, command, self.bucket.node_env(self.work, str(rank)))
+
+    def heartbeat(self, rank: int) -> dict | None:  # type: ignore[type-arg]
+        data = self.bucket.read(f"ranks/{rank}/heartbeat.json")
+        return json.loads(data) if data else None
+
+    def mirror(self) -> Path:
+        """Every object of the run as a local tree (the processes' logs included: each
+        rank sends its own at every iteration's end and when its daemon exits)."""
+        out = self.work / "mirror"
+        store = self.bucket.store
+        for name in store.list_files(""):
+            store.download(name, out / name)
+        return out
+
+    def local_roots_left(self) -> list[Path]:
+        """Each node's local root of the bucket, once every daemon left: none."""
+        return [p for r in range(3) for p in self.node(r).glob("coordinator-bucket/*")]
+
+
+def test_three_nodes_train_two_iterations_in_a_bucket(
+        server: Server, tmp_path: Path, warm_model: Path) -> None:
+    c = BucketRun(server.bucket("rl"), tmp_path, warm_model, on_failure="exit")
+    try:
+        started = time.monotonic()
+        c.start_all()
+        codes = c.wait_all(timeout=900)
+        elapsed = time.monotonic() - started
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+    finally:
+        c.close()
+    run = c.mirror()
+    check_two_iterations(run, tmp_path, samples=48, eval_samples=12,
+                         eval_before_train=False, uninterrupted=True)
+    assert c.local_roots_left() == []  # what each node fetched went with its daemon
+    for rank in range(3):
+        assert "Traceback" not in c.output(rank)
+    print(f"\nRL loop, 3 nodes x 2 iterations in {server.kind}: {elapsed:.0f} s")
+
+
+def test_a_worker_killed_while_training_is_restarted_alone_and_the_run_completes(
+        azurite: Server, tmp_path: Path, warm_model: Path) -> None:
+    """On Azurite only (the scripted kill runs on both servers:
+    tests/coordinator/test_bucket_run.py)."""
+    c = BucketRun(azurite.bucket("rl-kill"), tmp_path, warm_model, on_failure="wait")
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(2, 0, 10), 600, "node 2 training")
+        engine = json.loads(c.bucket.read("ranks/2/engine.json") or b"{}").get("pid")
+        if engine:
+            os.kill(int(engine), signal.SIGKILL)  # the node dies whole
+        c.kill(2)
+        survivors = {r: c.procs[r] for r in (0, 1)}
+        time.sleep(LEASE + 1)  # past its lease: the group first sees a lost rank
+        c.start(2)
+        codes = c.wait_all(timeout=900)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+        assert all(p.returncode == 0 for p in survivors.values())
+    finally:
+        c.close()
+    history = json.loads(c.bucket.read("recoveries.json") or b"{}")["recoveries"]
+    assert [(h["rank"], h["iteration"], h["phase"]) for h in history] == [(2, 0, 10)]
+    run = c.mirror()
+    check_two_iterations(run, tmp_path, samples=48, eval_samples=12,
+                         eval_before_train=False, uninterrupted=False)
