@@ -18,12 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 README_PATH = "/tmp/rl-try"  # the --log-path README.md's usage line uses
 
 
-def usage_line() -> list[list[str]]:
-    """The three commands between README.md's usage-line markers."""
+def usage_line(marker: str = "usage-line") -> list[list[str]]:
+    """The three commands between README.md's `marker` markers (the usage line; the
+    bucket's is "bucket-usage-line")."""
     text = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- usage-line:start -->\n```bash\n(.*?)```\n<!-- usage-line:end -->",
+    block = re.search(rf"<!-- {marker}:start -->\n```bash\n(.*?)```\n<!-- {marker}:end -->",
                       text, re.S)
-    assert block is not None, "README.md lost its usage-line block"
+    assert block is not None, f"README.md lost its {marker} block"
     return [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
 
 
@@ -40,8 +41,10 @@ class Run:
 
 
 def run_nodes(commands: Sequence[Sequence[str]], *, cwd: Path, timeout_s: float,
-              env: dict[str, str] | None = None) -> Run:
-    """Start every command at once (rank = position), wait for all, reap in any case."""
+              env: dict[str, str] | None = None,
+              envs: Sequence[dict[str, str]] | None = None) -> Run:
+    """Start every command at once (rank = position), wait for all, reap in any case.
+    `env` adds to every node's environment, `envs[rank]` to one node's."""
     procs: dict[int, subprocess.Popen[bytes]] = {}
     outs: dict[int, Path] = {}
     started = time.monotonic()
@@ -51,7 +54,8 @@ def run_nodes(commands: Sequence[Sequence[str]], *, cwd: Path, timeout_s: float,
             with outs[rank].open("wb") as out:
                 procs[rank] = subprocess.Popen(
                     [coordinator(), *command[1:]], stdout=out, stderr=subprocess.STDOUT,
-                    cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                    cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}),
+                                   **(envs[rank] if envs else {})})
         deadline = started + timeout_s
         codes = {}
         for rank, proc in procs.items():
