@@ -48,9 +48,14 @@ from coordinator.bucket_url import BucketURL, Scheme
 from coordinator.errors import BucketError, UnsafeFileError
 
 log = logging.getLogger(__name__)
-RETRY: Final[Any] = {"max_retries": 4, "retry_timeout": datetime.timedelta(seconds=20),
+# obstore's own retries of a failed request stay well inside a lease (15 s by
+# default): a heartbeat PUT that still fails after them costs one beat (an EIO the
+# publisher logs and retries at the next beat), not the rank.
+RETRY: Final[Any] = {"max_retries": 4, "retry_timeout": datetime.timedelta(seconds=8),
                 "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
-                            "max_backoff": datetime.timedelta(seconds=4), "base": 2}}
+                            "max_backoff": datetime.timedelta(seconds=2), "base": 2}}
+# One request's whole time, body included: room for a 5 MB part of a large upload
+# on a slow link; a checkpoint's large GET streams (objstore.download).
 CLIENT: Final[dict[str, Any]] = {"connect_timeout": "5s", "timeout": "120s"}
 _MISSING_CONTAINER: Final = ("ContainerNotFound", "NoSuchBucket")
 # What a server answers to a wrong or missing credential (obstore reports a refused
