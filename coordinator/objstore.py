@@ -270,7 +270,7 @@ class ObjectStore:
 def local_root(url: BucketURL) -> Path:
     """This node's directory for a bucket run: where fetched files are opened from,
     and what the code above fsio takes as the run directory's path."""
-    return Path(tempfile.gettempdir()) / "coordinator-bucket" / url.digest
+    return Path(tempfile.gettempdir()) / f"coordinator-bucket-{os.getuid()}" / url.digest
 
 
 def attach(text: str, env: Mapping[str, str] | None = None) -> Path:
@@ -282,6 +282,7 @@ def attach(text: str, env: Mapping[str, str] | None = None) -> Path:
     store = ObjectStore(url, env)
     store.check()
     root = local_root(url)
+    root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's, like node_local's
     beneath.make_dirs(root)
     fsio.mount(root, store, label=str(url))
     os.environ[URL_ENV], os.environ[ROOT_ENV] = str(url), str(root)

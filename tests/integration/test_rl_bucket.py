@@ -75,7 +75,7 @@ class BucketRun(LocalCluster):
 
     def local_roots_left(self) -> list[Path]:
         """Each node's local root of the bucket, once every daemon left: none."""
-        return [p for r in range(3) for p in self.node(r).glob("coordinator-bucket/*")]
+        return [p for r in range(3) for p in self.node(r).glob("coordinator-bucket-*/*")]
 
 
 def test_the_readme_bucket_lines_train_two_iterations_that_learn(
@@ -119,7 +119,7 @@ def test_the_readme_bucket_lines_train_two_iterations_that_learn(
             assert secret not in log
         assert (run / f"ranks/{rank}/logs/hf_server.log").stat().st_size > 0  # sent along
     # What each node fetched went with its daemon.
-    assert not list(tmp_path.glob("node-*/coordinator-bucket/*"))
+    assert not list(tmp_path.glob("node-*/coordinator-bucket-*/*"))
     print(f"\nREADME's bucket lines on {server.kind}: {done.seconds:.0f} s, rewards {rewards}")
 
 
