@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Final
 
-from coordinator import places
+from coordinator import routing
 
 
 class ExitCode(enum.IntEnum):
@@ -83,7 +83,7 @@ class MalformedRecordError(CoordinatorError, ValueError):
     exit_code = ExitCode.CORRUPT
 
     def __init__(self, path: Path, problem: str) -> None:
-        super().__init__(f"{places.display(path)}: {problem}")
+        super().__init__(f"{routing.display(path)}: {problem}")
         self.path, self.problem = path, problem
 
 
@@ -113,7 +113,7 @@ class StorageError(CoordinatorError):
         name = errno.errorcode.get(errno_, str(errno_))
         fix = STORAGE_FIXES.get(errno_, "fix the filesystem")
         super().__init__(
-            f"cannot write {places.display(path)}: {strerror} ({name}): {fix}, then run "
+            f"cannot write {routing.display(path)}: {strerror} ({name}): {fix}, then run "
             "`coordinator recover` and restart every node")
         self.errno, self.strerror = errno_, strerror
         self.path = Path(path)

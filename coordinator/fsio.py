@@ -28,14 +28,14 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final
 
-from coordinator import beneath, places
+from coordinator import beneath
 from coordinator.errors import UnsafeFileError, storage_error
+from coordinator.routing import TMP_SUFFIX, routed
 
 FILE_MODE: Final = 0o644  # no group/world write: peers read, only the writer writes
 DIR_MODE: Final = beneath.DIR_MODE
-TMP_SUFFIX: Final = ".tmp"
 # Records are a few KB; run.json with a large config some tens of KB.  A file
 # beyond this is not a record, whatever it claims to be.
 MAX_RECORD_BYTES: Final = 4 << 20
@@ -140,163 +140,6 @@ class FsStats:
 
 
 STATS: Final = FsStats()
-
-
-class Backend(Protocol):
-    """A run directory that is not a filesystem (coordinator/objstore.py): what the
-    functions below do to a path beneath a mounted root, by key."""
-
-    def publish(self, key: str, data: bytes) -> None: ...
-
-    def read_bytes(self, key: str, *, max_bytes: int = ...) -> bytes: ...
-
-    def create_exclusive(self, key: str, data: bytes) -> bool: ...
-
-    def remove(self, key: str) -> bool: ...
-
-    def remove_prefix(self, key: str) -> bool: ...
-
-    def rename(self, src: str, dst: str) -> None: ...
-
-    def listdir(self, key: str) -> list[str]: ...
-
-    def download(self, key: str, target: Path, *, max_bytes: int | None = None) -> None: ...
-
-    def upload(self, key: str, source: Path) -> None: ...
-
-    def list_files(self, key: str) -> list[str]: ...
-
-    def exists(self, key: str) -> bool: ...
-
-
-# Node-local roots that stand for a bucket run directory (objstore.attach);
-# messages name them by the URL (places.display).
-_MOUNTS: dict[Path, Backend] = {}
-display = places.display
-
-
-def mount(root: Path, backend: Backend, *, label: str) -> None:
-    _MOUNTS[root] = backend
-    places.label(root, label)
-
-
-def unmount(root: Path) -> None:
-    _MOUNTS.pop(root, None)
-    places.forget(root)
-
-
-def routed(path: Path) -> tuple[Backend, str] | None:
-    """The backend and key of a path beneath a mounted root; None on a filesystem
-    (one empty-dict check: the POSIX path pays nothing more)."""
-    if not _MOUNTS:
-        return None
-    for root, backend in _MOUNTS.items():
-        if path == root or root in path.parents:
-            key = path.relative_to(root).as_posix()
-            if any(_staging(part) for part in key.split("/")):
-                return None  # a writer's staging file or directory: node-local
-            return backend, key
-    return None
-
-
-def _staging(name: str) -> bool:
-    """A hidden temporary name (temp_name, a checkpoint's tmp_sibling): what a writer
-    prepares before publishing, never read by another node under that name."""
-    return name.startswith(".") and (name.endswith(TMP_SUFFIX) or ".tmp-" in name)
-
-
-def exists(path: Path) -> bool:
-    """Whether a file exists (a hint, as on any shared filesystem): beneath a bucket's
-    root, whether its object does (a HEAD request)."""
-    if (route := routed(path)) is not None:
-        return route[0].exists(route[1])
-    return path.exists()
-
-
-def listdir(path: Path) -> list[str]:
-    """Sorted names in a directory reached without a symlink ([] when it does not
-    exist): a hint for recovery and humans, never for waits.  Beneath a bucket's
-    root, the names a LIST shows directly beneath the key."""
-    if (route := routed(path)) is not None:
-        return route[0].listdir(route[1])
-    STATS.count("listdir")
-    try:
-        fd = beneath.open_dir(path)
-    except FileNotFoundError:
-        return []
-    try:
-        return sorted(os.listdir(fd))
-    finally:
-        os.close(fd)
-
-
-def is_dir(path: Path) -> bool:
-    """Whether `path` is a directory; beneath a bucket's root, whether any object's name
-    starts with it (a bucket has no directories)."""
-    if (route := routed(path)) is not None:
-        return bool(route[0].listdir(route[1]))
-    return path.is_dir()
-
-
-def list_files(root: Path) -> list[str]:
-    """Every regular file beneath `root`, as sorted relative names ('a/b.json'); a
-    symlink is refused (UnsafeFileError), as checkpoints may not hold one."""
-    if (route := routed(root)) is not None:
-        return route[0].list_files(route[1])
-    out = []
-    for path in sorted(root.rglob("*")):
-        if path.is_symlink():
-            raise UnsafeFileError(path, "is a symlink: a published tree may not hold one")
-        if path.is_file():
-            out.append(path.relative_to(root).as_posix())
-    return out
-
-
-def publish_tree(tmp: Path, final: Path, *, last: str) -> None:
-    """Publish a fully written, fsynced directory `tmp` (a checkpoint) as `final`.
-
-    On a filesystem, one rename of the directory (onto nothing or an empty one).
-    Beneath a bucket's root, where no rename exists: every file of `tmp` becomes
-    an object under `final`, the file named `last` (its manifest) after all the
-    others, so a reader that finds `last` finds the rest; then `tmp` goes.
-    FileExistsError when `final` already holds something.
-    """
-    if (route := routed(final)) is not None:
-        backend, key = route
-        if backend.listdir(key):
-            try:
-                backend.read_bytes(f"{key}/{last}", max_bytes=MAX_DOCUMENT_BYTES)
-            except FileNotFoundError:
-                # Objects without their `last`: an interrupted publish of this tree (one
-                # writer per tree), never seen by a reader: cleared, then published.
-                backend.remove_prefix(key)
-            else:
-                raise FileExistsError(errno.EEXIST, "already published", str(final))
-        names = [n for n in list_files(tmp) if n != last]
-        for name in [*names, last]:
-            backend.upload(f"{key}/{name}", tmp / name)
-        beneath.remove_tree(tmp)
-        return
-    rename(tmp, final)
-
-
-def send_local_files(directory: Path, *, replace: bool) -> int:
-    """Beneath a bucket's root: send the files written as plain local files there (a
-    library's: TensorBoard's event files; the engines' and trainers' logs), each as an
-    object of its name; with `replace`, again when the bucket holds it already (a log
-    that grew), else only the new ones.  How many were sent.  On a filesystem they
-    are where they belong already: 0."""
-    if (route := routed(directory)) is None or not directory.is_dir():
-        return 0
-    backend, key = route
-    held = set() if replace else set(backend.list_files(key))
-    sent = 0
-    for path in sorted(directory.rglob("*")):
-        name = path.relative_to(directory).as_posix()
-        if path.is_file() and not path.is_symlink() and name not in held:
-            backend.upload(f"{key}/{name}", path)
-            sent += 1
-    return sent
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from coordinator import fsio, membership, regroup
+from coordinator import membership, regroup, routing
 from coordinator.config import CoordinationConfig
 from coordinator.errors import PeerLostError, WaitTimeout
 from coordinator.liveness import HeartbeatPublisher
@@ -176,7 +176,7 @@ class GroupForming:
             if remaining <= 0:
                 raise regroup.rejoin_timeout("the group", self.coord.rejoin_timeout_s)
             info = membership.wait_for_master(
-                self.store, log_path=fsio.display(self.log_path), join_timeout_s=remaining,
+                self.store, log_path=routing.display(self.log_path), join_timeout_s=remaining,
                 backoff=self.backoff, progress_interval_s=self.coord.progress_interval_s,
                 retry_s=self.coord.read_retry_s, probe_timeout_s=self.coord.probe_timeout_s,
                 clock=self.clock, check=self.runtime.check, gave_up_token=master_token)

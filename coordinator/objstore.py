@@ -11,9 +11,10 @@ What the protocol needs from storage, and how a bucket gives it:
 No publish needs a rename: `rename` (a copy then a delete, not atomic) is
 used only by the master's `--new-run` archive and a stale claim's set-aside,
 never to publish.  A bucket run directory has a node-local root (`local_root`):
-`fsio` sends every path beneath it here (`fsio.mount`), so every reader and
-writer of the run directory (records, documents, chunks, checkpoints) talks
-to the bucket, and a file opened for reading is first fetched into that root.
+coordinator/fsio.py and trees.py send every path beneath it here
+(`routing.mount`), so every reader and writer of the run directory (records,
+documents, chunks, checkpoints) talks to the bucket, and a file opened for
+reading is first fetched into that root.
 
 Every request is counted in fsio.STATS under its verb (get, put, put_if_absent,
 list, head, delete, copy), so benchmarks can bound the requests a waiting rank
@@ -43,7 +44,7 @@ from obstore.exceptions import (
 )
 from obstore.store import AzureStore, S3Store
 
-from coordinator import beneath, bucket_url, fsio
+from coordinator import beneath, bucket_url, fsio, routing
 from coordinator.bucket_url import BucketURL, Scheme
 from coordinator.errors import BucketError, UnsafeFileError
 
@@ -77,7 +78,7 @@ def _fix(url: BucketURL) -> str:
 
 
 class ObjectStore:
-    """One bucket prefix as a `Store` (coordinator/store.py) and an fsio backend."""
+    """One bucket prefix as a `Store` (coordinator/store.py) and a `routing.Backend`."""
 
     def __init__(self, url: BucketURL, env: Mapping[str, str] | None = None) -> None:
         self.url = url
@@ -275,7 +276,7 @@ def local_root(url: BucketURL) -> Path:
 
 def attach(text: str, env: Mapping[str, str] | None = None) -> Path:
     """Open the bucket of a `--log-path` URL, check it can be used, and mount it at its
-    local root (fsio.mount); the root, which stands for the run directory from here on.
+    local root (routing.mount); the root, which stands for the run directory from here on.
     The processes this one starts inherit the mount through the environment
     (`attach_from_env`)."""
     url = bucket_url.parse(text)
@@ -284,7 +285,7 @@ def attach(text: str, env: Mapping[str, str] | None = None) -> Path:
     root = local_root(url)
     root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's, like node_local's
     beneath.make_dirs(root)
-    fsio.mount(root, store, label=str(url))
+    routing.mount(root, store, label=str(url))
     os.environ[URL_ENV], os.environ[ROOT_ENV] = str(url), str(root)
     return root
 
@@ -293,4 +294,4 @@ def attach_from_env() -> None:
     """In a process a daemon started (trainer ranks, engines): the daemon's mount."""
     url, root = os.environ.get(URL_ENV), os.environ.get(ROOT_ENV)
     if url and root:
-        fsio.mount(Path(root), ObjectStore(bucket_url.parse(url)), label=url)
+        routing.mount(Path(root), ObjectStore(bucket_url.parse(url)), label=url)

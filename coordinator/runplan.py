@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from coordinator import fsio, layout, membership
+from coordinator import fsio, layout, membership, routing
 from coordinator.actions import kind, node_local_keys, resolve_config
 from coordinator.config import (
     OPERATIONAL_KEYS,
@@ -102,17 +102,17 @@ def _plan_master(req: RunRequest) -> RunPlan:
         # once on a fresh directory, one creates the run and the other finds
         # it and resumes it, and the rank-0 claim then lets only one of them run.
         if store.create_exclusive(layout.MANIFEST, fresh.to_bytes()):
-            log.info("new run %s in %s: %d node(s), weights %s", fresh.run_id, fsio.display(req.log_path),
+            log.info("new run %s in %s: %d node(s), weights %s", fresh.run_id, routing.display(req.log_path),
                      num_nodes, weights)
             return RunPlan(log_path=req.log_path, rank=0, manifest=fresh, config=config,
                            address=req.address)
         existing = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
         if existing is None:
             raise UsageError(
-                f"{fsio.display(req.log_path)}/run.json appeared and vanished while this master started: is "
+                f"{routing.display(req.log_path)}/run.json appeared and vanished while this master started: is "
                 "another master starting or archiving in the same --log-path? Stop it first")
         log.info("another master created run %s in %s a moment ago: joining it",
-                 existing.run_id, fsio.display(req.log_path))
+                 existing.run_id, routing.display(req.log_path))
     manifest, republish = _resume(existing, config, num_nodes, weights, req)
     return RunPlan(log_path=req.log_path, rank=0, manifest=manifest, config=config,
                    address=req.address, republish=republish)
@@ -145,12 +145,12 @@ def _resume(existing: Manifest, config: RunConfig, num_nodes: int,
                        if not is_under(d.split(":", 1)[0], OPERATIONAL_KEYS))
     if changes:
         raise UsageError(
-            f"{fsio.display(req.log_path)} holds run {existing.run_id} with a different setup "
+            f"{routing.display(req.log_path)} holds run {existing.run_id} with a different setup "
             f"({'; '.join(changes[:5])}): restart with the original flags and config to resume "
             "it, pass --new-run to archive it and start a new run, or use another --log-path"
         )
     log.info("resuming run %s generation %d in %s", existing.run_id, existing.generation,
-             fsio.display(req.log_path))
+             routing.display(req.log_path))
     if existing.config != experiment:  # only operational keys differ
         updated = dataclasses.replace(existing, config=experiment)
         return updated, updated
@@ -186,10 +186,10 @@ def _archive(log_path: Path, old: Manifest, config: RunConfig) -> None:
 def _check_bucket(log_path: Path, config: RunConfig) -> None:
     """Refuse, before anything is written, actions that cannot run in a bucket."""
     action_kind = kind(config.run.actions)
-    if fsio.routed(log_path) is not None and not action_kind.runs_on_buckets:
+    if routing.routed(log_path) is not None and not action_kind.runs_on_buckets:
         raise UsageError(
             f"run.actions={action_kind.name!r} cannot run in a bucket run directory "
-            f"({fsio.display(log_path)}): the package that registers it does not declare "
+            f"({routing.display(log_path)}): the package that registers it does not declare "
             "that every file its actions write goes through coordinator/fsio "
             "(ActionKind.runs_on_buckets); give --log-path a directory on a shared POSIX "
             "filesystem (NFS, Lustre, GPFS)")
@@ -199,7 +199,7 @@ def _plan_worker(req: RunRequest) -> RunPlan:
     raw = _raw_config(req)
     local = from_mapping(CoordinationConfig, raw.get("coordination", {}), "coordination")
     info = membership.wait_for_master(
-        FsStore(req.log_path), log_path=fsio.display(req.log_path), join_timeout_s=local.join_timeout_s,
+        FsStore(req.log_path), log_path=routing.display(req.log_path), join_timeout_s=local.join_timeout_s,
         backoff=Backoff(initial_s=local.poll_initial_s, factor=local.poll_factor,
                         ceiling_s=local.poll_ceiling_s),
         progress_interval_s=local.progress_interval_s, retry_s=local.read_retry_s,

@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 
 import tenacity
 
-from coordinator import fsio
+from coordinator import fsio, trees
 from coordinator.records import Record
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class FsStore:
 
     def listdir(self, key: str) -> list[str]:
         """Names in a directory reached without a symlink (UnsafeFileError otherwise)."""
-        return fsio.listdir(self.path(key))
+        return trees.listdir(self.path(key))
 
 
 class MemoryStore:

@@ -69,12 +69,12 @@ class Waker:
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> Waker:
         """The daemon's waker: events are trusted as local only on a local filesystem."""
-        from coordinator import fsio
+        from coordinator import routing
         from coordinator.mounts import LOCAL_FILESYSTEMS, filesystem_type
 
-        if fsio.routed(run_dir) is not None:
+        if routing.routed(run_dir) is not None:
             log.info("file-change wake-ups: none in a bucket (%s): waits poll with capped "
-                     "backoff", fsio.display(run_dir))
+                     "backoff", routing.display(run_dir))
             return cls(backend=Backend.NONE)
         fs_type = filesystem_type(run_dir)
         waker = cls(local=fs_type in LOCAL_FILESYSTEMS)

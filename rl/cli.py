@@ -79,7 +79,7 @@ def run(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Run this node's daemon until every iteration is done (or something fails)."""
-    from coordinator import beneath, fsio, netaddr
+    from coordinator import beneath, netaddr, routing
     from coordinator.daemon import Daemon
     from coordinator.runplan import RunRequest, make_plan
     from coordinator.storage_check import check_run_directory
@@ -117,7 +117,7 @@ def run(
     # last daemon of the run on the node removes it.
     checkpoint = plan.config.sections.get("checkpoint", {})
     try:
-        if fsio.routed(path) is not None:
+        if routing.routed(path) is not None:
             node_local.hold(path)  # what was fetched from the bucket goes with the run
         node_local.adopt(plan.manifest.run_id, str(checkpoint.get("local_cache", "")))
     except CoordinatorError as exc:
@@ -133,13 +133,13 @@ def run(
 def send_logs(run_dir: Path, rank: int) -> None:
     """In a bucket, this rank's processes' logs (node-local files) as objects, however
     the daemon ended: before its local root may go.  Logs what fails, never raises."""
-    from coordinator import fsio
+    from coordinator import routing, trees
 
     try:
-        fsio.send_local_files(layout.logs(run_dir, rank), replace=True)
+        trees.send_local_files(layout.logs(run_dir, rank), replace=True)
     except Exception as exc:
         logging.getLogger("coordinator").warning(
-            "could not send rank %d's logs to %s: %s", rank, fsio.display(run_dir), exc)
+            "could not send rank %d's logs to %s: %s", rank, routing.display(run_dir), exc)
 
 
 @app.command()

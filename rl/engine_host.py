@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from coordinator import fsio
+from coordinator import trees
 from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.fsio import remove_tree
@@ -57,7 +57,7 @@ class EngineHost:
         """A verified node-local copy of a published checkpoint (or a user model in place)."""
         from trainer.checkpoint import CheckpointError, copy_to_local_cache
 
-        if not fsio.exists(model_dir / "manifest.json"):
+        if not trees.exists(model_dir / "manifest.json"):
             # A user's own model directory: served in place, there is no
             # manifest to verify it against.
             return model_dir

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from coordinator import fsio
+from coordinator import fsio, trees
 from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.records import Arrival
@@ -113,7 +113,7 @@ def ensure_initial_model(loop: Loop, ctx: StepContext) -> None:
 def build_demo_model(target: Path, *, seed: int, warmstart_steps: int) -> dict[str, Any]:
     """The tiny demo model at `target`, unless it is there already (the caller holds
     what keeps two builders apart)."""
-    if fsio.exists(target / "manifest.json"):
+    if trees.exists(target / "manifest.json"):
         return {}
     log.info("building the tiny demo model in %s (warm start: %d steps)", target, warmstart_steps)
     from trainer.warmstart import build_initial_model  # torch: only when needed

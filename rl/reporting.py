@@ -26,7 +26,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator import fsio
+from coordinator import trees
 from coordinator.actions import StepContext
 from coordinator.phases import Phase
 from rl import history, layout, plan
@@ -43,7 +43,7 @@ TRAIN_KEYS = ("loss", "kl", "grad_norm", "clip_fraction", "ratio_mean", "lr", "w
 def end_iteration(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 13: the master reports the iteration's scalars, then prunes; in a bucket
     every rank sends its processes' logs (node-local files) along."""
-    fsio.send_local_files(layout.logs(loop.run_dir, loop.rank), replace=True)
+    trees.send_local_files(layout.logs(loop.run_dir, loop.rank), replace=True)
     if ctx.is_master:
         scalars = iteration_scalars(loop, ctx)
         if loop.s.metrics.tensorboard:
@@ -96,7 +96,7 @@ def write_tensorboard(loop: Loop, iteration: int, scalars: Mapping[str, float]) 
     finally:
         writer.close()
     # In a bucket the writer's files are node-local until sent (one small file a call).
-    fsio.send_local_files(layout.tensorboard_dir(loop.run_dir), replace=False)
+    trees.send_local_files(layout.tensorboard_dir(loop.run_dir), replace=False)
 
 
 def log_wandb(loop: Loop, ctx: StepContext, scalars: Mapping[str, float]) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator import fsio
+from coordinator import trees
 from coordinator.errors import ActionError
 from rollout.engines.control import EngineControl
 from rollout.engines.engine import EngineConfig, EngineKind
@@ -67,7 +67,7 @@ class Verdict:
 
 def checkpoint_probes(model_dir: Path) -> ProbeSet | None:
     """The probes of a published checkpoint's manifest; None without manifest or probes."""
-    if not fsio.exists(model_dir / MANIFEST_NAME):
+    if not trees.exists(model_dir / MANIFEST_NAME):
         return None
     return read_manifest(model_dir).probes
 

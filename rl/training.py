@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator import fsio
+from coordinator import fsio, routing
 from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.netaddr import Listener
@@ -176,12 +176,12 @@ def _start_group(loop: Loop, ctx: StepContext, rendezvous: TrainRendezvous) -> N
 
 def _set_aside_earlier_attempt(loop: Loop, iteration: int) -> None:
     out = layout.checkpoint(loop.run_dir, iteration)
-    if fsio.routed(out) is not None:
+    if routing.routed(out) is not None:
         # A bucket has no rename (one copy per object): the attempt's checkpoint goes
         # now, as phase 13 would remove it set aside.
         if fsio.remove_tree(out):
             log.warning("training of iteration %d is rerun: removed %s", iteration,
-                        fsio.display(out))
+                        routing.display(out))
         return
     if out.exists():
         aside = out.with_name(f".superseded-{out.name}-{secrets.token_hex(4)}")

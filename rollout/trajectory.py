@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from coordinator import fsio
+from coordinator import trees
 from coordinator.errors import IntegrityError, MalformedRecordError, UnsafeFileError
 from coordinator.fsio import ensure_dir, publish_bytes
 from coordinator.verified import read_verified
@@ -103,7 +103,7 @@ class RankCheckpointWriter:
             ]
             + [
                 int(m.group(1))
-                for name in fsio.listdir(self.directory)
+                for name in trees.listdir(self.directory)
                 if (m := CHUNK_NAME.fullmatch(name))
             ]
         )

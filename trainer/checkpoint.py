@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
-from coordinator import fsio
+from coordinator import routing, trees
 from coordinator.errors import MalformedRecordError, UnsafeFileError
 from coordinator.fsio import (
     DIR_MODE,
@@ -130,7 +130,7 @@ class Manifest(Record):
 
 def _list_files(root: Path) -> list[str]:
     try:
-        names = fsio.list_files(root)
+        names = trees.list_files(root)
     except UnsafeFileError as exc:
         raise CheckpointError(f"{exc.path}: checkpoints may not contain symlinks: remove it",
                               path=exc.path) from None
@@ -176,7 +176,7 @@ def verify_checkpoint(directory: Path, *, contents: bool = True) -> Manifest:
     copies it (copy_to_local_cache from a bucket, which would otherwise fetch each
     file twice).
     """
-    if not fsio.is_dir(directory):
+    if not trees.is_dir(directory):
         raise CheckpointError(f"checkpoint {directory} does not exist", path=directory)
     manifest = read_manifest(directory)
     present = set(_list_files(directory))
@@ -203,15 +203,15 @@ def verify_checkpoint(directory: Path, *, contents: bool = True) -> Manifest:
 
 def _finalise_dir(tmp: Path, manifest: Manifest, final_dir: Path) -> Manifest:
     """Rename a fully written, fsynced tmp dir to final_dir, or accept an identical one."""
-    bucket = fsio.routed(final_dir) is not None
+    bucket = routing.routed(final_dir) is not None
     try:
         if not bucket and final_dir.exists() and any(final_dir.iterdir()):
             raise FileExistsError(final_dir)
         # On Linux rename() onto an empty directory replaces it atomically; in a
-        # bucket the manifest object, written last, publishes it (fsio.publish_tree).
-        fsio.publish_tree(tmp, final_dir, last=MANIFEST_NAME)
+        # bucket the manifest object, written last, publishes it (trees.publish_tree).
+        trees.publish_tree(tmp, final_dir, last=MANIFEST_NAME)
     except OSError as exc:
-        if not fsio.is_dir(final_dir):
+        if not trees.is_dir(final_dir):
             raise CheckpointError(f"cannot publish {final_dir}: {exc}", path=final_dir) from exc
         # Another writer (or an earlier attempt of ours) got there first.
         existing = verify_checkpoint(final_dir)
@@ -364,7 +364,7 @@ def local_view(directory: Path) -> Path:
     node-local root, every file of the published checkpoint is fetched to its own path
     there and checked against the manifest (a file already there with the manifest's
     hash is kept); the manifest is written there last."""
-    if fsio.routed(directory) is None:
+    if routing.routed(directory) is None:
         return directory
     manifest = verify_checkpoint(directory, contents=False)
     for name, entry in sorted(manifest.files.items()):
@@ -397,7 +397,7 @@ def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:
     copying, so a source file changed mid-copy is caught, not cached.
     """
     # From a bucket, names only: copy_verified below hashes every file it fetches.
-    manifest = verify_checkpoint(src_dir, contents=fsio.routed(src_dir) is None)
+    manifest = verify_checkpoint(src_dir, contents=routing.routed(src_dir) is None)
     dest = cache_root / f"{src_dir.name}-{manifest.digest}"
     if dest.exists():
         try:

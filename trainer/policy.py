@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from coordinator import fsio
+from coordinator import routing
 from rollout.batch_format import TrainBatch
 from trainer import grpo
 from trainer.checkpoint import MANIFEST_NAME, local_view, verify_checkpoint
@@ -33,7 +33,7 @@ def readable(model_dir: Path) -> Path:
     """A model directory checked and readable as local files: a published checkpoint
     verified against its manifest (fetched to the node-local root from a bucket,
     trainer/checkpoint.py local_view), or a user's own directory as it is."""
-    if fsio.routed(model_dir) is not None:
+    if routing.routed(model_dir) is not None:
         return local_view(model_dir)
     if (model_dir / MANIFEST_NAME).exists():
         verify_checkpoint(model_dir)

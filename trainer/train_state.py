@@ -38,7 +38,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
-from coordinator import fsio
+from coordinator import fsio, trees
 from coordinator.errors import IntegrityError, MalformedRecordError
 from coordinator.store import read_document
 from coordinator.verified import read_verified
@@ -171,7 +171,7 @@ def _iteration_of(directory: Path) -> int | None:
 
 def saved_iterations(root: Path) -> list[int]:
     """Iterations a directory listing shows a state for, newest first (a hint only)."""
-    names = fsio.listdir(root)
+    names = trees.listdir(root)
     found = (_DIR.fullmatch(name) for name in names)
     return sorted((int(m.group(1)) for m in found if m), reverse=True)
 

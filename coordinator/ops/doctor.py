@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar, Final
 
-from coordinator import fsio, mounts, netaddr
+from coordinator import fsio, mounts, netaddr, routing
 from coordinator.errors import MalformedRecordError, PeerLostError, WaitTimeout
 from coordinator.polling import Backoff, Wait
 from coordinator.records import Record, check_rank
@@ -150,9 +150,9 @@ class Doctor:
     # -- both sides -------------------------------------------------------------
     def run(self) -> bool:
         """This node's part; True when the directory can carry a run."""
-        if fsio.routed(self.log_path) is not None:
+        if routing.routed(self.log_path) is not None:
             # A bucket (coordinator/objstore.py): no mount, no free-space figure.
-            self.mount = f"{BUCKET} {fsio.display(self.log_path)}"
+            self.mount = f"{BUCKET} {routing.display(self.log_path)}"
             self.risks, self.free = [], 0
         else:
             mount = mounts.mount_of(self.log_path, self.mountinfo)
@@ -205,10 +205,10 @@ class Doctor:
             return True if not missing else None
 
         try:
-            self._wait(lambda: f"node file(s) of rank(s) {missing} in {fsio.display(self.dir)}", gather)
+            self._wait(lambda: f"node file(s) of rank(s) {missing} in {routing.display(self.dir)}", gather)
         except WaitTimeout:
             self._publish_result(False, [
-                f"FAIL shared: rank(s) {missing} never appeared in {fsio.display(self.dir)} within "
+                f"FAIL shared: rank(s) {missing} never appeared in {routing.display(self.dir)} within "
                 f"{self.timeout_s:g} s: those nodes do not see this node's directory (it is not "
                 "shared with them, or they cannot write it): check that --log-path is the "
                 "same network mount on every node"])
@@ -295,7 +295,7 @@ class Doctor:
     def _verdict(self, nodes: dict[int, DoctorNode], probed: Probed) -> tuple[list[str], bool]:
         ok = not probed.failure
         lines = [f"{'OK  ' if ok else 'FAIL'} shared: {len(nodes)} node(s) see each other's "
-                 f"files in {fsio.display(self.log_path)}" + (f"; {probed.failure}" if probed.failure else "")]
+                 f"files in {routing.display(self.log_path)}" + (f"; {probed.failure}" if probed.failure else "")]
         for kind in KINDS:
             for rank, values in sorted(probed.trips[kind].items()):
                 if len(values) < ROUNDS_PER_KIND:  # list probes the listing did not show
@@ -353,7 +353,7 @@ class Doctor:
         self._print(result)
 
     def _print(self, result: DoctorResult) -> None:
-        self.echo(f"doctor of {fsio.display(self.log_path)} (rank {self.rank} on {self.host}):")
+        self.echo(f"doctor of {routing.display(self.log_path)} (rank {self.rank} on {self.host}):")
         for line in result.lines:
             self.echo(f"  {line}")
         self.echo("verdict: " + ("the directory can carry a run" if result.ok else
@@ -386,12 +386,12 @@ class Doctor:
             return None
 
         try:
-            round_ = self._wait(lambda: f"the master's round naming this node in {fsio.display(self.dir)}",
+            round_ = self._wait(lambda: f"the master's round naming this node in {routing.display(self.dir)}",
                                 named)
         except WaitTimeout:
             self._print(DoctorResult(round="", ok=False, lines=(
                 f"FAIL shared: no round from the master naming rank {self.rank} appeared in "
-                f"{fsio.display(self.dir)} within {self.timeout_s:g} s: this node does not see the "
+                f"{routing.display(self.dir)} within {self.timeout_s:g} s: this node does not see the "
                 "master's directory (not shared, or the master is not running doctor)",)))
             return False
         assert isinstance(round_, DoctorRound)

@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from coordinator import fsio, layout
+from coordinator import fsio, layout, routing
 from coordinator.actions import kind, resolve_config
 from coordinator.config import RunConfig
 from coordinator.errors import UsageError
@@ -67,7 +67,7 @@ def failed_iteration(log_path: Path) -> tuple[int, str]:
     store = FsStore(log_path)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if manifest is None:
-        raise UsageError(f"--log-path {fsio.display(log_path)} holds no run (no run.json): nothing to recover")
+        raise UsageError(f"--log-path {routing.display(log_path)} holds no run (no run.json): nothing to recover")
     iterations = resolve_config(manifest.config).run.iterations
     session = read_record(store, layout.SESSION, Session, retry_s=2.0)
     ranks = [r for r in range(manifest.num_nodes)
@@ -97,7 +97,7 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None)
     store = FsStore(log_path)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if manifest is None:
-        raise UsageError(f"--log-path {fsio.display(log_path)} holds no run (no run.json): nothing to recover")
+        raise UsageError(f"--log-path {routing.display(log_path)} holds no run (no run.json): nothing to recover")
     config = resolve_config(manifest.config)
     furthest = _furthest_iteration(store, manifest, config.run.iterations)
     if iteration > max(furthest, 0):
@@ -200,7 +200,7 @@ def apply(recovery: RecoveryPlan) -> None:
         fsio.remove_tree(path)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if manifest is None:
-        raise UsageError(f"{fsio.display(recovery.log_path)}/run.json vanished during recovery: is another "
+        raise UsageError(f"{routing.display(recovery.log_path)}/run.json vanished during recovery: is another "
                          "`coordinator recover` or `run --new-run` running?")
     bumped = dataclasses.replace(manifest, generation=recovery.generation)
     publish_record(store, layout.MANIFEST, bumped)
@@ -208,7 +208,7 @@ def apply(recovery: RecoveryPlan) -> None:
 
 def describe(recovery: RecoveryPlan, *, dry_run: bool) -> str:
     verb = "would remove" if dry_run else "removed"
-    lines = [f"recovery of {fsio.display(recovery.log_path)} at iteration {recovery.iteration}:"]
+    lines = [f"recovery of {routing.display(recovery.log_path)} at iteration {recovery.iteration}:"]
     if recovery.live:
         lines.append(f"  forced past live daemons: {', '.join(recovery.live)}")
     lines.append(f"  {verb} {len(recovery.remove)} file(s):")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from coordinator import fsio, layout
+from coordinator import layout, routing
 from coordinator.actions import kind
 from coordinator.errors import MalformedRecordError, UsageError
 from coordinator.liveness import describe_phase
@@ -91,7 +91,7 @@ class StatusReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "log_path": fsio.display(self.log_path),
+            "log_path": routing.display(self.log_path),
             "run_id": self.manifest.run_id if self.manifest else None,
             "generation": self.manifest.generation if self.manifest else None,
             "num_nodes": self.manifest.num_nodes if self.manifest else None,
@@ -234,10 +234,10 @@ def render(report: StatusReport) -> str:
     problems = [f"unreadable: {p}" for p in report.problems]
     if report.manifest is None:
         return "\n".join(plain(line).plain for line in [
-            f"no run in {fsio.display(report.log_path)} (no run.json): nothing has started there yet",
+            f"no run in {routing.display(report.log_path)} (no run.json): nothing has started there yet",
             *problems])
     m = report.manifest
-    title = f"run {m.run_id} generation {m.generation} in {fsio.display(report.log_path)}"
+    title = f"run {m.run_id} generation {m.generation} in {routing.display(report.log_path)}"
     if report.session:
         title += (f" - iterations {report.session.start_iteration}.."
                   f"{report.session.end_iteration - 1}")

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator import fsio, layout
+from coordinator import layout, routing
 from coordinator.errors import MalformedRecordError, UsageError
 from coordinator.phases import Phase
 from coordinator.records import Manifest, check_iteration
@@ -110,7 +110,7 @@ def load(log_path: Path) -> Timeline:
     store = FsStore(log_path)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if manifest is None:
-        raise UsageError(f"--log-path {fsio.display(log_path)} holds no run (no run.json): nothing to draw")
+        raise UsageError(f"--log-path {routing.display(log_path)} holds no run (no run.json): nothing to draw")
     spans: list[Span] = []
     skipped = 0
     # A listing is a hint (PROTOCOL.md rule 4): enough for a picture drawn after the fact.
@@ -133,7 +133,7 @@ def load(log_path: Path) -> Timeline:
                 continue
             spans.extend(found or [])
     if not spans:
-        raise UsageError(f"run {manifest.run_id} in {fsio.display(log_path)} has no timing records yet: each "
+        raise UsageError(f"run {manifest.run_id} in {routing.display(log_path)} has no timing records yet: each "
                          "rank writes one when it completes an iteration")
     try:
         recoveries = read_log(store, manifest.run_id, retry_s=2.0).recoveries

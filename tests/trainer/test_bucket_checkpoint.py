@@ -1,7 +1,7 @@
 """A checkpoint published to a bucket and read back on another node, on real servers.
 
 In a bucket there is no directory rename: each file is an object and the
-manifest, written last, publishes the checkpoint (coordinator/fsio.py,
+manifest, written last, publishes the checkpoint (coordinator/trees.py,
 publish_tree).  Two node-local roots stand for two nodes in this process.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from coordinator import fsio
+from coordinator import routing
 from rollout.errors import CheckpointError
 from tests.support.buckets import Bucket, Server
 from trainer.checkpoint import MANIFEST_NAME, copy_to_local_cache, seal_directory, tmp_sibling
@@ -25,11 +25,11 @@ from trainer.checkpoint import MANIFEST_NAME, copy_to_local_cache, seal_director
 def node(bucket: Bucket, root: Path) -> Iterator[Path]:
     """`root` stands for the bucket in this process, as a daemon's local root does."""
     root.mkdir(parents=True)
-    fsio.mount(root, bucket.store, label=bucket.url)
+    routing.mount(root, bucket.store, label=bucket.url)
     try:
         yield root
     finally:
-        fsio.unmount(root)
+        routing.unmount(root)
 
 
 def test_a_checkpoint_in_a_bucket_is_published_by_its_manifest_and_verified_on_copy(
