@@ -178,6 +178,9 @@ def main() -> int:
         except RuntimeError as exc:
             print(exc, file=sys.stderr)
             return 1
+        if len(rows) != ranks:
+            print(f"gpu_check: {len(rows)} of {ranks} ranks reported a result", file=sys.stderr)
+            return 1
     print(f"model {size / 2**20:.0f} MiB fp32 on {ranks} {args.device} rank(s), batch "
           f"{args.batch} x {args.seq}")
     for r in sorted(rows, key=lambda r: r["rank"]):

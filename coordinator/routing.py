@@ -62,8 +62,11 @@ def unmount(root: Path) -> None:
     _LABELS.pop(root, None)
 
 
-def display(path: Path | str) -> str:
-    """`path` as messages name it: its URL beneath a bucket's root, else itself."""
+def display(path: object) -> str:
+    """`path` as messages name it: its URL beneath a bucket's root, else itself (and
+    anything that is not a path, such as an in-memory record's None, as str does)."""
+    if not _LABELS or not isinstance(path, (str, Path)):
+        return str(path)
     path = Path(path)
     for root, url in _LABELS.items():
         if path == root or root in path.parents:

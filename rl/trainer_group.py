@@ -34,9 +34,10 @@ from trainer.channel import Channel, ChannelClosed, accept, listen
 log = logging.getLogger(__name__)
 # The trainer processes' own exit after "stop" (they hold nothing to flush).
 STOP_GRACE_S: Final = 5.0
-# torchrun's agent, asked to stop, tears down its rendezvous; on a loaded machine that
-# has taken more than 2 s (a clean finish then logged a SIGKILL as a warning).
-AGENT_GRACE_S: Final = 10.0
+# torchrun's agent, once its processes left: SIGTERM lets it tear down, unless it
+# waits in its exit barrier for the other nodes' agents (a C++ store wait that no
+# signal handler interrupts, up to 300 s), which their daemons end when they stop.
+AGENT_GRACE_S: Final = 2.0
 HELLO_TIMEOUT_S: Final = 10.0  # a connection that says nothing this long is not ours
 
 Message = tuple[int, dict[str, Any] | None, str]  # local rank, message (None: closed), why
@@ -180,7 +181,10 @@ class TrainerGroup:
             while any(_alive(pid) for pid in self.pids.values()) and \
                     time.monotonic() < deadline:
                 time.sleep(0.05)
-        report = self.proc.stop(grace_s=AGENT_GRACE_S if graceful else 0.5)
+        # Processes gone after a stop: the agent holds nothing, only waits (its barrier).
+        drained = graceful and not any(_alive(pid) for pid in self.pids.values())
+        report = self.proc.stop(grace_s=AGENT_GRACE_S if graceful else 0.5,
+                                kill_expected=drained)
         for channel in self.channels.values():
             channel.close()
         return describe_exit(report.returncode)

@@ -183,8 +183,11 @@ class ManagedProcess:
     def log_tail(self, n_lines: int = 40) -> str:
         return log_tail(self.log_path, n_lines, start=self.log_offset)
 
-    def stop(self, *, grace_s: float, kill_timeout_s: float = 10.0) -> StopReport:
-        """SIGTERM the group and tree, wait `grace_s`, SIGKILL what is left, reap."""
+    def stop(self, *, grace_s: float, kill_timeout_s: float = 10.0,
+             kill_expected: bool = False) -> StopReport:
+        """SIGTERM the group and tree, wait `grace_s`, SIGKILL what is left, reap.
+        `kill_expected`: what is left may ignore SIGTERM for a known reason, with
+        nothing to lose (the caller says why): the SIGKILL is logged at INFO."""
         if self._popen.stdin is not None and not self._popen.stdin.closed:
             self._popen.stdin.close()
         procs = self.tree()
@@ -196,7 +199,7 @@ class ManagedProcess:
                 escalated = True
                 # Re-scan: the server may have forked while shutting down.
                 procs = list({p.pid: p for p in [*survivors, *self.tree()]}.values())
-                log.warning(
+                (log.info if kill_expected else log.warning)(
                     "pid %d: %d processes ignored SIGTERM for %gs, sending SIGKILL",
                     self.pid,
                     len(procs),

@@ -52,7 +52,7 @@ class BucketCluster(LocalCluster):
 def cli(bucket: Bucket, tmp: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rl", *args, "--log-path", bucket.url],
                           capture_output=True, text=True, timeout=timeout, cwd=tmp,
-                          env={**bucket.node_env(tmp, "cli"), "PATH": "/usr/bin:/bin"})
+                          env=bucket.node_env(tmp, "cli"))
 
 
 def arrivals(bucket: Bucket, iterations: int, ranks: int) -> set[tuple[int, int, int]]:

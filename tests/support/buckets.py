@@ -92,11 +92,12 @@ class Bucket:
         self.store.publish(key, data)
 
     def node_env(self, tmp: Path, node: str) -> dict[str, str]:
-        """A simulated node's environment: the credentials, and a TMPDIR of its own (its
-        own local root, so no node sees a file another node fetched or wrote)."""
+        """A simulated node's whole environment: this process's, the credentials, and a
+        TMPDIR of its own (its own local root, so no node sees a file another node
+        fetched or wrote)."""
         local = tmp / f"node-{node}"
         local.mkdir(parents=True, exist_ok=True)
-        return {**self.env, "TMPDIR": str(local)}
+        return {**os.environ, **self.env, "TMPDIR": str(local)}
 
 
 def start_azurite(work: Path) -> Server:

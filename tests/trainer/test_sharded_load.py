@@ -30,6 +30,7 @@ BENCH = ROOT / "benchmarks" / "train_memory_bench.py"
 
 CHECK = r"""
 import json, sys
+from benchmarks.train_memory_bench import emit_row
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
@@ -51,8 +52,8 @@ for name, param in sharded.named_parameters():
 ids = torch.arange(1, 33).reshape(2, 16) % 40 + 3
 with torch.no_grad():
     same = torch.allclose(sharded(input_ids=ids).logits, whole(input_ids=ids).logits, atol=1e-5)
-print(json.dumps({"rank": ctx.rank, "mismatched": mismatched, "same_logits": same,
-                  "params": len(reference)}))
+emit_row({"rank": ctx.rank, "mismatched": mismatched, "same_logits": same,
+          "params": len(reference)})
 torch.distributed.destroy_process_group()
 """
 
