@@ -73,3 +73,12 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     with running("azurite", tmp_path_factory.mktemp("azurite")) as started:
         yield started
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """moto's S3 server alone, for a test run on one server only."""
+    from tests.support.buckets import running
+
+    with running("moto", tmp_path_factory.mktemp("moto")) as started:
+        yield started

@@ -1,13 +1,14 @@
-"""The real RL loop with its run directory in a bucket, on Azurite and on moto's S3.
+"""The real RL loop with its run directory in a bucket: README's bucket lines on
+Azurite, and on moto's S3 a run with a worker SIGKILLed mid-training under
+on_failure "wait" and restarted alone.
 
 Three `coordinator run` daemons, each with the credentials in its environment and
 a TMPDIR of its own (its own node-local root, so nothing reaches another node but
 through the server): the hf engine rolls out, the master aggregates, torchrun
 trains across the three, and the checkpoint is published as objects (its
 manifest last) and served from each node's verified copy.  The checks read what
-the bucket holds, downloaded into a local mirror, with the same checks as a run
-on network mounts (tests/integration/test_rl_loop.py), plus a worker killed with
-SIGKILL mid-training under on_failure "wait" and restarted alone.
+the bucket holds, downloaded into a local mirror, with the checks of a run on
+network mounts (tests/integration/test_rl_loop.py).
 """
 
 from __future__ import annotations
@@ -79,11 +80,13 @@ class BucketRun(LocalCluster):
 
 
 def test_the_readme_bucket_lines_train_two_iterations_that_learn(
-        server: Server, tmp_path: Path) -> None:
+        azurite: Server, tmp_path: Path) -> None:
     """README.md's bucket lines exactly as written (no --config), the URL pointed at
-    this server's bucket: three nodes, the tiny model built on the spot, two
-    iterations that learn as on a filesystem (test_usage_line.py)."""
-    bucket = server.bucket("rl-try")
+    Azurite's bucket: three nodes, the tiny model built on the spot, two iterations
+    that learn as on a filesystem (test_usage_line.py).  The same lines learned the
+    same on moto's S3 when measured (0.107 -> 0.151); in the suite S3 runs the loop
+    with a kill (below), to keep the suite's time."""
+    bucket = azurite.bucket("rl-try")
     commands = [[bucket.url if arg == README_BUCKET else arg for arg in c]
                 for c in usage_line("bucket-usage-line")]
     assert [c[:3] for c in commands] == [["coordinator", "run", "--master"],
@@ -120,14 +123,17 @@ def test_the_readme_bucket_lines_train_two_iterations_that_learn(
         assert (run / f"ranks/{rank}/logs/hf_server.log").stat().st_size > 0  # sent along
     # What each node fetched went with its daemon.
     assert not list(tmp_path.glob("node-*/coordinator-bucket-*/*"))
-    print(f"\nREADME's bucket lines on {server.kind}: {done.seconds:.0f} s, rewards {rewards}")
+    print(f"\nREADME's bucket lines on Azurite: {done.seconds:.0f} s, rewards {rewards}")
 
 
 def test_a_worker_killed_while_training_is_restarted_alone_and_the_run_completes(
-        azurite: Server, tmp_path: Path, warm_model: Path) -> None:
-    """On Azurite only (the scripted kill runs on both servers:
-    tests/coordinator/test_bucket_run.py)."""
-    c = BucketRun(azurite.bucket("rl-kill"), tmp_path, warm_model, on_failure="wait")
+        moto: Server, tmp_path: Path, warm_model: Path) -> None:
+    """On moto's S3 (the scripted kill runs on both servers:
+    tests/coordinator/test_bucket_run.py): the worker dies in phase 10 of iteration 0
+    and comes back before its lease ends, so the group sees a new incarnation; its
+    trainer's saved state and the checkpoint of the rerun training travel through
+    the bucket; both iterations train (tests/integration/test_rl_loop.py's checks)."""
+    c = BucketRun(moto.bucket("rl-kill"), tmp_path, warm_model, on_failure="wait")
     try:
         c.start_all()
         c.wait_until(lambda: c.at_phase(2, 0, 10), 600, "node 2 training")
@@ -136,7 +142,7 @@ def test_a_worker_killed_while_training_is_restarted_alone_and_the_run_completes
             os.kill(int(engine), signal.SIGKILL)  # the node dies whole
         c.kill(2)
         survivors = {r: c.procs[r] for r in (0, 1)}
-        time.sleep(LEASE + 1)  # past its lease: the group first sees a lost rank
+        time.sleep(1.0)
         c.start(2)
         codes = c.wait_all(timeout=900)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
