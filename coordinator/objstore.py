@@ -193,8 +193,11 @@ class ObjectStore:
         return True
 
     def remove_prefix(self, key: str) -> bool:
-        """Every object beneath `key`/ (and `key` itself); False when there was none."""
+        """Every object beneath `key`/ (and `key` itself); False when there was none.
+        Never the whole run directory: an empty key is refused."""
         prefix = self._key(key)
+        if not prefix:
+            raise ValueError(f"refusing to remove every object of {self.url}")
         paths = [prefix] if self.read_meta(prefix) else []
         fsio.STATS.count("list")
         try:
