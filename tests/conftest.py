@@ -55,30 +55,26 @@ def temp_dir_untouched() -> Iterator[None]:
     assert after == before, f"this test changed the process's TMPDIR: {before} -> {after}"
 
 
-@pytest.fixture(scope="module", params=["azurite", "moto"])
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Any]:
-    """A real object-store server on loopback for this module's tests, once as Azurite
-    (Azure Blob) and once as moto (S3): tests/support/buckets.py."""
-    from tests.support.buckets import running
-
-    with running(request.param, tmp_path_factory.mktemp(request.param)) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Azurite alone, for a test run on one server only."""
+    """Azurite (Azure Blob), started once for the session: tests/support/buckets.py.
+    Each test takes a fresh prefix of its container (Server.bucket)."""
     from tests.support.buckets import running
 
     with running("azurite", tmp_path_factory.mktemp("azurite")) as started:
         yield started
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """moto's S3 server alone, for a test run on one server only."""
+    """moto's S3 server, started once for the session."""
     from tests.support.buckets import running
 
     with running("moto", tmp_path_factory.mktemp("moto")) as started:
         yield started
+
+
+@pytest.fixture(params=["azurite", "moto"])
+def server(request: pytest.FixtureRequest) -> Any:
+    """Each real object-store server in turn: the test runs once on each."""
+    return request.getfixturevalue(request.param)

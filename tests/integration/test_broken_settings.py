@@ -51,10 +51,11 @@ def broken(cause: str, tmp_path: Path) -> tuple[list[str], list[str], dict[str, 
 
 # An engine answering 400 takes the same path sooner (a 4xx is not retried:
 # tests/rollout/test_client.py); 500 is the one retried first.
-# max_tokens is refused in phase 0, before any engine starts and before any policy
-# could act: one policy shows it is never retried ("wait", which would retry).
-CASES = [("max_tokens", "wait")] + [(c, p) for c in ("reward", "engine-500", "agent")
-                                    for p in ("exit", "wait", "shrink")]
+# Every policy with a cause that fails in a step (reward); the policies that retry
+# (wait, shrink) with every such cause; max_tokens, refused in phase 0 before any
+# engine starts and before any policy could act, under "wait" (which would retry).
+CASES = [("max_tokens", "wait"), ("reward", "exit")] + [
+    (c, p) for c in ("reward", "engine-500", "agent") for p in ("wait", "shrink")]
 
 
 @pytest.mark.parametrize(("cause", "policy"), CASES, ids=[f"{c}-{p}" for c, p in CASES])
