@@ -55,9 +55,11 @@ def temp_dir_untouched() -> Iterator[None]:
     assert after == before, f"this test changed the process's TMPDIR: {before} -> {after}"
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: a server must not outlive the modules that use it
+# (other tests assert that this process has no child left).
+@pytest.fixture(scope="module")
 def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Azurite (Azure Blob), started once for the session: tests/support/buckets.py.
+    """Azurite (Azure Blob), started once per module: tests/support/buckets.py.
     Each test takes a fresh prefix of its container (Server.bucket)."""
     from tests.support.buckets import running
 
@@ -65,9 +67,9 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield started
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """moto's S3 server, started once for the session."""
+    """moto's S3 server, started once per module."""
     from tests.support.buckets import running
 
     with running("moto", tmp_path_factory.mktemp("moto")) as started:
