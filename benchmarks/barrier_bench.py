@@ -32,6 +32,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.scripted_daemons import run_daemons, scripted_config  # noqa: E402
+
 PEER = HERE / "peer_rank.py"
 METADATA = {"openat", "open", "stat", "newfstatat", "statx", "fstat", "lstat", "access",
             "rename", "renameat", "renameat2", "link", "linkat", "unlink", "unlinkat", "mkdir",
@@ -39,19 +43,6 @@ METADATA = {"openat", "open", "stat", "newfstatat", "statx", "fstat", "lstat", "
 DATA = {"read", "pread64", "write", "pwrite64", "fsync", "fdatasync", "lseek"}
 OUR_METADATA = {"open", "stat", "rename", "link", "unlink", "mkdir", "listdir", "rmdir",
                 "fsync_dir"}
-
-OUR_CONFIG = """
-[run]
-actions = "scripted"
-iterations = {iterations}
-[scripted]
-outputs = false
-sleeps = [{sleeps}]
-[coordination]
-wakeups = {wakeups}
-join_timeout_s = 600.0
-"""
-
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
@@ -70,22 +61,12 @@ def latencies(times: dict[int, list[list[float]]]) -> list[float]:
 def run_ours(n: int, iterations: int, work: Path, *, late_s: float = 0.0) -> dict:
     work.mkdir(parents=True)
     sleeps = f'"{n - 1}:0:1:{late_s}"' if late_s else ""
-    config = work / "c.toml"
-    config.write_text(OUR_CONFIG.format(iterations=iterations, sleeps=sleeps, wakeups=os.environ.get("WAKEUPS", "true")))
+    config = scripted_config(work / "c.toml", iterations=iterations, sleeps=sleeps,
+                             wakeups=os.environ.get("WAKEUPS", "true"), join_timeout_s=600.0)
     stats = work / "stats"
-    env = {**os.environ, "COORDINATOR_FS_STATS": str(stats)}
     log_path = work / "run"
-    procs = []
-    for rank in range(n):
-        who = ["--master", "--num-nodes", str(n), "--config", str(config)] if rank == 0 \
-            else ["--worker", str(rank)]
-        with open(work / f"rank{rank}.log", "wb") as err:  # the child keeps its own copy
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rl", "run", "--log-path", str(log_path), *who],
-                stdout=subprocess.DEVNULL, stderr=err, env=env))
-    codes = [p.wait(timeout=900) for p in procs]
-    if any(codes):
-        raise SystemExit(f"our daemons failed ({codes}); see {work}")
+    run_daemons([log_path] * n, work, config,
+                envs=[{"COORDINATOR_FS_STATS": str(stats)}] * n, timeout_s=900)
     times: dict[int, list[list[float]]] = {}
     for rank in range(n):
         rows = []

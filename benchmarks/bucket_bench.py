@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -36,44 +34,24 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.scripted_daemons import run_daemons, scripted_config  # noqa: E402
+
 # USD per 1,000 requests, AWS S3 Standard list prices as the project's reference
 # notes give them (../shared/ANCHORS.md, 2026-11-25; not read live from
 # aws.amazon.com/s3/pricing, which this machine cannot reach): PUT, COPY, POST and
 # LIST $0.005; GET and other requests $0.0004.
 PRICES = {"write": 0.005, "read": 0.0004}
 WRITES = frozenset({"put", "put_if_absent", "list", "copy"})
-CONFIG = """
-[run]
-actions = "scripted"
-iterations = {iterations}
-[scripted]
-outputs = false
-sleeps = [{sleeps}]
-[coordination]
-poll_ceiling_s = 1.0
-"""
-
-
 def run_ranks(where: list[str], envs: list[dict[str, str]], work: Path, *, iterations: int,
               sleep_s: float) -> dict[int, dict[str, Counter[str]]]:
     """3 daemons; each one's counts per tag (poll, heartbeat, monitor, other)."""
     work.mkdir(parents=True, exist_ok=True)
-    config = work / "c.toml"
     sleeps = f'"0:0:1:{sleep_s:g}"' if sleep_s else ""
-    config.write_text(CONFIG.format(iterations=iterations, sleeps=sleeps))
+    config = scripted_config(work / "c.toml", iterations=iterations, sleeps=sleeps,
+                             poll_ceiling_s=1.0)
     stats = work / "stats"
-    procs = []
-    for rank, path in enumerate(where):
-        who = ["--master", "--num-nodes", "3", "--config", str(config)] if rank == 0 \
-            else ["--worker", str(rank)]
-        with open(work / f"rank{rank}.log", "wb") as err:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rl", "run", "--log-path", path, *who],
-                stdout=subprocess.DEVNULL, stderr=err,
-                env={**os.environ, **envs[rank], "COORDINATOR_FS_STATS": str(stats)}))
-    codes = [p.wait(timeout=600) for p in procs]
-    if any(codes):
-        raise SystemExit(f"daemons failed {codes}; see {work}")
+    run_daemons(where, work, config,
+                envs=[{**env, "COORDINATOR_FS_STATS": str(stats)} for env in envs])
     out = {}
     for rank in range(3):
         counts = json.loads((stats / f"rank-{rank}.json").read_text())["counts"]

@@ -21,7 +21,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,32 +29,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.barrier_bench import run_peer  # noqa: E402
-
-CONFIG = """
-[run]
-actions = "scripted"
-iterations = {iterations}
-[scripted]
-outputs = false
-[coordination]
-poll_ceiling_s = {ceiling}
-"""
+from benchmarks.scripted_daemons import run_daemons, scripted_config  # noqa: E402
 
 
 def run_ours(paths: list[Path], work: Path, iterations: int, ceiling: float) -> dict:
-    config = work / "c.toml"
-    config.write_text(CONFIG.format(iterations=iterations, ceiling=ceiling))
-    procs = []
-    for rank, path in enumerate(paths):
-        who = ["--master", "--num-nodes", str(len(paths)), "--config", str(config)] if rank == 0 \
-            else ["--worker", str(rank)]
-        with open(work / f"rank{rank}.log", "wb") as err:  # the child keeps its own copy
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rl", "run", "--log-path", str(path), *who],
-                stdout=subprocess.DEVNULL, stderr=err))
-    codes = [p.wait(timeout=600) for p in procs]
-    if any(codes):
-        raise SystemExit(f"daemons failed {codes}; see {work}")
+    config = scripted_config(work / "c.toml", iterations=iterations, poll_ceiling_s=ceiling)
+    run_daemons(paths, work, config)
     totals, waits = [], []
     for it in range(1, iterations):
         t = json.loads((paths[0] / f"iterations/{it:06d}/timings/rank-0.json").read_text())
