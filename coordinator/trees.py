@@ -95,12 +95,17 @@ def publish_tree(tmp: Path, final: Path, *, last: str) -> None:
     fsio.rename(tmp, final)
 
 
+# What this process last sent of each local file (send_local_files): its size and
+# mtime, so an unchanged log is not uploaded again at every iteration's end.
+_sent: dict[Path, tuple[int, int]] = {}
+
+
 def send_local_files(directory: Path, *, replace: bool) -> int:
     """Beneath a bucket's root: send the files written as plain local files there (a
     library's: TensorBoard's event files; the engines' and trainers' logs), each as an
-    object of its name; with `replace`, again when the bucket holds it already (a log
-    that grew), else only the new ones.  How many were sent.  On a filesystem they
-    are where they belong already: 0."""
+    object of its name; with `replace`, again when it changed since this process sent
+    it (a log that grew), else only the ones the bucket does not hold.  How many were
+    sent.  On a filesystem they are where they belong already: 0."""
     if (route := routed(directory)) is None or not directory.is_dir():
         return 0
     backend, key = route
@@ -108,7 +113,12 @@ def send_local_files(directory: Path, *, replace: bool) -> int:
     sent = 0
     for path in sorted(directory.rglob("*")):
         name = path.relative_to(directory).as_posix()
-        if path.is_file() and not path.is_symlink() and name not in held:
-            backend.upload(f"{key}/{name}", path)
-            sent += 1
+        if not path.is_file() or path.is_symlink() or name in held:
+            continue
+        st = path.stat()
+        if _sent.get(path) == (st.st_size, st.st_mtime_ns):
+            continue
+        backend.upload(f"{key}/{name}", path)
+        _sent[path] = (st.st_size, st.st_mtime_ns)
+        sent += 1
     return sent
