@@ -4,6 +4,9 @@ by tests/support/plugins.py)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from rollout.agents import EngineEndpoint
 from rollout.episode import Episode
 from rollout.tasks import Task
@@ -18,17 +21,15 @@ def raising_reward(response: str, ground_truth: str) -> float:
     raise KeyError("this reward always fails")
 
 
-_SEEN: set[str] = set()  # tasks this daemon process has run an episode of
-
-
 class FlakyAgent:
-    """The first episode of each task this process runs fails (a flaky tool), every
-    later one plays it straight: a transient fault that a rerun of the phase must
-    redo, after which the run completes."""
+    """Every episode fails (a flaky tool) until the run has recorded a recovery, then
+    every one plays it straight: a transient fault that a rerun of the phase must
+    redo, after which the run completes.  The run's recoveries.json is named by
+    FLAKY_UNTIL; keying the fault on it, not on which tasks this process has seen,
+    keeps it the same whichever tasks a rank reached before the phase was stopped."""
 
     def run(self, task: Task, engine: EngineEndpoint) -> Episode:
-        if task.task_id not in _SEEN:
-            _SEEN.add(task.task_id)
+        if not Path(os.environ["FLAKY_UNTIL"]).exists():
             raise ConnectionError(f"a flaky tool timed out (task {task.task_id})")
         conv = engine.conversation([{"role": "user", "content": str(task.prompt)}])
         turn = conv.generate(max_tokens=4)

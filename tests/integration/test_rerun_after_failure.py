@@ -1,5 +1,5 @@
-"""The rerun after a failed rollout redoes every failed sample: an agent whose first
-episode of each task fails (a transient fault) fails phase 1 past the budget, the
+"""The rerun after a failed rollout redoes every failed sample: an agent whose every
+episode fails until the run records a recovery (a transient fault) fails phase 1 past the budget, the
 group regroups, the rerun redoes those groups, and the run completes having trained
 on no failed sample."""
 
@@ -34,7 +34,8 @@ def test_a_transient_failure_is_redone_by_the_rerun_and_the_run_completes(
         ["coordinator", "run", "--worker", "1", "--log-path", str(run), *agent],
     ]
     done = run_nodes(commands, cwd=tmp_path, timeout_s=240,
-                     env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                     env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                          "FLAKY_UNTIL": str(run / "recoveries.json")})
     assert done.codes == {0: 0, 1: 0}, {r: t[-3000:] for r, t in done.logs.items()}
     recoveries = json.loads((run / "recoveries.json").read_text())["recoveries"]
     assert [(r["iteration"], r["phase"]) for r in recoveries] == [(0, 1)]
