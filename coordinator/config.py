@@ -24,6 +24,7 @@ from typing import Any, Final, TypeVar, Union
 from coordinator.errors import UsageError
 from coordinator.on_failure import OnFailure
 from coordinator.phases import TimeoutKey
+from coordinator.placement import Placement
 from coordinator.records import MAX_RANKS
 
 if sys.version_info >= (3, 11):
@@ -129,6 +130,13 @@ class RunSection:
     seed: int = 0
     actions: str = "rl"
     progress: bool = True
+    # Placement and asynchrony (coordinator/placement.py): which nodes roll out
+    # and which train ("" and "": every node does both), and how many policy
+    # versions a sample may lag (0: the synchronous loop).  A single node may be
+    # given as a number (--set run.train_nodes=0).
+    rollout_nodes: str | int = ""
+    train_nodes: str | int = ""
+    max_off_policy_steps: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.iterations < 1_000_000:
@@ -136,6 +144,12 @@ class RunSection:
                 f"run.iterations={self.iterations} is outside 1..999999: give the number of "
                 "RL iterations to run, e.g. --iterations 8"
             )
+
+    def placement(self, num_nodes: int) -> Placement:
+        """The run's placement, checked against the node count (UsageError)."""
+        return Placement.of(rollout_nodes=str(self.rollout_nodes),
+                            train_nodes=str(self.train_nodes),
+                            max_off_policy_steps=self.max_off_policy_steps, num_nodes=num_nodes)
 
 
 # Keys an operator may change on a restart without changing the experiment.

@@ -83,6 +83,13 @@ def _plan_master(req: RunRequest) -> RunPlan:
     num_nodes = req.num_nodes or 1
     # The CLI checked the weights against the node count (rl/cli_args.py).
     weights = req.weights if req.weights is not None else tuple(1.0 for _ in range(num_nodes))
+    placement = config.run.placement(num_nodes)  # UsageError before anything is written
+    if not placement.colocated:
+        log.info("placement: %s", placement.describe())
+        if not isinstance(weights, str) and not sum(placement.rollout_weights(weights)):
+            raise UsageError(
+                f"--rank-weights {','.join(f'{w:g}' for w in weights)} give the rollout nodes "
+                f"{','.join(map(str, placement.rollout))} no work: give them weights above 0")
     if config.coordination.min_nodes > num_nodes:
         raise UsageError(
             f"coordination.min_nodes={config.coordination.min_nodes} is above --num-nodes "

@@ -62,7 +62,9 @@ def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
                                       group_size=loop.s.rollout.group_size,
                                       out_path=layout.batch(loop.run_dir, ctx.iteration),
                                       max_failed_fraction=loop.s.rollout.max_failed_fraction,
-                                      min_batch_fraction=loop.s.rollout.min_batch_fraction)
+                                      min_batch_fraction=loop.s.rollout.min_batch_fraction,
+                                      oldest_version=loop.placement.oldest_version(ctx.iteration)
+                                      if loop.placement.asynchronous else 0)
     except (AggregationError, BudgetError) as exc:
         raise ActionError(f"aggregation refused iteration {ctx.iteration}: {exc}") from exc
     fsio.publish_bytes(layout.metrics(loop.run_dir, ctx.iteration, "rollout"),
@@ -70,5 +72,11 @@ def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     log.info("iteration %d: reward mean %.3f, accuracy %.3f over %d samples (%.1f s)",
              ctx.iteration, metrics.reward_mean or 0.0, metrics.accuracy or 0.0,
              metrics.num_samples, time.monotonic() - started)
+    if loop.placement.asynchronous:
+        log.info("iteration %d: samples per policy version %s, staleness max %d mean %.2f, "
+                 "%d stale groups dropped and generated again", ctx.iteration,
+                 metrics.policy_versions, metrics.staleness_max, metrics.staleness_mean,
+                 metrics.stale_groups_dropped)
     return {"reward_mean": metrics.reward_mean, "samples": metrics.num_samples,
+            "staleness_max": metrics.staleness_max,
             "train_samples": metrics.num_train_samples, "failed_samples": metrics.num_failed}

@@ -35,6 +35,19 @@ P = TypeVar("P", bound="Payload")
 INITIAL_POLICY = "initial"
 
 
+def policy_version(name: str) -> int:
+    """A policy's version from the name a PolicyChoice gives it: 0 for the initial
+    model, N+1 for checkpoints/iter-<N> (the policy trained through iteration N)."""
+    if name == INITIAL_POLICY:
+        return 0
+    last = name.rstrip("/").rsplit("/", 1)[-1]
+    prefix, _, number = last.partition("-")
+    if prefix != "iter" or not number.isdigit():
+        raise ValueError(f"policy {name!r} is neither {INITIAL_POLICY!r} nor a checkpoint "
+                         "named iter-<N>")
+    return int(number) + 1
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Payload(Record):
     """A release's fields for one phase."""

@@ -7,6 +7,13 @@
               reloaded in place into the sleeping engine, restarted if that
               fails; then the served weights are checked against the
               checkpoint's probes.  The payload says how and which engine pid.
+
+With a disaggregated placement (coordinator/placement.py) the training nodes
+run no engine, and the rollout nodes' engines stay up through training: phase
+7 leaves them serving (in an asynchronous run they roll out the next
+iteration during phase 10), and phase 12 swaps the weights between requests:
+nothing is in flight once phase 10 is over, so the engine pauses (sleeps),
+loads the new checkpoint in place and serves again.
 """
 
 from __future__ import annotations
@@ -21,18 +28,24 @@ from rl.loop import Loop
 
 
 def stop_engine(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
-    """Phase 7: free the GPU for training."""
+    """Phase 7: free the GPU for training (colocated only: disaggregated, training
+    has GPUs of its own)."""
+    if not loop.placement.colocated:
+        return {}
     return loop.engines.release(ctx)
 
 
 def serve_new_policy(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 12: the engine serves the new checkpoint (a verified local copy)."""
-    if not loop.trains:
+    if not loop.trains or not loop.rolls_out:
         return {}
     checkpoint = announced(ctx, CheckpointAnnouncement)
     if checkpoint is not None:
         name, phase = checkpoint.checkpoint, Phase.PUBLISH_CHECKPOINT
     else:
         name, phase = PolicyChoice.read(ctx).policy, Phase.SYNC
-    how = loop.engines.ensure(ctx, loop.model(ctx, name, where_phase=int(phase)))
+    model = loop.model(ctx, name, where_phase=int(phase))
+    if not loop.placement.colocated:
+        loop.engines.pause_for(model)  # the engine kept serving through training
+    how = loop.engines.ensure(ctx, model)
     return {"serving": name, **how}

@@ -45,6 +45,7 @@ class IterationRecord:
     reward_mean: float | None = None
     eval_accuracy: float | None = None
     loss: float | None = None
+    staleness_max: int | None = None  # policy versions the batch's oldest sample lags
 
     @property
     def failed(self) -> int | None:
@@ -56,7 +57,8 @@ class IterationRecord:
         """For `coordinator status`: the columns people look at first."""
         return {"iteration": self.iteration, "train_samples": self.trained,
                 "failed_samples": self.failed, "rollout_samples": self.rolled_out,
-                "reward_mean": self.reward_mean, "eval_accuracy": self.eval_accuracy}
+                "reward_mean": self.reward_mean, "eval_accuracy": self.eval_accuracy,
+                "staleness_max": self.staleness_max}
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -95,7 +97,8 @@ def record(run_dir: Path, iteration: int) -> IterationRecord:
         batch=_count(rollout, "num_train_samples"), trained=_count(train, "samples"),
         train_failed=_count(rollout, "num_failed"), eval_failed=_count(evaluation, "num_failed"),
         reward_mean=_number(rollout, "reward_mean"),
-        eval_accuracy=_number(evaluation, "accuracy"), loss=_number(train, "loss"))
+        eval_accuracy=_number(evaluation, "accuracy"), loss=_number(train, "loss"),
+        staleness_max=_count(rollout, "staleness_max"))
 
 
 def records(run_dir: Path, iterations: int) -> list[IterationRecord]:

@@ -15,6 +15,7 @@ from typing import Any
 from coordinator.actions import StepContext
 from coordinator.beneath import relative_inside
 from coordinator.config import RunConfig
+from coordinator.errors import ActionError
 from coordinator.layout import release as release_key
 from coordinator.netaddr import Listener
 from coordinator.store import read_document
@@ -36,6 +37,9 @@ class Loop:
         self.rank = rank
         self.num_nodes = num_nodes
         self.run_dir = run_dir
+        # Which nodes roll out and which train, and how far rollout runs ahead
+        # (coordinator/placement.py); checked by the master at its start.
+        self.placement = config.run.placement(num_nodes)
         self.engines = EngineHost(self.s, rank=rank, run_dir=run_dir)
         coordination = config.coordination
         self.trainers = TrainerHost(self.s, rank=rank, run_dir=run_dir,
@@ -51,6 +55,25 @@ class Loop:
     def trains(self) -> bool:
         """False with --rollout-split eval-only: no train rollout, no training."""
         return self.s.schedule.trains
+
+    @property
+    def rolls_out(self) -> bool:
+        """Whether this node rolls out (every node, unless the placement disaggregates)."""
+        return self.placement.rolls_out(self.rank)
+
+    @property
+    def trains_here(self) -> bool:
+        """Whether this node hosts trainer ranks (every node, unless disaggregated)."""
+        return self.trains and self.placement.trains(self.rank)
+
+    def train_members(self, ctx: StepContext) -> tuple[int, ...]:
+        """The group's members that train: all of them, unless disaggregated."""
+        members = tuple(r for r in ctx.active_ranks if self.placement.trains(r))
+        if not members:
+            raise ActionError(
+                f"no training node is left in the group (members {list(ctx.active_ranks)}, "
+                f"run.train_nodes {list(self.placement.train)}): restart a training node")
+        return members
 
     def tasks(self, split: layout.Split) -> dict[str, Task]:
         """The split's tasks by id, loaded once per daemon."""

@@ -44,24 +44,43 @@ def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
 
         check_loop(loop)  # UsageError: every node exits 2, before any engine starts
         loop.checked = True
-    weights = rank_weights(loop, ctx)
-    seed = loop.config.run.seed
-    sizes = {Split.TRAIN: loop.s.rollout.tasks_per_iteration, Split.EVAL: loop.s.rollout.eval_tasks}
+    weights = loop.placement.rollout_weights(rank_weights(loop, ctx))
     for split in Split:
-        ids = list(loop.tasks(split))
-        if not ids:
+        if not list(loop.tasks(split)):
             continue  # an empty split that is needed was refused by the check above
-        if sizes[split] and sizes[split] < len(ids):
-            # The iteration's subset: deterministic from (seed, iteration); eval
-            # uses the same subset every time so accuracies compare.
-            salt = ctx.iteration if split is Split.TRAIN else 0
-            rng = random.Random(f"{seed}/{split.value}/{salt}")
-            ids = rng.sample(ids, sizes[split])
-        plan = ShardPlan.build(ids, weights, seed=seed, iteration=ctx.iteration,
-                               members=ctx.members)
-        fsio.publish_bytes(layout.shard_plan(loop.run_dir, ctx.iteration, split),
-                           plan.to_bytes())
+        publish_plan(loop, ctx, split, ctx.iteration, weights)
+        if split is Split.TRAIN and loop.placement.asynchronous \
+                and ctx.iteration + 1 < loop.config.run.iterations:
+            # Rolled out by the rollout nodes during this iteration's phase 10.
+            publish_plan(loop, ctx, split, ctx.iteration + 1, weights)
     return {"weights": weights}
+
+
+def publish_plan(loop: Loop, ctx: StepContext, split: Split, iteration: int,
+                 weights: list[float]) -> None:
+    """A split's tasks of `iteration`, shared among the members by `weights`.
+
+    In an asynchronous run the train split's plan of an iteration is made one
+    iteration early, for the rollout that runs ahead, and then kept: rebuilt,
+    it could move tasks whose groups a rank has already saved.  A member lost
+    since is handled as within an iteration (rl/takeover.py)."""
+    path = layout.shard_plan(loop.run_dir, iteration, split)
+    if split is Split.TRAIN and loop.placement.asynchronous:
+        found = loop.find_shard_plan(iteration, split)
+        if found is not None and found.iteration == iteration:
+            return
+    ids = list(loop.tasks(split))
+    size = loop.s.rollout.tasks_per_iteration if split is Split.TRAIN \
+        else loop.s.rollout.eval_tasks
+    seed = loop.config.run.seed
+    if size and size < len(ids):
+        # The iteration's subset: deterministic from (seed, iteration); eval
+        # uses the same subset every time so accuracies compare.
+        salt = iteration if split is Split.TRAIN else 0
+        rng = random.Random(f"{seed}/{split.value}/{salt}")
+        ids = rng.sample(ids, size)
+    plan = ShardPlan.build(ids, weights, seed=seed, iteration=iteration, members=ctx.members)
+    fsio.publish_bytes(path, plan.to_bytes())
 
 
 def choose_policy(loop: Loop, ctx: StepContext,

@@ -1,7 +1,8 @@
 """Phase 13: the iteration's metrics where researchers look, then the clean-up.
 
     13  master   one set of scalars per iteration (step = iteration):
-                   rollout/*  reward, accuracy, response lengths, samples per second
+                   rollout/*  reward, accuracy, response lengths, samples per second,
+                              staleness (iteration minus the samples' policy versions)
                    eval/*     the same for the eval split, when it ran
                    train/*    loss, KL, grad norm, clip fraction, lr, tokens per second,
                               world size
@@ -35,9 +36,11 @@ from rl.loop import Loop
 log = logging.getLogger(__name__)
 
 ROLLOUT_KEYS = ("reward_mean", "reward_std", "accuracy", "response_length_mean",
-                "response_length_max", "num_failed", "num_dropped_groups")
+                "response_length_max", "num_failed", "num_dropped_groups",
+                "staleness_max", "staleness_mean", "stale_groups_dropped")
 TRAIN_KEYS = ("loss", "kl", "grad_norm", "clip_fraction", "ratio_mean", "lr", "world_size",
-              "samples", "tokens", "seconds")
+              "samples", "tokens", "seconds", "logprob_mismatch_mean_abs",
+              "logprob_mismatch_max_abs", "tis_weight_mean", "tis_truncated_fraction")
 
 
 def end_iteration(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:

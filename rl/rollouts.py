@@ -34,7 +34,7 @@ from coordinator.records import Arrival
 from coordinator.store import read_document
 from rl import layout
 from rl.config import requests_in_flight
-from rl.contracts import PolicyChoice
+from rl.contracts import PolicyChoice, policy_version
 from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
@@ -50,8 +50,15 @@ BUILTIN_AGENT = "builtin"  # what phase 1 reports without rollout.agent
 
 
 def roll_out_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
-    """Phase 1: this rank's train shard."""
+    """Phase 1: this rank's train shard (in an asynchronous run, what phase 10 of the
+    previous iteration did not already roll out)."""
     return roll_out_shard(loop, ctx, Split.TRAIN) if loop.trains else {}
+
+
+def roll_out_next(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 10 on a rollout node of an asynchronous run: the next iteration's shard,
+    on the policy this iteration serves, while the training nodes train."""
+    return roll_out_shard(loop, ctx, Split.TRAIN, iteration=ctx.iteration + 1)
 
 
 def same_agent(loop: Loop, ctx: StepContext, arrivals: Mapping[int, Arrival],
@@ -95,15 +102,32 @@ def group_seed(run_seed: int, iteration: int, split: Split, task_id: str) -> int
     return int.from_bytes(digest[:4], "little")
 
 
-def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, Any]:
-    """Generate, reward and checkpoint this rank's shard of `split` in this iteration."""
+def roll_out_shard(loop: Loop, ctx: StepContext, split: Split, *,
+                   iteration: int | None = None) -> Mapping[str, Any]:
+    """Generate, reward and checkpoint this rank's shard of `split` in `iteration`
+    (this one unless given: phase 10 of an asynchronous run rolls out the next).
+
+    Every sample records the policy version the engine serves.  In an
+    asynchronous run, saved groups of a version older than the batch allows
+    (run.max_off_policy_steps) are dropped and generated again."""
     s = loop.s
-    tasks = _assigned_tasks(loop, ctx, split)
+    target = ctx.iteration if iteration is None else iteration
+    tasks = _assigned_tasks(loop, target, split)
     group_size = s.rollout.group_size if split is Split.TRAIN else s.rollout.eval_group_size
-    writer = RankCheckpointWriter(layout.rank_dir(loop.run_dir, ctx.iteration, split, loop.rank),
+    version = policy_version(PolicyChoice.read(ctx).policy)
+    oldest = loop.placement.oldest_version(target) \
+        if loop.placement.asynchronous and split is Split.TRAIN else 0
+    if tasks and version < oldest:
+        raise ActionError(
+            f"rank {ctx.rank} serves policy version {version}, but iteration {target}'s batch "
+            f"takes versions >= {oldest} only (run.max_off_policy_steps="
+            f"{loop.placement.max_off_policy_steps}): the checkpoints in between are missing; "
+            f"run `coordinator recover --iteration {ctx.iteration}` and restart every node")
+    writer = RankCheckpointWriter(layout.rank_dir(loop.run_dir, target, split, loop.rank),
                                   ctx.rank, s.rollout.checkpoint_every_groups,
-                                  iteration=ctx.iteration, every_s=s.rollout.checkpoint_every_s)
-    done = writer.load_completed_task_ids()
+                                  iteration=target, every_s=s.rollout.checkpoint_every_s,
+                                  policy_version=version)
+    done = writer.load_completed_task_ids(oldest_version=oldest)
     todo = [t for t in tasks if t.task_id not in done]
     if todo and writer.manifest.complete:
         log.info("rank %d %s rollout: %d more tasks given to this rank after a rank left the "
@@ -114,8 +138,8 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, A
                  split.value, len(done & {t.task_id for t in tasks}), len(tasks), len(todo))
     started = time.monotonic()
     failed: list[str] = []
-    generated = _generate(loop, ctx, split, tasks, todo, writer, group_size, failed) if todo \
-        else 0
+    generated = _generate(loop, ctx, split, target, tasks, todo, writer, group_size,
+                          failed) if todo else 0
     writer.flush()
     # The budget first: a manifest left incomplete has its failed groups redone
     # when the phase runs again, while a complete one takes them as final.
@@ -128,13 +152,14 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split) -> Mapping[str, A
                           "failed sample") from exc
     manifest = writer.finalize()
     elapsed = time.monotonic() - started
-    return {"agent": s.rollout.agent or BUILTIN_AGENT, "tasks": len(tasks),
+    return {"agent": s.rollout.agent or BUILTIN_AGENT, "iteration": target, "tasks": len(tasks),
             "samples": manifest.num_samples, "failed_samples": manifest.failed_samples,
+            "policy_version": version, "stale_groups_dropped": manifest.stale_groups_dropped,
             "samples_per_second": generated / elapsed if generated and elapsed > 0 else None}
 
 
-def _assigned_tasks(loop: Loop, ctx: StepContext, split: Split) -> list[Task]:
-    assigned = list(shard_plan(loop, ctx.iteration, split).tasks_for(loop.rank))
+def _assigned_tasks(loop: Loop, iteration: int, split: Split) -> list[Task]:
+    assigned = list(shard_plan(loop, iteration, split).tasks_for(loop.rank))
     index = loop.tasks(split)
     unknown = [t for t in assigned if t not in index]
     if unknown:
@@ -143,9 +168,9 @@ def _assigned_tasks(loop: Loop, ctx: StepContext, split: Split) -> list[Task]:
     return [index[t] for t in assigned]
 
 
-def _generate(loop: Loop, ctx: StepContext, split: Split, tasks: Sequence[Task],
-              todo: Sequence[Task], writer: RankCheckpointWriter, group_size: int,
-              failed: list[str]) -> int:
+def _generate(loop: Loop, ctx: StepContext, split: Split, iteration: int,
+              tasks: Sequence[Task], todo: Sequence[Task], writer: RankCheckpointWriter,
+              group_size: int, failed: list[str]) -> int:
     """The groups still to do, from the agent (built-in sampling unless rollout.agent
     names a plugin); each group is checkpointed in task order as soon as it and
     those before it are done (the writer publishes every K groups or S seconds).
@@ -155,7 +180,7 @@ def _generate(loop: Loop, ctx: StepContext, split: Split, tasks: Sequence[Task],
     loop.engines.ensure(ctx, policy)
     generated = 0
     started = last_report = time.monotonic()
-    groups = run_groups(_agent(loop, ctx, split), todo, loop.engines.endpoint(),
+    groups = run_groups(_agent(loop, iteration, split), todo, loop.engines.endpoint(),
                         group_size=group_size,
                         concurrency=requests_in_flight(s.rollout, s.engine),
                         timeout_s=s.rollout.episode_timeout_s, check_cancel=ctx.check_cancel)
@@ -165,14 +190,14 @@ def _generate(loop: Loop, ctx: StepContext, split: Split, tasks: Sequence[Task],
         generated += len(samples)
         now = time.monotonic()
         if now - last_report >= s.rollout.progress_interval_s or done == len(todo):
-            log.info("rank %d %s rollout: %d/%d tasks, %.1f samples/s, %d failed", ctx.rank,
-                     split.value, len(tasks) - len(todo) + done, len(tasks),
+            log.info("rank %d iteration %d %s rollout: %d/%d tasks, %.1f samples/s, %d failed",
+                     ctx.rank, iteration, split.value, len(tasks) - len(todo) + done, len(tasks),
                      generated / max(now - started, 1e-9), len(failed))
             last_report = now
     return generated
 
 
-def _agent(loop: Loop, ctx: StepContext, split: Split) -> Agent | GroupAgent:
+def _agent(loop: Loop, iteration: int, split: Split) -> Agent | GroupAgent:
     """rollout.agent's plugin, or built-in single-turn sampling (itself a plugin)."""
     s = loop.s
     if s.rollout.agent:
@@ -185,4 +210,4 @@ def _agent(loop: Loop, ctx: StepContext, split: Split) -> Agent | GroupAgent:
         max_tokens=s.rollout.max_tokens,
         temperature=s.rollout.temperature if train else s.rollout.eval_temperature,
         top_p=s.rollout.top_p, reward=s.data.reward,
-        seed_of=lambda t: group_seed(loop.config.run.seed, ctx.iteration, split, t.task_id))
+        seed_of=lambda t: group_seed(loop.config.run.seed, iteration, split, t.task_id))

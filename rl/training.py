@@ -18,6 +18,10 @@
     11  master   verify checkpoints/iter-<N> (written by trainer rank 0)
         decide   announce it (CheckpointAnnouncement)
 
+With a disaggregated placement only the training nodes report, start and
+feed trainers; in an asynchronous run the rollout nodes spend phase 10 rolling
+out the next iteration (rl/rollouts.py `roll_out_next`).
+
 A rerun of phase 10 (a collective step redone after a failure) moves an
 existing checkpoints/iter-<N> aside first, so the trainer never has to
 overwrite a published directory; the trainer that failed is gone, so the
@@ -79,6 +83,7 @@ def write_train_job(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         resume_state=state_dir(root, found[0]) if found is not None else None,
         resume_model_dir=loop.initial_model() if found is None else None,
         replay=tuple(layout.train_job(run_dir, k) for k in range(since, i)),
+        off_policy=loop.placement.asynchronous,
     )
     path = layout.train_job(run_dir, i)
     job.save(path, run_dir=run_dir)
@@ -87,8 +92,8 @@ def write_train_job(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
 
 
 def report_trainer(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
-    """Phase 9 on every rank: this node's resident trainer, for the master to weigh."""
-    if not loop.trains:
+    """Phase 9 on every training node: this node's resident trainer, for the master to weigh."""
+    if not loop.trains_here:
         return {}
     return {"trainer": loop.trainers.status()}
 
@@ -101,7 +106,7 @@ def choose_trainer_group(loop: Loop, ctx: StepContext,
     if not loop.trains:
         return {}
     statuses = {rank: arrival.payload.get("trainer") for rank, arrival in arrivals.items()}
-    keep = group_to_keep(statuses, ctx.active_ranks, ctx.iteration) \
+    keep = group_to_keep(statuses, loop.train_members(ctx), ctx.iteration) \
         if loop.s.torchrun.resident else None
     if keep is not None:
         return TrainRendezvous(group=keep, start=False, master_addr=ctx.address,
@@ -133,8 +138,16 @@ def torchrun_command(s: RlSections, *, rank: int, num_nodes: int, master_addr: s
 
 def train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 10 (collective): the job to this node's trainer, started first if the master
-    chose a new group (the master's store on the held port)."""
+    chose a new group (the master's store on the held port).  On a rollout node of
+    an asynchronous run: the next iteration's rollout instead."""
     if not loop.trains:
+        return {}
+    if not loop.trains_here:
+        if loop.placement.carries_next_rollout(ctx.phase, loop.rank, ctx.iteration,
+                                               loop.config.run.iterations):
+            from rl.rollouts import roll_out_next
+
+            return {"next_rollout": dict(roll_out_next(loop, ctx))}
         return {}
     rendezvous = TrainRendezvous.read(ctx)
     trainers = loop.trainers
@@ -162,7 +175,7 @@ def _start_group(loop: Loop, ctx: StepContext, rendezvous: TrainRendezvous) -> N
             raise ActionError("the master holds no training port: phase 9 must announce one")
         listen_fd = loop.listener.fileno()
     # A group that went on without some ranks trains on its members only.
-    members = ctx.active_ranks
+    members = loop.train_members(ctx)
     command = torchrun_command(
         loop.s, rank=members.index(loop.rank), num_nodes=len(members),
         master_addr=rendezvous.master_addr, master_port=rendezvous.train_port,

@@ -50,10 +50,16 @@ class AggregateMetrics:
     samples_per_second: dict[int, float] = field(default_factory=dict)
     num_train_samples: int = 0
     num_dropped_groups: int = 0
+    # Samples per policy version; staleness = iteration - version (train split).
+    policy_versions: dict[int, int] = field(default_factory=dict)
+    staleness_max: int = 0
+    staleness_mean: float = 0.0
+    stale_groups_dropped: int = 0  # groups of too old a policy, generated again
 
     def to_json(self) -> str:
         data = asdict(self)
         data["samples_per_second"] = {str(r): v for r, v in self.samples_per_second.items()}
+        data["policy_versions"] = {str(v): n for v, n in self.policy_versions.items()}
         return json.dumps(data, allow_nan=False, sort_keys=True)
 
 

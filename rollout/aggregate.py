@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -144,7 +145,8 @@ def _merge(
     group_size: int,
     collect: bool,
     frozen: Mapping[int, Path],
-) -> tuple[Accumulator, dict[int, float]]:
+    oldest_version: int = 0,
+) -> tuple[Accumulator, dict[int, float], Versions]:
     if type(group_size) is not int or group_size < 1:
         raise ValueError(f"group_size={group_size!r} is below 1: give the samples per task")
     if set(rank_dirs) != set(assignments):
@@ -158,10 +160,18 @@ def _merge(
         raise AggregationError(f"the plan assigns task ids to several ranks: {_ids(twice)}")
     acc = Accumulator(group_size, collect)
     speeds: dict[int, float] = {}
+    versions = Versions()
     for rank in sorted(rank_dirs):
         directory = Path(rank_dirs[rank])
         manifest = _check_manifest(rank, directory, assignments[rank], iteration,
                                    frozen.get(rank))
+        stale = [e.file for e in manifest.chunks if e.policy_version < oldest_version]
+        if stale:
+            raise AggregationError(
+                f"rank {rank}'s {', '.join(stale)} in {directory} come from a policy older than "
+                f"version {oldest_version} (run.max_off_policy_steps): the rank should have "
+                "dropped and regenerated them; rerun the rollout", rank=rank, path=directory)
+        versions.add(manifest)
         for entry in manifest.chunks:
             try:
                 chunk = read_verified_chunk(directory / entry.file, entry)
@@ -186,7 +196,30 @@ def _merge(
             len(assignments[rank]),
             len(manifest.chunks),
         )
-    return acc, speeds
+    return acc, speeds, versions
+
+
+@dataclass
+class Versions:
+    """Samples per policy version over the merged ranks, and the stale groups they dropped."""
+
+    samples: Counter[int] = field(default_factory=Counter)
+    stale_groups_dropped: int = 0
+
+    def add(self, manifest: RankManifest) -> None:
+        self.samples.update(manifest.policy_versions)
+        self.stale_groups_dropped += manifest.stale_groups_dropped
+
+    def into(self, metrics: AggregateMetrics, iteration: int) -> AggregateMetrics:
+        """`metrics` with each batch's staleness: iteration minus the sample's version."""
+        total = sum(self.samples.values())
+        lag = {v: max(0, iteration - v) for v in self.samples}
+        return replace(
+            metrics, policy_versions={v: n for v, n in sorted(self.samples.items())},
+            staleness_max=max(lag.values(), default=0),
+            staleness_mean=sum(lag[v] * n for v, n in self.samples.items()) / total
+            if total else 0.0,
+            stale_groups_dropped=self.stale_groups_dropped)
 
 
 def aggregate_iteration(
@@ -199,6 +232,7 @@ def aggregate_iteration(
     frozen: Mapping[int, Path] | None = None,
     max_failed_fraction: float = 1.0,
     min_batch_fraction: float = 0.0,
+    oldest_version: int = 0,
 ) -> AggregateMetrics:
     """Check every rank's output against the plan, publish the training batch, give metrics.
 
@@ -207,10 +241,11 @@ def aggregate_iteration(
     The merged result is held to the budget before anything is published
     (rollout/budget.py): at most `max_failed_fraction` failed samples, and a
     batch of at least `min_batch_fraction` of the samples (never an empty one);
-    otherwise BudgetError."""
-    acc, speeds = _merge(
+    otherwise BudgetError.  A chunk of a policy older than `oldest_version`
+    (asynchronous runs) is refused: AggregationError."""
+    acc, speeds, versions = _merge(
         rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=True,
-        frozen=frozen or {},
+        frozen=frozen or {}, oldest_version=oldest_version,
     )
     check_failures(acc.failed, samples=acc.samples, fraction=max_failed_fraction,
                    where="train (all ranks)", first=acc.first_error)
@@ -232,7 +267,7 @@ def aggregate_iteration(
         acc.kept_samples,
         len(acc.group_task_ids),
     )
-    return acc.metrics(iteration, speeds)
+    return versions.into(acc.metrics(iteration, speeds), iteration)
 
 
 def merge_eval_metrics(
@@ -245,7 +280,7 @@ def merge_eval_metrics(
     max_failed_fraction: float = 1.0,
 ) -> AggregateMetrics:
     """The same checks as aggregate_iteration, for eval: metrics only, no batch."""
-    acc, speeds = _merge(
+    acc, speeds, _versions = _merge(
         rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=False,
         frozen=frozen or {},
     )

@@ -66,8 +66,14 @@ class TrajectorySample:
     # of a multi-turn episode (its logprob is 0.0 and it is not trained on).
     # None: every response token is the model's.
     response_mask: Sequence[int] | None = None
+    # The policy version the engine served when this sample was generated:
+    # 0 the initial model, v the checkpoint trained through iteration v-1.
+    policy_version: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.policy_version) is not int or self.policy_version < 0:
+            raise ValueError(f"policy_version={self.policy_version!r} of {self.task_id}: give "
+                             "an integer >= 0")
         if not isinstance(self.task_id, str) or not self.task_id:
             raise ValueError(f"task_id={self.task_id!r}: give the task's non-empty id")
         if type(self.sample_index) is not int or self.sample_index < 0:
@@ -123,6 +129,8 @@ _TENSORS: Final = {  # name -> dtype; 1-D each
 # Read when present, else every response token is the model's (chunks written
 # before multi-turn episodes).
 _OPTIONAL_TENSORS: Final = {"response_mask": torch.bool}
+# Per sample, read when present, else 0 (chunks written before policy versions).
+_OPTIONAL_PER_SAMPLE: Final = {"policy_version": torch.int64}
 _STRING_LISTS: Final = ("task_ids", "finish_reasons", "response_texts", "errors")
 
 
@@ -163,6 +171,7 @@ class Chunk:
                 failed=t["failed"][s],
                 error=self.errors[s],
                 response_mask=_mask(t["response_mask"][ro[s] : ro[s + 1]]),
+                policy_version=t["policy_version"][s],
             )
 
 
@@ -213,6 +222,7 @@ def encode_chunk(
         "response_mask": mask,
         "rewards": torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
         "failed": torch.tensor([s.failed for s in samples], dtype=torch.bool),
+        "policy_version": torch.tensor([s.policy_version for s in samples], dtype=torch.int64),
         "finish_reasons": [s.finish_reason.value for s in samples],
         "response_texts": [s.response_text for s in samples],
         "errors": [s.error for s in samples],
@@ -269,6 +279,15 @@ def _typed_fields(
             raise bad(f"{name} must be a 1-D {dtype} tensor")
         else:
             tensors[name] = t
+    for name, dtype in _OPTIONAL_PER_SAMPLE.items():
+        t = obj.get(name)
+        if t is None:
+            tensors[name] = torch.zeros_like(tensors["sample_index"], dtype=dtype)
+        elif not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1 \
+                or bool((t < 0).any()):
+            raise bad(f"{name} must be a 1-D {dtype} tensor of values >= 0")
+        else:
+            tensors[name] = t
     lists = {}
     for name in _STRING_LISTS:
         value = obj.get(name)
@@ -283,7 +302,7 @@ def _check_lengths(
 ) -> None:
     """Every per-sample field covers the samples; groups and offsets index what exists."""
     num_groups, num_samples = len(lists["task_ids"]), tensors["sample_group"].numel()
-    for name in ("sample_index", "rewards", "failed"):
+    for name in ("sample_index", "rewards", "failed", "policy_version"):
         if tensors[name].numel() != num_samples:
             raise bad(f"{name} has {tensors[name].numel()} entries for {num_samples} samples")
     for name in ("finish_reasons", "response_texts", "errors"):

@@ -58,6 +58,8 @@ class ChunkEntry(Record):
     # Samples of these groups that failed.  While the manifest is not complete
     # such a chunk is not taken as done: its groups are redone (trajectory.py).
     failed_samples: int = 0
+    # The policy version its samples came from (the oldest, were they to differ).
+    policy_version: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.file, str) or not CHUNK_NAME.fullmatch(self.file):
@@ -67,6 +69,7 @@ class ChunkEntry(Record):
         _int(self.size, f"size of {self.file}")
         _int(self.num_samples, f"num_samples of {self.file}")
         _int(self.failed_samples, f"failed_samples of {self.file}")
+        _int(self.policy_version, f"policy_version of {self.file}")
         if self.failed_samples > self.num_samples:
             raise ValueError(f"{self.file} has {self.failed_samples} failed samples of "
                              f"{self.num_samples}")
@@ -85,9 +88,13 @@ class RankManifest(Record):
     complete: bool = False
     rollout_seconds: float = 0.0
     chunks: tuple[ChunkEntry, ...] = ()
+    # Groups dropped because their policy was older than the batch allows
+    # (run.max_off_policy_steps), and generated again: counted over the rank's tries.
+    stale_groups_dropped: int = 0
 
     def __post_init__(self) -> None:
         _int(self.rank, "rank")
+        _int(self.stale_groups_dropped, "stale_groups_dropped")
         _int(self.iteration, "iteration")
         if not isinstance(self.complete, bool):
             raise ValueError(f"complete is {self.complete!r}: expected true or false")
@@ -109,6 +116,14 @@ class RankManifest(Record):
     @property
     def failed_samples(self) -> int:
         return sum(c.failed_samples for c in self.chunks)
+
+    @property
+    def policy_versions(self) -> dict[int, int]:
+        """Samples per policy version."""
+        out: dict[int, int] = {}
+        for c in self.chunks:
+            out[c.policy_version] = out.get(c.policy_version, 0) + c.num_samples
+        return out
 
     def task_ids(self) -> list[str]:
         """All listed task ids, in chunk order; repeats kept, for the caller to judge."""

@@ -74,6 +74,7 @@ class RankCheckpointWriter:
         *,
         iteration: int,
         every_s: float | None = None,
+        policy_version: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if type(every_k_groups) is not int or every_k_groups < 1:
@@ -87,6 +88,8 @@ class RankCheckpointWriter:
         self.every_k_groups = every_k_groups
         self.every_s = every_s
         self.iteration = iteration
+        # Stamped on every sample added: the policy the rank's engine serves.
+        self.policy_version = policy_version
         self._clock = clock
         self._last_flush = clock()
         ensure_dir(self.directory)
@@ -113,11 +116,24 @@ class RankCheckpointWriter:
     def manifest(self) -> RankManifest:
         return self._manifest
 
-    def load_completed_task_ids(self) -> frozenset[str]:
+    def load_completed_task_ids(self, *, oldest_version: int = 0) -> frozenset[str]:
         """Task ids whose groups are safely saved; chunks failing their checksum are
         dropped, and so, unless the manifest is complete, are chunks holding a failed
-        sample: a failed sample is never taken as done."""
+        sample: a failed sample is never taken as done.  Chunks of a policy older
+        than `oldest_version` are dropped too, complete or not, and counted in the
+        manifest's stale_groups_dropped: their groups are generated again."""
         kept = verified_chunks(self.directory, self._manifest)
+        stale = [c for c in kept if c.policy_version < oldest_version]
+        dropped = sum(len(c.task_ids) for c in stale)
+        if stale:
+            logger.warning("rank %d iteration %d: %d groups in %d chunks come from policy "
+                           "versions %s, older than %d (run.max_off_policy_steps): dropped, "
+                           "generated again", self.rank, self.iteration, dropped, len(stale),
+                           sorted({c.policy_version for c in stale}), oldest_version)
+            kept = tuple(c for c in kept if c.policy_version >= oldest_version)
+            self._manifest = replace(
+                self._manifest, stale_groups_dropped=self._manifest.stale_groups_dropped + dropped)
+            self._publish_manifest(chunks=kept, complete=False)
         if not self._manifest.complete:
             failed = [c for c in kept if c.failed_samples]
             for entry in failed:
@@ -163,7 +179,8 @@ class RankCheckpointWriter:
                 rank=self.rank,
             )
         self._done.add(task_id)
-        self._pending.append(group)
+        self._pending.append(tuple(replace(x, policy_version=self.policy_version)
+                                   for x in group))
         overdue = self.every_s is not None and self._clock() - self._last_flush >= self.every_s
         if len(self._pending) >= self.every_k_groups or overdue:
             self.flush()
@@ -185,6 +202,7 @@ class RankCheckpointWriter:
             num_samples=sum(len(g) for g in self._pending),
             task_ids=tuple(g[0].task_id for g in self._pending),
             failed_samples=sum(s.failed for g in self._pending for s in g),
+            policy_version=min(s.policy_version for g in self._pending for s in g),
         )
         # The chunk is on disk before the manifest names it: a kill in between
         # leaves an unlisted file, whose groups are simply redone.

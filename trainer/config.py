@@ -89,6 +89,10 @@ class TrainConfig:
     # Weight of the k3 KL estimate to the reference model; 0 turns it off and
     # skips loading the reference model altogether.
     kl_coef: float = 0.0
+    # Asynchronous runs (run.max_off_policy_steps >= 1): each token's loss is
+    # weighted by min(pi_old / pi_behaviour, tis_cap), the truncated importance
+    # ratio between the trainer's recomputed log-probs and the engine's.
+    tis_cap: float = 2.0
     # Added to the group's reward std so that a group of equal rewards gives
     # advantages of exactly 0 rather than 0/0.
     adv_eps: float = 1e-6
@@ -144,6 +148,9 @@ class TrainConfig:
             f"clip_eps={self.clip_eps} must be in (0, 1): PPO uses about 0.2",
         )
         check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0 (0 turns KL off)")
+        check(math.isfinite(self.tis_cap) and self.tis_cap >= 1,
+              f"tis_cap={self.tis_cap} must be a number >= 1: the most one token's importance "
+              "weight may count, e.g. 2.0")
         check(self.adv_eps > 0, f"adv_eps={self.adv_eps} must be > 0, e.g. 1e-6")
         for name, low in (
             ("micro_batch_size", 1),

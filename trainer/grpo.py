@@ -201,11 +201,14 @@ def grpo_loss(
     ref_logp: Tensor | None = None,
     kl_coef: float = 0.0,
     sample_weights: Tensor | None = None,
+    is_weights: Tensor | None = None,
 ) -> LossTerms:
     """Clipped policy loss plus kl_coef * k3 KL, summed over masked tokens / normalizer.
 
     `sample_weights` ([B]) scales every token of a sample: 1 / response length
     with the number of samples as normaliser gives the per-sequence mean.
+    `is_weights` ([B, T-1], no gradient) scales each token's policy loss: the
+    truncated importance weight of an off-policy batch (`truncated_is_weights`).
     The returned sums (policy_sum, kl_sum, ...) are unweighted token sums.
     """
     if normalizer <= 0:
@@ -224,7 +227,8 @@ def grpo_loss(
         else torch.zeros_like(per_token)
     )
     weight = 1.0 if sample_weights is None else sample_weights.to(logp.dtype).unsqueeze(-1)
-    total = ((per_token + kl_coef * kl_token) * weight).sum()
+    policy = per_token if is_weights is None else per_token * is_weights.detach().to(logp.dtype)
+    total = ((policy + kl_coef * kl_token) * weight).sum()
     with torch.no_grad():
         ratio_sum = (torch.exp((logp - old_logp).clamp(max=_MAX_LOG_RATIO)) * mask).sum()
     return LossTerms(
@@ -235,6 +239,20 @@ def grpo_loss(
         ratio_sum=ratio_sum,
         tokens=mask.sum().detach(),
     )
+
+
+def truncated_is_weights(old_logp: Tensor, behaviour_logp: Tensor, *, cap: float) -> Tensor:
+    """min(pi_old / pi_behaviour, cap) per token: truncated importance sampling (TIS).
+
+    The batch was sampled by the engine's policy (behaviour, perhaps some
+    versions old); PPO's ratio is taken against the trainer's recomputed
+    `old_logp`.  The weight corrects for the gap and is capped so that one
+    token the engine found unlikely cannot dominate the step (AReaL's decoupled
+    loss; verl, SkyRL and prime-rl cap the same way)."""
+    if cap < 1:
+        raise ValueError(f"cap={cap} must be >= 1: the most one token's weight may count")
+    log_ratio = (old_logp - behaviour_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.exp(log_ratio).clamp(max=cap)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -82,6 +82,9 @@ class TrainJob:
     resume_state: Path | None = None
     resume_model_dir: Path | None = None
     replay: tuple[Path, ...] = ()
+    # The batch may come from older policies (an asynchronous run): correct the
+    # loss with truncated importance sampling (TrainConfig.tis_cap).
+    off_policy: bool = False
 
     def __post_init__(self) -> None:
         check(
@@ -98,6 +101,7 @@ class TrainJob:
         check(isinstance(self.replay, tuple) and all(isinstance(p, Path) for p in self.replay),
                f"replay={self.replay!r} must be a tuple of job paths")
         check(isinstance(self.save_state, bool), f"save_state={self.save_state!r} must be a bool")
+        check(isinstance(self.off_policy, bool), f"off_policy={self.off_policy!r} must be a bool")
         check(
             self.ref_model_dir is not None or self.config.kl_coef == 0,
             f"kl_coef={self.config.kl_coef} needs a reference model: set ref_model_dir "
@@ -156,6 +160,7 @@ class TrainJob:
         data["batch_sha256"] = self.batch_sha256
         data["save_state"] = self.save_state
         data["replay"] = [written(p) for p in self.replay]
+        data["off_policy"] = self.off_policy
         return json.dumps(data, indent=2, sort_keys=False) + "\n"
 
     @classmethod
@@ -190,6 +195,7 @@ class TrainJob:
                 batch_sha256=data.get("batch_sha256"),
                 save_state=data.get("save_state", False),
                 replay=replayed,  # type: ignore[arg-type]  # no None: replay paths are required
+                off_policy=data.get("off_policy", False),
             )
         except ConfigError as exc:
             raise ConfigError(f"train job {source}: {exc}") from exc

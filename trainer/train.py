@@ -199,12 +199,13 @@ def fixed_inputs(
     lens: list[int],
     training: bool,
     pad_id: int,
-) -> tuple[Inputs, tuple[float, float]]:
+) -> tuple[Inputs, tuple[float, ...]]:
     """What every optimizer step reads, computed once before the first.
 
-    Returns the `Inputs` and the (sum, max) over ranks of the absolute gap
-    between the engine's log-probs and the recomputed old ones.  Without
-    steps to take (`training` false) no forward runs.
+    Returns the `Inputs` and, summed over ranks: the absolute gap between the
+    engine's log-probs and the recomputed old ones (sum, max), and for an
+    off-policy job the truncated importance weights (sum, tokens truncated).
+    Without steps to take (`training` false) no forward runs.
     """
     config = job.config
     own = shard(batch.num_samples, ctx.world_size, ctx.rank)
@@ -229,6 +230,15 @@ def fixed_inputs(
         ctx,
         dist.ReduceOp.MAX if ctx.is_distributed else None,
     )[0]
+    tis = None
+    tis_sums = [0.0, 0.0]
+    if job.off_policy and training:
+        tis = {i: grpo.truncated_is_weights(old[i], engine[i], cap=config.tis_cap) for i in own}
+        for i in own:
+            kept = tis[i][model_tokens[i]]
+            tis_sums[0] += float(kept.sum())
+            tis_sums[1] += float((kept >= config.tis_cap).sum())
+        tis_sums = all_reduce(tis_sums, ctx)
     ref = None
     if config.kl_coef > 0 and training:
         assert job.ref_model_dir is not None  # TrainJob enforces it
@@ -247,8 +257,9 @@ def fixed_inputs(
         if batch.num_samples
         else torch.zeros(0)
     )
-    inputs = Inputs(batch=batch, advantages=advantages, old=old, ref=ref, own=own, pad_id=pad_id)
-    return inputs, (mismatch_sum, mismatch_max)
+    inputs = Inputs(batch=batch, advantages=advantages, old=old, ref=ref, tis=tis, own=own,
+                    pad_id=pad_id)
+    return inputs, (mismatch_sum, mismatch_max, *tis_sums)
 
 
 def iteration_metrics(
@@ -257,7 +268,7 @@ def iteration_metrics(
     inputs: Inputs,
     lens: list[int],
     progress: Progress,
-    mismatch: tuple[float, float],
+    mismatch: tuple[float, ...],
     start_step: int,
 ) -> dict[str, Any]:
     """The metrics file's content, before `finish` adds the checkpoint's digest."""
@@ -286,6 +297,9 @@ def iteration_metrics(
         "advantage_abs_mean": float(advantages.abs().mean()) if batch.num_samples else 0.0,
         "logprob_mismatch_mean_abs": mismatch[0] / max(1, sum(lens)),
         "logprob_mismatch_max_abs": mismatch[1],
+        # Off-policy jobs only (asynchronous runs): the truncated importance weights.
+        "tis_weight_mean": mismatch[2] / max(1, sum(lens)) if job.off_policy else None,
+        "tis_truncated_fraction": mismatch[3] / max(1, sum(lens)) if job.off_policy else None,
         "optimizer_step_start": start_step,
         "optimizer_step_end": start_step + steps,
     }

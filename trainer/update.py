@@ -58,6 +58,8 @@ class Inputs:
     advantages: Tensor  # [S]
     old: dict[int, Tensor]  # recomputed "old" log-probs of this rank's samples
     ref: dict[int, Tensor] | None  # reference log-probs (KL on) of this rank's samples
+    # off-policy batches: truncated importance weights of this rank's samples
+    tis: dict[int, Tensor] | None
     own: list[int]
     pad_id: int
 
@@ -122,6 +124,9 @@ def micro_batch_loss(
     ref = None
     if inputs.ref is not None and real:
         ref = grpo.place_response_values([inputs.ref[i] for i in idx], packed).to(ctx.device)
+    tis = None
+    if inputs.tis is not None and real:
+        tis = grpo.place_response_values([inputs.tis[i] for i in idx], packed).to(ctx.device)
     if config.loss_agg == LossAgg.TOKEN_MEAN:
         weights, normalizer = None, max(step.tokens, 1)
     else:
@@ -137,4 +142,5 @@ def micro_batch_loss(
         ref_logp=ref,
         kl_coef=config.kl_coef,
         sample_weights=None if weights is None else weights.to(ctx.device),
+        is_weights=tis,
     )

@@ -426,3 +426,24 @@ def test_a_multi_turn_samples_loss_mask_reaches_the_batch_token_for_token(
                          response_token_ids=[2, 3], response_logprobs=[-1, -1],
                          response_text="", reward=0.0, finish_reason=FinishReason.STOP,
                          response_mask=[1])
+
+
+def test_each_batch_reports_its_policy_versions_and_refuses_samples_past_the_bound(
+        tmp_path: Path) -> None:
+    plan = ShardPlan.build(ids(4), [1.0, 1.0], seed=1, iteration=5)
+    dirs = {}
+    for rank, task_ids in plan.as_mapping().items():  # rank 0 one version behind
+        dirs[rank] = tmp_path / f"rank-{rank}"
+        writer = RankCheckpointWriter(dirs[rank], rank, 1, iteration=5, policy_version=4 + rank)
+        for task_id in task_ids:
+            writer.add_group(make_group(task_id))
+        writer.finalize()
+    metrics = aggregate_iteration(dirs, plan.as_mapping(), iteration=5, group_size=2,
+                                  out_path=tmp_path / "batch.pt", oldest_version=4)
+    per_rank = {r: 2 * len(t) for r, t in plan.as_mapping().items()}
+    assert metrics.policy_versions == {4: per_rank[0], 5: per_rank[1]}
+    assert metrics.staleness_max == 1 and metrics.staleness_mean == per_rank[0] / 8
+    assert json.loads(metrics.to_json())["policy_versions"] == {"4": per_rank[0], "5": per_rank[1]}
+    with pytest.raises(AggregationError, match="older than version 5"):
+        aggregate_iteration(dirs, plan.as_mapping(), iteration=5, group_size=2,
+                            out_path=tmp_path / "batch2.pt", oldest_version=5)

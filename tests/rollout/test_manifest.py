@@ -36,10 +36,12 @@ def test_the_manifest_keeps_its_on_disk_json_and_round_trips(tmp_path: Path) -> 
         "rank": 2, "iteration": 7, "complete": True, "rollout_seconds": 41.5,
         "chunks": [
             {"file": "chunk-000000.pt", "sha256": SHA, "size": 81920, "num_samples": 4,
-             "task_ids": ["gsm8k/train/12", "gsm8k/train/3"], "failed_samples": 0},
+             "task_ids": ["gsm8k/train/12", "gsm8k/train/3"], "failed_samples": 0,
+             "policy_version": 0},
             {"file": "chunk-000002.pt", "sha256": SHA, "size": 10, "num_samples": 2,
-             "task_ids": ["gsm8k/train/5"], "failed_samples": 0},
+             "task_ids": ["gsm8k/train/5"], "failed_samples": 0, "policy_version": 0},
         ],
+        "stale_groups_dropped": 0,
     }  # fmt: skip
     assert read_manifest(tmp_path) == manifest()
     assert manifest().num_samples == 6

@@ -360,3 +360,28 @@ def test_failed_samples_a_complete_manifest_accepted_stay_done(tmp_path: Path) -
     again = RankCheckpointWriter(tmp_path, 0, 8, iteration=0)
     assert again.load_completed_task_ids() == {"a", "b"}
     assert again.manifest.failed_samples == 1
+
+
+def test_every_sample_records_its_policy_and_stale_groups_are_dropped_and_redone(
+        tmp_path: Path) -> None:
+    # Iteration 3's shard, rolled out ahead on version 2 (one step off policy).
+    early = RankCheckpointWriter(tmp_path, 1, 2, iteration=3, policy_version=2)
+    for i in range(4):
+        early.add_group(make_group(f"t/{i}"))
+    early.finalize()
+    manifest = read_manifest(tmp_path)
+    assert manifest is not None and manifest.policy_versions == {2: 8}
+    chunk = read_verified_chunk(tmp_path / manifest.chunks[0].file, manifest.chunks[0])
+    assert {s.policy_version for s in chunk.samples()} == {2}
+    # With one step allowed, version 2 is fresh enough for iteration 3: all kept.
+    again = RankCheckpointWriter(tmp_path, 1, 2, iteration=3, policy_version=3)
+    assert again.load_completed_task_ids(oldest_version=2) == {f"t/{i}" for i in range(4)}
+    # Allowed none (version >= 3 only): every group is dropped, counted, generated
+    # again on the version now served, and the manifest names only the new ones.
+    strict = RankCheckpointWriter(tmp_path, 1, 2, iteration=3, policy_version=3)
+    assert strict.load_completed_task_ids(oldest_version=3) == frozenset()
+    for i in range(4):
+        strict.add_group(make_group(f"t/{i}"))
+    redone = strict.finalize()
+    assert redone.stale_groups_dropped == 4 and redone.policy_versions == {3: 8}
+    assert redone.complete and sorted(redone.task_ids()) == [f"t/{i}" for i in range(4)]

@@ -167,3 +167,27 @@ def test_tokens_masked_out_of_a_response_carry_no_loss_and_no_gradient() -> None
     loss.loss.backward()
     assert logp.grad is not None
     assert logp.grad[0].tolist()[2:4] == [0.0, 0.0] and logp.grad[0, 1] != 0.0
+
+
+def test_truncated_importance_weights_are_the_capped_ratio_of_old_to_behaviour() -> None:
+    old = torch.log(torch.tensor([[0.5, 0.8, 0.3]]))
+    behaviour = torch.log(torch.tensor([[0.5, 0.2, 0.6]]))  # the engine's, some versions old
+    weights = grpo.truncated_is_weights(old, behaviour, cap=2.0)
+    assert weights[0].tolist() == pytest.approx([1.0, 2.0, 0.5])  # 0.8 / 0.2 = 4 -> capped at 2
+    with pytest.raises(ValueError, match=r"cap=0\.5 must be >= 1"):
+        grpo.truncated_is_weights(old, behaviour, cap=0.5)
+
+
+def test_importance_weights_scale_each_tokens_policy_loss_and_none_leaves_it_unchanged() -> None:
+    logp = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_()
+    mask = torch.ones(1, 2)
+    plain = grpo.grpo_loss(logp, logp.detach(), torch.tensor([1.0]), mask, clip_eps=0.2,
+                           normalizer=2)
+    same = grpo.grpo_loss(logp, logp.detach(), torch.tensor([1.0]), mask, clip_eps=0.2,
+                          normalizer=2, is_weights=None)
+    weighted = grpo.grpo_loss(logp, logp.detach(), torch.tensor([1.0]), mask, clip_eps=0.2,
+                              normalizer=2, is_weights=torch.tensor([[2.0, 0.5]]))
+    assert float(plain.loss) == float(same.loss) == pytest.approx(-1.0)
+    assert float(weighted.loss) == pytest.approx((-2.0 - 0.5) / 2)
+    (grad,) = torch.autograd.grad(weighted.loss, logp)
+    assert grad[0].tolist() == pytest.approx([-1.0, -0.25])  # the weight carries no gradient

@@ -1,0 +1,69 @@
+"""Placement and asynchrony settings: parsed, checked against the node count, and the
+pure rules the loop asks (who rolls out in phase 10, the oldest version a batch takes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.config import RunSection
+from coordinator.errors import UsageError
+from coordinator.phases import Phase
+from coordinator.placement import Placement, parse_ranks
+
+
+def placement(rollout: str = "", train: str = "", k: int = 0, n: int = 3) -> Placement:
+    return Placement.of(rollout_nodes=rollout, train_nodes=train, max_off_policy_steps=k,
+                        num_nodes=n)
+
+
+def test_ranks_and_ranges_parse_sorted() -> None:
+    assert parse_ranks("0", key="k", num_nodes=4) == (0,)
+    assert parse_ranks("3, 0-1", key="k", num_nodes=4) == (0, 1, 3)
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("4", "node 4 is outside 0..3"), ("a", "'a' is not a node rank"),
+    ("2-1", "runs backwards"), ("", "'' is not a node rank")])
+def test_a_bad_rank_list_names_the_key_and_the_fix(text: str, said: str) -> None:
+    with pytest.raises(UsageError, match=r"run\.train_nodes") as caught:
+        parse_ranks(text, key="run.train_nodes", num_nodes=4)
+    assert said in str(caught.value)
+
+
+def test_the_default_is_colocated_and_synchronous() -> None:
+    p = placement()
+    assert p.colocated and not p.asynchronous and p.rollout == p.train == (0, 1, 2)
+    assert p.rollout_weights([1, 2, 3]) == [1, 2, 3]
+    assert not p.carries_next_rollout(Phase.TRAIN, 1, 0, 8)
+
+
+def test_naming_the_training_nodes_gives_the_rest_the_rollout() -> None:
+    p = placement(train="0", k=1)
+    assert (p.rollout, p.train, p.asynchronous, p.colocated) == ((1, 2), (0,), True, False)
+    assert p.rollout_weights([1.0, 2.0, 3.0]) == [0.0, 2.0, 3.0]
+    assert p.carries_next_rollout(Phase.TRAIN, 1, 0, 8)
+    assert not p.carries_next_rollout(Phase.TRAIN, 0, 0, 8)  # a training node
+    assert not p.carries_next_rollout(Phase.ROLLOUT, 1, 0, 8)
+    assert not p.carries_next_rollout(Phase.TRAIN, 1, 7, 8)  # no iteration 8
+    assert [p.oldest_version(i) for i in range(4)] == [0, 0, 1, 2]
+    assert "nodes 1,2 roll out, nodes 0 train" in p.describe()
+
+
+@pytest.mark.parametrize(("rollout", "train", "k", "said"), [
+    ("", "", 1, "needs rollout and training on different nodes"),
+    ("0-1", "1-2", 0, "nodes 1 are in both"),
+    ("1", "0", 0, "nodes 2 neither roll out nor train"),
+    ("0", "1-2", 0, "leaves out node 0"),
+    ("0-2", "", 0, "leave no node to train"),
+    ("", "0", 9, "outside 0..8"),
+])
+def test_a_placement_that_cannot_run_is_refused_naming_the_fix(
+        rollout: str, train: str, k: int, said: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        placement(rollout, train, k)
+    assert said in str(caught.value)
+
+
+def test_the_run_section_takes_a_single_node_as_a_number() -> None:
+    section = RunSection(train_nodes=0, max_off_policy_steps=1)
+    assert section.placement(3).train == (0,)
