@@ -16,15 +16,24 @@ from pathlib import Path
 from typing import Any
 
 
+def _toml(keys: Mapping[str, Any]) -> str:
+    """Booleans, numbers and strings as TOML writes them, one key per line."""
+    def value(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) \
+            else str(v)
+    return "".join(f"{k} = {value(v)}\n" for k, v in keys.items())
+
+
 def scripted_config(path: Path, *, iterations: int, sleeps: str = "",
-                    **coordination: Any) -> Path:
+                    run: Mapping[str, Any] | None = None,
+                    scripted: Mapping[str, Any] | None = None, **coordination: Any) -> Path:
     """The run's config at `path`: `sleeps` as scripted.sleeps items ('"0:0:1:30"');
-    `coordination` as [coordination] keys (booleans and numbers as TOML writes them)."""
-    keys = "".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n"
-                   for k, v in coordination.items())
+    `run` and `scripted` as more keys of those sections, `coordination` as
+    [coordination] keys."""
     path.write_text(f'[run]\nactions = "scripted"\niterations = {iterations}\n'
-                    f"[scripted]\noutputs = false\nsleeps = [{sleeps}]\n"
-                    f"[coordination]\n{keys}")
+                    f"{_toml(run or {})}"
+                    f"[scripted]\noutputs = false\nsleeps = [{sleeps}]\n{_toml(scripted or {})}"
+                    f"[coordination]\n{_toml(coordination)}")
     return path
 
 

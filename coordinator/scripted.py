@@ -14,6 +14,16 @@ Config section `[scripted]`; every rule is a string "RANK:ITERATION:PHASE"
     fail_once = ["1:0:4"]          # rank 1 raises the first time it runs it only
     hang = []                      # like sleeps, but ignoring cancellation
     outputs = true                 # write a marker file per executed action
+    rollout_s = 0.0                # a simulated train rollout on each rollout node
+    train_s = 0.0                  # a simulated training step on each training node
+
+`rollout_s` and `train_s` simulate the RL loop's schedule with the run's
+placement (coordinator/placement.py): a rollout node spends `rollout_s` in
+phase 1, or, in an asynchronous run, in phase 10 of the iteration before (the
+next iteration's rollout, marked done in
+`iterations/<N>/scripted/rank-<R>/rollout.json`, so phase 1 then skips it);
+a training node spends `train_s` in phase 10.  benchmarks/async_bench.py
+runs it with GPU-like durations, synchronous against asynchronous.
 
 Each executed action writes `iterations/<N>/scripted/rank-<R>/phase-<KK>.json`
 counting how often it ran, and appends (iteration, phase) to
@@ -35,6 +45,7 @@ from coordinator.actions import ActionKind, StepContext
 from coordinator.config import RunConfig, from_mapping, to_plain
 from coordinator.errors import ActionError, UsageError
 from coordinator.phases import Phase
+from coordinator.placement import Placement
 from coordinator.records import Arrival
 
 
@@ -87,10 +98,14 @@ class ScriptedConfig:
     fail_once: tuple[str, ...] = ()
     hang: tuple[str, ...] = ()
     outputs: bool = True
+    rollout_s: float = 0.0
+    train_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.sleep_s < 0:
-            raise UsageError(f"scripted.sleep_s={self.sleep_s} is negative")
+        for name in ("sleep_s", "rollout_s", "train_s"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"scripted.{name}={getattr(self, name)} is negative: give "
+                                 "seconds >= 0")
         self.rules()  # validate early, at the CLI boundary
 
     def rules(self) -> tuple[list[Rule], list[Rule], list[Rule], list[Rule]]:
@@ -113,11 +128,31 @@ def resolve_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class ScriptedActions:
-    def __init__(self, config: ScriptedConfig, *, rank: int, run_dir: Path) -> None:
+    def __init__(self, config: ScriptedConfig, *, rank: int, run_dir: Path,
+                 placement: Placement, iterations: int) -> None:
         self.config = config
         self.rank = rank
         self.run_dir = run_dir
+        self.placement = placement
+        self.iterations = iterations
         self.sleeps, self.fails, self.hangs, self.fail_once = config.rules()
+
+    def _rolled_out(self, iteration: int) -> Path:
+        return self._output(iteration, 0, self.rank).with_name("rollout.json")
+
+    def simulated_work(self, phase: Phase, iteration: int) -> tuple[float, list[int]]:
+        """This rank's simulated RL work in this phase (rollout_s, train_s): its
+        seconds, and the iterations whose rollout it completes (marked once done)."""
+        p, rank, c = self.placement, self.rank, self.config
+        seconds, rolled = 0.0, []
+        if phase is Phase.ROLLOUT and p.rolls_out(rank) and c.rollout_s \
+                and not self._rolled_out(iteration).exists():
+            seconds, rolled = seconds + c.rollout_s, [iteration]
+        if phase is Phase.TRAIN and p.trains(rank):
+            seconds += c.train_s
+        if p.carries_next_rollout(phase, rank, iteration, self.iterations) and c.rollout_s:
+            seconds, rolled = seconds + c.rollout_s, [iteration + 1]
+        return seconds, rolled
 
     def _output(self, iteration: int, phase: int, rank: int) -> Path:
         return (self.run_dir / layout.iteration_dir(iteration) / "scripted"
@@ -125,12 +160,15 @@ class ScriptedActions:
 
     def run(self, phase: Phase, ctx: StepContext) -> Mapping[str, Any]:
         it = ctx.iteration
-        seconds = self.config.sleep_s + sum(
+        simulated, rolled = self.simulated_work(phase, it)
+        seconds = self.config.sleep_s + simulated + sum(
             r.seconds for r in self.sleeps if r.matches(self.rank, it, phase))
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             ctx.check_cancel()
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        for done in rolled:
+            fsio.publish_bytes(self._rolled_out(done), b"{}")
         for rule in self.hangs:
             if rule.matches(self.rank, it, phase):
                 time.sleep(rule.seconds)  # deliberately deaf to cancellation
@@ -176,7 +214,9 @@ class ScriptedActions:
 
 def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> ScriptedActions:
     scripted = from_mapping(ScriptedConfig, config.sections.get("scripted", {}), "scripted")
-    return ScriptedActions(scripted, rank=rank, run_dir=run_dir)
+    return ScriptedActions(scripted, rank=rank, run_dir=run_dir,
+                           placement=config.run.placement(num_nodes),
+                           iterations=config.run.iterations)
 
 
 KIND = ActionKind(name="scripted", build=build, resolve_sections=resolve_sections,
