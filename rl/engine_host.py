@@ -122,17 +122,6 @@ class EngineHost:
         assert self._engine is not None
         return {"engine": parked.value, "engine_pid": self._engine.pid}
 
-    def pause_for(self, model_dir: Path) -> None:
-        """Before `ensure` swaps a new checkpoint into an engine that kept serving:
-        pause it (sleep) so the swap is an in-place reload, not a restart.  Called
-        between requests (phase 12); a ready engine on the same model is left alone."""
-        engine = self._engine
-        served = self._serving
-        if engine is None or engine.state is not EngineState.READY or served is None \
-                or served == model_dir or served.name.startswith(f"{model_dir.name}-"):
-            return  # (a cached copy is named <checkpoint>-<digest>)
-        serving.park(engine)
-
     def _prune_cache(self, keep: Path, root: Path) -> None:
         """Old local copies go once the engine serves a newer one: the cache holds one model.
 

@@ -11,9 +11,10 @@
 With a disaggregated placement (coordinator/placement.py) the training nodes
 run no engine, and the rollout nodes' engines stay up through training: phase
 7 leaves them serving (in an asynchronous run they roll out the next
-iteration during phase 10), and phase 12 swaps the weights between requests:
-nothing is in flight once phase 10 is over, so the engine pauses (sleeps),
-loads the new checkpoint in place and serves again.
+iteration during phase 10), and phase 12 updates their weights between
+requests (rollout/engines/serving.py UPDATED): the engine pauses (requests in
+flight finish, new ones wait), reloads the checkpoint in place, resets its
+prefix cache and resumes; the probes then check what it serves.
 """
 
 from __future__ import annotations
@@ -44,8 +45,5 @@ def serve_new_policy(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         name, phase = checkpoint.checkpoint, Phase.PUBLISH_CHECKPOINT
     else:
         name, phase = PolicyChoice.read(ctx).policy, Phase.SYNC
-    model = loop.model(ctx, name, where_phase=int(phase))
-    if not loop.placement.colocated:
-        loop.engines.pause_for(model)  # the engine kept serving through training
-    how = loop.engines.ensure(ctx, model)
+    how = loop.engines.ensure(ctx, loop.model(ctx, name, where_phase=int(phase)))
     return {"serving": name, **how}

@@ -14,11 +14,18 @@ the same shapes (rollout/hf/control.py).  The calls, as vLLM 0.29.0 takes them:
                                                              computed with the old weights is reused
                         GET  /is_sleeping  -> false
     wake_up()           POST /wake_up                        everything (level 1: the old weights)
+    update_weights(dir) POST /pause?mode=wait                requests in flight finish, new ones
+                                                             wait (the engine stays awake)
+                        POST /collective_rpc reload_weights  as above
+                        POST /reset_prefix_cache             as above
+                        POST /resume                         the queued requests run
+                        GET  /is_paused -> false
     prompt_logprobs     POST /v1/completions {"prompt": [[ids]], "echo": true, "logprobs": 0,
                         "max_tokens": 0}  with X-data-parallel-rank: r for one replica
 
 Version notes (read in vLLM's released wheels, see docs/PROTOCOL.md):
-reload_weights takes weights_path from 0.16.0; /sleep takes mode from
+reload_weights takes weights_path from 0.16.0; /pause, /resume and
+/is_paused (entrypoints/serve/dev/rlhf) are in 0.29.0; /sleep takes mode from
 0.24.0; /reset_prefix_cache answers {"success": bool} from 0.26.0 (an
 empty 200 before, read here as success).  Under data parallelism every
 call is broadcast to all replicas and answered by replica 0, which is why
@@ -126,6 +133,17 @@ class EngineControl:
         self.wake_up(["kv_cache"])
         self.reset_prefix_cache()
         self._expect_sleeping("wake_up", False)
+
+    def update_weights(self, weights_path: str) -> None:
+        """A new checkpoint into an awake server, between requests (module docstring):
+        a server left paused by a failure here is restarted by the caller."""
+        self._call("POST /pause?mode=wait", "POST", "/pause", params={"mode": "wait"})
+        self.reload_weights(weights_path)
+        self.reset_prefix_cache()
+        self._call("POST /resume", "POST", "/resume")
+        answer = self._call("GET /is_paused", "GET", "/is_paused")
+        if not (isinstance(answer, dict) and answer.get("is_paused") is False):
+            raise WeightUpdateError("GET /is_paused", f"the server did not resume: {answer}")
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]],
                         dp_rank: int | None = None) -> list[list[float]]:

@@ -378,6 +378,19 @@ class ServerEngine:
                  self.pid, model_dir, time.monotonic() - t0)
         self._set_state(EngineState.READY)
 
+    def update_weights(self, model_dir: Path) -> None:
+        """A new checkpoint into the serving engine, between requests (READY -> READY):
+        paused (requests in flight finish, new ones wait), reloaded in place, the
+        prefix cache reset, resumed; WeightUpdateError names the step."""
+        self._require(EngineState.READY, "update_weights()")
+        model_dir = Path(model_dir).resolve()
+        t0 = time.monotonic()
+        self._controlled(lambda: self.control().update_weights(str(model_dir)))
+        self.model_dir = model_dir
+        self._publish_port_file()
+        log.info("%s engine pid %s serves %s, updated in place in %.2fs (paused, reloaded, "
+                 "resumed)", self.kind.value, self.pid, model_dir, time.monotonic() - t0)
+
     def check_alive(self) -> None:
         """Raise EngineDied (exit status, log tail) if the server process has exited."""
         if self._proc is None:

@@ -9,8 +9,13 @@
         KEPT       already served by a ready engine
         RELOADED   loaded in place into the sleeping engine (a failed reload
                    falls back to RESTARTED_AFTER_FAILED_RELOAD)
+        UPDATED    a ready engine on another model (it kept serving through
+                   training: a disaggregated placement), updated between
+                   requests: paused, reloaded in place, resumed (a failure
+                   falls back to RESTARTED_AFTER_FAILED_RELOAD)
         STARTED    no engine was up
-        RESTARTED  a ready engine on another model, stopped and started again
+        RESTARTED  a ready engine on another model that cannot reload in place
+                   (weight_update "restart"), stopped and started again
 
 Which verb does what is a pure decision of (engine state, engine.weight_update
 as EngineConfig.reloads_in_place reads it, whether the model is the one
@@ -45,6 +50,7 @@ class Served(str, enum.Enum):
 
     KEPT = "kept"
     RELOADED = "reloaded"
+    UPDATED = "updated in place"
     STARTED = "started"
     RESTARTED = "restarted"
     RESTARTED_AFTER_FAILED_RELOAD = "restarted after a failed reload"
@@ -58,10 +64,13 @@ def park_step(state: EngineState | None, *, reloads_in_place: bool) -> Parked:
     return Parked.ASLEEP if reloads_in_place else Parked.STOPPED
 
 
-def serve_step(state: EngineState | None, *, same_model: bool) -> Served:
-    """Phase 12's decision (and the first start's): keep, reload in place, start."""
+def serve_step(state: EngineState | None, *, same_model: bool,
+               reloads_in_place: bool = False) -> Served:
+    """Phase 12's decision (and the first start's): keep, update or reload in place, start."""
     if state is EngineState.READY:
-        return Served.KEPT if same_model else Served.RESTARTED
+        if same_model:
+            return Served.KEPT
+        return Served.UPDATED if reloads_in_place else Served.RESTARTED
     if state is EngineState.SLEEPING:
         return Served.RELOADED
     return Served.STARTED
@@ -89,13 +98,17 @@ def serve(engine: Engine, model_dir: Path, *, serving: Path | None) -> Served:
     """Make `engine` serve `model_dir`; EngineError when it cannot start.  A reload
     that fails is logged and replaced by a restart (RFC 48920: a failed reload
     may leave a mix of old and new weights, which must not be served)."""
-    step = serve_step(engine.state, same_model=serving == model_dir)
+    step = serve_step(engine.state, same_model=serving == model_dir,
+                      reloads_in_place=engine.config.reloads_in_place)
     if step is Served.KEPT:
         engine.check_alive()
         return step
-    if step is Served.RELOADED:
+    if step in (Served.RELOADED, Served.UPDATED):
         try:
-            engine.load_weights(model_dir)
+            if step is Served.RELOADED:
+                engine.load_weights(model_dir)
+            else:
+                engine.update_weights(model_dir)
             return step
         except EngineError as exc:
             log.warning("reloading %s in place failed, restarting the engine instead: %s",

@@ -12,11 +12,16 @@ vLLM 0.29.0's, request for request:
     POST /collective_rpc {"method": "reload_weights",
                           "kwargs": {"weights_path": DIR}}   {"results": [null]}
     POST /reset_prefix_cache                         {"success": true}
+    POST /pause?mode=abort|wait|keep                 {"status": "paused"}
+    POST /resume                                     {"status": "resumed"}
+    GET  /is_paused                                  {"is_paused": bool}
 
 Unlike vLLM (whose API key guards only /v1), the hf server asks for the key
 on these routes too; the daemon sends it to both kinds.  Requests are served
 one at a time, so a sleep waits for the completion in progress (vLLM's
 mode=wait) whatever the mode; completions that arrive while asleep get 503.
+A pause too waits for the completion in progress whatever the mode, and the
+completions that arrive while paused wait for /resume (vLLM's mode=keep).
 
 Faults for tests: when ROLLOUT_HF_FAULTS names a JSON file, the server reads
 it at each reload and at startup:
@@ -58,6 +63,9 @@ ROUTES: Final = {
     ("GET", "/is_sleeping"),
     ("POST", "/collective_rpc"),
     ("POST", "/reset_prefix_cache"),
+    ("POST", "/pause"),
+    ("POST", "/resume"),
+    ("GET", "/is_paused"),
 }
 
 
@@ -139,6 +147,17 @@ class Control:
                 raise BadRequest(f"tags={tags} are not among {WAKE_TAGS}")
             g.wake_up(tags)
             return HTTPStatus.OK, None
+        if path == "/pause":
+            mode = _one(query, "mode", "abort")
+            if mode not in SLEEP_MODES:
+                raise BadRequest(f"mode={mode!r} is not one of {SLEEP_MODES}")
+            g.pause()
+            return HTTPStatus.OK, {"status": "paused"}
+        if path == "/resume":
+            g.resume()
+            return HTTPStatus.OK, {"status": "resumed"}
+        if path == "/is_paused":
+            return HTTPStatus.OK, {"is_paused": g.is_paused()}
         if path == "/reset_prefix_cache":
             # Every request is computed from scratch: there is no cache to reset.
             return HTTPStatus.OK, {"success": True}

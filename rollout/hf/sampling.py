@@ -125,6 +125,8 @@ class Generator:
         self.pad_id = pad if pad is not None else (min(eos) if eos else 0)
         self._rng = torch.Generator().manual_seed(seed)
         self.lock = threading.Lock()
+        self._running = threading.Event()  # cleared while paused (POST /pause)
+        self._running.set()
 
     @property
     def model(self) -> Any:
@@ -143,6 +145,18 @@ class Generator:
         with self.lock:
             return self.resident.sleeping
 
+    def pause(self) -> None:
+        """New completions wait; returns once the one in progress is done."""
+        self._running.clear()
+        with self.lock:
+            pass
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def is_paused(self) -> bool:
+        return not self._running.is_set()
+
     def reload_weights(self, weights_path: Path | None) -> None:
         """vLLM's reload_weights: the new directory, or the served one again."""
         with self.lock:
@@ -160,12 +174,17 @@ class Generator:
     def locked(self, work: Callable[[Generator], T]) -> T:
         """Run `work` with the model and tokenizer to itself: one request at a time,
         tokenizer included (a fast tokenizer used from two threads can fail with
-        "Already borrowed"), and never while the weights sleep."""
-        with self.lock:
-            if self.resident.sleeping:
-                raise Asleep("the engine is asleep (POST /sleep): wake it with POST /wake_up "
-                             "before sending completions")
-            return work(self)
+        "Already borrowed"), never while the weights sleep, and not while paused (it
+        waits for the resume)."""
+        while True:
+            self._running.wait()
+            with self.lock:
+                if not self._running.is_set():
+                    continue  # paused while this request waited for the lock
+                if self.resident.sleeping:
+                    raise Asleep("the engine is asleep (POST /sleep): wake it with POST "
+                                 "/wake_up before sending completions")
+                return work(self)
 
     def complete(self, req: CompletionRequest) -> list[dict[str, Any]]:
         return self.locked(lambda g: g._complete(req))

@@ -51,7 +51,7 @@ def test_rollout_nodes_roll_out_the_next_iteration_while_node_0_trains_and_it_le
     assert rewards[2] > rewards[0] + 0.02, rewards
     # Training had node 0 to itself: it never ran an engine.  The rollout nodes spent
     # phase 10 on the next iteration, and their engines stayed up, taking each new
-    # policy in place at phase 12.
+    # policy at phase 12 between requests: paused, reloaded in place, resumed.
     for it in range(3):
         assert arrival(run, it, 12, 0) == {}
         for rank in (1, 2):
@@ -63,7 +63,7 @@ def test_rollout_nodes_roll_out_the_next_iteration_while_node_0_trains_and_it_le
                 assert ahead is None  # the run has no iteration 3
     for rank in (1, 2):
         served = [arrival(run, it, 12, rank) for it in range(3)]
-        assert [s["engine"] for s in served] == ["reloaded"] * 3, served
+        assert [s["engine"] for s in served] == ["updated in place"] * 3, served
         assert len({s["engine_pid"] for s in served}) == 1, served
     for log in done.logs.values():
         assert "3072 samples trained, 0 failed, 0 recoveries" in log, log[-2000:]

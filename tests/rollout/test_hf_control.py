@@ -110,6 +110,24 @@ def test_sleep_wake_reload_sequence_serves_the_new_weights(
     assert _differs(served, models[1]) < 1e-4
 
 
+def test_an_awake_engine_is_updated_between_requests_and_a_paused_one_holds_them(
+        served: EngineControl, models: tuple[Path, Path]) -> None:
+    served.update_weights(str(models[1]))  # pause (wait), reload, reset, resume
+    assert served.client.request("GET", "/is_paused") == {"is_paused": False}
+    assert _differs(served, models[1]) < 1e-4
+    # While paused a completion waits; it is answered once the engine resumes.
+    served.client.request("POST", "/pause", None)
+    answers: list[object] = []
+    waiting = threading.Thread(target=lambda: answers.append(served.client.request(
+        "POST", "/v1/completions", {"prompt": "1", "max_tokens": 1})))
+    waiting.start()
+    waiting.join(timeout=1.0)
+    assert waiting.is_alive() and not answers  # held, not refused
+    served.client.request("POST", "/resume", None)
+    waiting.join(timeout=30)
+    assert len(answers) == 1
+
+
 def test_a_reload_while_asleep_or_of_a_wrong_checkpoint_fails_naming_the_step(
         served: EngineControl, models: tuple[Path, Path], tmp_path: Path) -> None:
     served.sleep(2)

@@ -22,16 +22,18 @@ PARK_TABLE = [
     (None, True, Parked.IDLE),
 ]
 
-SERVE_TABLE = [
-    (EngineState.READY, True, Served.KEPT),
-    (EngineState.READY, False, Served.RESTARTED),
-    (EngineState.SLEEPING, True, Served.RELOADED),
-    (EngineState.SLEEPING, False, Served.RELOADED),
-    (EngineState.STOPPED, False, Served.STARTED),
-    (EngineState.FAILED, False, Served.STARTED),
-    (EngineState.STARTING, False, Served.STARTED),
-    (EngineState.STOPPING, False, Served.STARTED),
-    (None, False, Served.STARTED),
+SERVE_TABLE = [  # state, the model served, reloads in place -> the verb
+    (EngineState.READY, True, False, Served.KEPT),
+    (EngineState.READY, True, True, Served.KEPT),
+    (EngineState.READY, False, False, Served.RESTARTED),
+    (EngineState.READY, False, True, Served.UPDATED),
+    (EngineState.SLEEPING, True, True, Served.RELOADED),
+    (EngineState.SLEEPING, False, True, Served.RELOADED),
+    (EngineState.STOPPED, False, True, Served.STARTED),
+    (EngineState.FAILED, False, True, Served.STARTED),
+    (EngineState.STARTING, False, False, Served.STARTED),
+    (EngineState.STOPPING, False, False, Served.STARTED),
+    (None, False, True, Served.STARTED),
 ]
 
 
@@ -41,10 +43,10 @@ def test_park_decides_from_the_engine_state_and_the_weight_update_mode(
     assert park_step(state, reloads_in_place=reloads) is parked
 
 
-@pytest.mark.parametrize(("state", "same", "served"), SERVE_TABLE)
+@pytest.mark.parametrize(("state", "same", "reloads", "served"), SERVE_TABLE)
 def test_serve_decides_from_the_engine_state_and_the_model_served(
-        state: EngineState | None, same: bool, served: Served) -> None:
-    assert serve_step(state, same_model=same) is served
+        state: EngineState | None, same: bool, reloads: bool, served: Served) -> None:
+    assert serve_step(state, same_model=same, reloads_in_place=reloads) is served
 
 
 def test_the_tables_cover_every_engine_state() -> None:
@@ -80,6 +82,9 @@ class RecordingEngine:
 
     def load_weights(self, model_dir: Path) -> None:
         self._do(f"load {model_dir.name}", EngineState.READY)
+
+    def update_weights(self, model_dir: Path) -> None:
+        self._do(f"update {model_dir.name}", EngineState.READY)
 
     def check_alive(self) -> None:
         self.calls.append("check_alive")
@@ -121,3 +126,14 @@ def test_serve_keeps_restarts_or_starts_and_a_failed_start_is_raised(tmp_path: P
     e = engine(WeightUpdate.RESTART, EngineState.STOPPED, {"start iter_000001"})
     with pytest.raises(EngineError, match="start iter_000001 failed"):
         serve(e, model, serving=None)  # type: ignore[arg-type]
+
+
+def test_a_serving_engine_is_updated_in_place_and_restarted_when_that_fails(
+        tmp_path: Path) -> None:
+    old, new = tmp_path / "iter_000001", tmp_path / "iter_000002"
+    e = engine(WeightUpdate.RELOAD, EngineState.READY)
+    assert serve(e, new, serving=old) is Served.UPDATED  # type: ignore[arg-type]
+    assert e.calls == ["update iter_000002"] and e.state is EngineState.READY
+    e = engine(WeightUpdate.RELOAD, EngineState.READY, {"update iter_000002"})
+    assert serve(e, new, serving=old) is Served.RESTARTED_AFTER_FAILED_RELOAD  # type: ignore[arg-type]
+    assert e.calls == ["update iter_000002", "stop", "start iter_000002"]

@@ -168,6 +168,16 @@ def test_sleep_then_an_in_place_reload_serves_the_published_checkpoint(
     assert verdict.mean_abs_diff <= verdict.tolerance
     groups = client_of(engine).generate_groups(["34>"], n=2, max_tokens=3, seeds=[4])
     assert groups[0].ok, groups[0].error
+    # Awake, between requests (an asynchronous run's rollout node): vLLM's /pause
+    # (mode wait), reload_weights, /reset_prefix_cache, /resume, the same process.
+    engine.update_weights(models[0])
+    assert engine.state is EngineState.READY and engine.pid == pid
+    verdict = verify_served_weights(engine.control(), engine.config, models[0], rank=0,
+                                    host="here", previous=None)
+    assert verdict.mean_abs_diff is not None and verdict.tolerance is not None
+    assert verdict.mean_abs_diff <= verdict.tolerance
+    groups = client_of(engine).generate_groups(["34>"], n=2, max_tokens=3, seeds=[4])
+    assert groups[0].ok, groups[0].error
 
 
 def test_a_refused_reload_then_a_restart_on_the_new_checkpoint_leaves_nothing_behind(
