@@ -51,11 +51,13 @@ def broken(cause: str, tmp_path: Path) -> tuple[list[str], list[str], dict[str, 
 
 # An engine answering 400 takes the same path sooner (a 4xx is not retried:
 # tests/rollout/test_client.py); 500 is the one retried first.
-# Every policy with a cause that fails in a step (reward); the policies that retry
-# (wait, shrink) with every such cause; max_tokens, refused in phase 0 before any
-# engine starts and before any policy could act, under "wait" (which would retry).
-CASES = [("max_tokens", "wait"), ("reward", "exit")] + [
-    (c, p) for c in ("reward", "engine-500", "agent") for p in ("wait", "shrink")]
+# Every policy with a cause that fails in a step (reward); each cause that fails in
+# a step under a policy that retries, and each such policy at least once (what ends
+# the retries, the repeated failure, is one rule for every cause:
+# tests/coordinator/test_repeated_failure.py); max_tokens, refused in phase 0 before
+# any engine starts and before any policy could act, under "wait" (which would retry).
+CASES = [("max_tokens", "wait"), ("reward", "exit"), ("reward", "shrink"),
+         ("engine-500", "wait"), ("agent", "shrink")]
 
 
 @pytest.mark.parametrize(("cause", "policy"), CASES, ids=[f"{c}-{p}" for c, p in CASES])
