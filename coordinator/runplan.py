@@ -84,6 +84,12 @@ def _plan_master(req: RunRequest) -> RunPlan:
     # The CLI checked the weights against the node count (rl/cli_args.py).
     weights = req.weights if req.weights is not None else tuple(1.0 for _ in range(num_nodes))
     placement = config.run.placement(num_nodes)  # UsageError before anything is written
+    timeouts = config.coordination.phase_timeouts_s
+    if placement.asynchronous and timeouts.train < timeouts.rollout:
+        raise UsageError(
+            f"coordination.phase_timeouts_s.train={timeouts.train:g} is below "
+            f"phase_timeouts_s.rollout={timeouts.rollout:g}: in an asynchronous run phase 10 "
+            "also carries the next iteration's rollout; give train at least the rollout's")
     if not placement.colocated:
         log.info("placement: %s", placement.describe())
         if not isinstance(weights, str) and not sum(placement.rollout_weights(weights)):
