@@ -46,7 +46,7 @@ def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         loop.checked = True
     weights = loop.placement.rollout_weights(rank_weights(loop, ctx))
     for split in Split:
-        if not list(loop.tasks(split)):
+        if not loop.tasks(split):
             continue  # an empty split that is needed was refused by the check above
         publish_plan(loop, ctx, split, ctx.iteration, weights)
         if split is Split.TRAIN and loop.placement.asynchronous \

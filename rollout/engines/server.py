@@ -369,13 +369,7 @@ class ServerEngine:
     def load_weights(self, model_dir: Path) -> None:
         """Wake on a new checkpoint in place (SLEEPING -> READY); WeightUpdateError names the step."""
         self._require(EngineState.SLEEPING, "load_weights()")
-        model_dir = Path(model_dir).resolve()
-        t0 = time.monotonic()
-        self._controlled(lambda: self.control().load_weights(str(model_dir)))
-        self.model_dir = model_dir
-        self._publish_port_file()
-        log.info("%s engine pid %s serves %s, reloaded in place in %.2fs", self.kind.value,
-                 self.pid, model_dir, time.monotonic() - t0)
+        self._in_place(model_dir, lambda c, path: c.load_weights(path), "reloaded in place")
         self._set_state(EngineState.READY)
 
     def update_weights(self, model_dir: Path) -> None:
@@ -383,13 +377,19 @@ class ServerEngine:
         paused (requests in flight finish, new ones wait), reloaded in place, the
         prefix cache reset, resumed; WeightUpdateError names the step."""
         self._require(EngineState.READY, "update_weights()")
+        self._in_place(model_dir, lambda c, path: c.update_weights(path),
+                       "updated in place (paused, reloaded, resumed)")
+
+    def _in_place(self, model_dir: Path, sequence: Callable[[EngineControl, str], None],
+                  how: str) -> None:
+        """One control sequence that puts `model_dir` into the running server."""
         model_dir = Path(model_dir).resolve()
         t0 = time.monotonic()
-        self._controlled(lambda: self.control().update_weights(str(model_dir)))
+        self._controlled(lambda: sequence(self.control(), str(model_dir)))
         self.model_dir = model_dir
         self._publish_port_file()
-        log.info("%s engine pid %s serves %s, updated in place in %.2fs (paused, reloaded, "
-                 "resumed)", self.kind.value, self.pid, model_dir, time.monotonic() - t0)
+        log.info("%s engine pid %s serves %s, %s in %.2fs", self.kind.value, self.pid,
+                 model_dir, how, time.monotonic() - t0)
 
     def check_alive(self) -> None:
         """Raise EngineDied (exit status, log tail) if the server process has exited."""

@@ -162,17 +162,17 @@ def test_sleep_then_an_in_place_reload_serves_the_published_checkpoint(
     assert engine.state is EngineState.SLEEPING and engine.control().is_sleeping()
     engine.load_weights(models[1])
     assert engine.state is EngineState.READY and engine.pid == pid  # the same process
-    verdict = verify_served_weights(engine.control(), engine.config, models[1], rank=0,
-                                    host="here", previous=None)
-    assert verdict.mean_abs_diff is not None and verdict.tolerance is not None
-    assert verdict.mean_abs_diff <= verdict.tolerance
-    groups = client_of(engine).generate_groups(["34>"], n=2, max_tokens=3, seeds=[4])
-    assert groups[0].ok, groups[0].error
+    assert_serves(engine, models[1])
     # Awake, between requests (an asynchronous run's rollout node): vLLM's /pause
     # (mode wait), reload_weights, /reset_prefix_cache, /resume, the same process.
     engine.update_weights(models[0])
     assert engine.state is EngineState.READY and engine.pid == pid
-    verdict = verify_served_weights(engine.control(), engine.config, models[0], rank=0,
+    assert_serves(engine, models[0])
+
+
+def assert_serves(engine: VllmEngine, model: Path) -> None:
+    """The served weights match `model`'s probes, and the engine answers completions."""
+    verdict = verify_served_weights(engine.control(), engine.config, model, rank=0,
                                     host="here", previous=None)
     assert verdict.mean_abs_diff is not None and verdict.tolerance is not None
     assert verdict.mean_abs_diff <= verdict.tolerance
