@@ -59,7 +59,7 @@ from coordinator.records import (
     Session,
 )
 from coordinator.runplan import RunPlan
-from coordinator.runtime import Runtime, install_signal_handlers
+from coordinator.runtime import Runtime, install_signal_handlers, pending_interrupt
 from coordinator.stepper import PhaseStepper, publish_timings
 from coordinator.store import FsStore, publish_record
 from coordinator.waker import Waker
@@ -161,7 +161,8 @@ class Daemon:
                     return
                 self._take_back()
             except CoordinatorError as exc:
-                error = self._cause(exc)
+                # A stop request first: its own raise may have been lost (runtime.py).
+                error = pending_interrupt() or self._cause(exc)
                 repeated = self._repeated(error)
                 if repeated is not None:
                     raise repeated from exc

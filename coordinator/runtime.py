@@ -148,7 +148,8 @@ class Runtime:
         os._exit(int(error.exit_code))
 
     def check(self) -> None:
-        """Raise the recorded failure (in the main thread)."""
+        """Raise a stop request or the recorded failure (in the main thread)."""
+        raise_if_interrupted()
         if self._failure is not None:
             raise self._failure
 
@@ -165,14 +166,33 @@ class Runtime:
 DUPLICATE_SIGNAL_WINDOW_S: Final = 2.0
 
 
+# The signal of the first stop request, kept: the Interrupted its handler raises
+# can land where it is swallowed (inside a log record's write, whose errors
+# logging reports and drops), and the daemon must still stop as asked.
+_REQUESTED: list[int] = []
+
+
+def pending_interrupt() -> Interrupted | None:
+    """Interrupted, once SIGTERM or SIGINT has asked this process to stop."""
+    return Interrupted(_REQUESTED[0]) if _REQUESTED else None
+
+
+def raise_if_interrupted() -> None:
+    if (stop := pending_interrupt()) is not None:
+        raise stop
+
+
 def install_signal_handlers(*, clock: Callable[[], float] = time.monotonic) -> None:
-    """SIGTERM and SIGINT raise Interrupted in the main thread; a second one, once
+    """SIGTERM and SIGINT raise Interrupted in the main thread, and every later
+    `Runtime.check` raises it again; a second signal, once
     DUPLICATE_SIGNAL_WINDOW_S have passed, kills at once."""
     first: list[float] = []
+    _REQUESTED.clear()
 
     def handler(signum: int, frame: FrameType | None) -> None:
         if not first:
             first.append(clock())
+            _REQUESTED.append(signum)
             raise Interrupted(signum)
         if clock() - first[0] < DUPLICATE_SIGNAL_WINDOW_S:
             return  # the same request, delivered twice

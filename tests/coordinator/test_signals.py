@@ -40,3 +40,32 @@ def test_a_second_sigterm_is_the_same_request_within_the_window_and_kills_after_
     finally:
         proc.kill()
         proc.wait()
+
+
+LOST = """
+import os, signal, time
+from coordinator.errors import Interrupted
+from coordinator.runtime import Runtime, install_signal_handlers
+install_signal_handlers()
+runtime = Runtime()
+runtime.check()  # nothing asked yet
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+except Interrupted:
+    pass  # swallowed, as logging does when the signal lands in a record's write
+try:
+    runtime.check()
+except Interrupted as exc:
+    print("stops:", exc, flush=True)
+"""
+
+
+def test_a_stop_request_whose_raise_was_swallowed_is_raised_again_by_the_next_check() -> None:
+    """Under Slurm's requeue a daemon's SIGTERM landed inside a log record's write;
+    logging printed "--- Logging error ---" and went on, and the daemon waited
+    for its group instead of stopping.  Every wait's check now raises it again."""
+    done = subprocess.run([sys.executable, "-c", LOST], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "stops: interrupted by signal 15", done.stdout

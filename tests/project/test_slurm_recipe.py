@@ -31,6 +31,9 @@ ITERATIONS = 2
 # Three daemons with the tiny model on 2 cores: 2 iterations take 40-60 s;
 # doctor and Slurm's own start add a few seconds.  Room for a loaded CI box.
 RUN_TIMEOUT_S = 300.0
+# A quarter of the demo's train tasks: what is under test is Slurm's side (cancel,
+# requeue, resume), not how much a step learns.  Passed as a user would, in RUN_ARGS.
+SMALLER = "--set rollout.tasks_per_iteration=32"
 # What the issue asks: every process of a cancelled job gone within 10 s.
 CANCEL_S = 10.0
 
@@ -53,7 +56,7 @@ def submit(slurm: SlurmCluster, tmp_path: Path, run_dir: Path, name: str) -> int
     node_tmp.mkdir()
     env = {"RUN_DIR": str(run_dir), "DOCTOR_TIMEOUT": "60", "TMPDIR": str(node_tmp),
            "PYTHONUNBUFFERED": "1", "RUN_ARGS": f"--iterations {ITERATIONS} --eval-interval 0 "
-                                                 "--no-eval-before-train",
+                                                 "--no-eval-before-train " + SMALLER,
            "COORDINATOR": f"{sys.executable} {ROOT / 'tests/support/exit_recorder.py'} "
                           f"{tmp_path / 'codes'} {sys.executable} -m rl"}
     # As README says, with the output file named by the test; CONFIG is the
