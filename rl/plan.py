@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import random
@@ -187,13 +188,30 @@ def prune(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     keep = loop.s.checkpoint.keep
     for k in range(ctx.iteration - keep, -1, -1):
         path = layout.checkpoint(loop.run_dir, k)
-        if not fsio.remove_tree(path):
+        removed = _remove_unless_busy(path)
+        if removed is False:
             break  # older ones were pruned before
-        log.info("pruned %s (checkpoint.keep=%d)", path, keep)
+        if removed:
+            log.info("pruned %s (checkpoint.keep=%d)", path, keep)
     prune_train_states(loop, ctx.iteration)
     root = layout.checkpoints(loop.run_dir)
     if root.is_dir():
         for child in root.iterdir():
             if child.name.startswith(".superseded-"):
-                fsio.remove_tree(child)
+                _remove_unless_busy(child)
     return {}
+
+
+def _remove_unless_busy(path: Path) -> bool | None:
+    """remove_tree, or None when a file in `path` is still open somewhere on this
+    node: NFS renames a removed open file to .nfsXXXX (FUSE to .fuse_hiddenXXXX)
+    until it is closed, and the directory cannot go before it.  Tried again at
+    the next iteration's phase 13."""
+    try:
+        return fsio.remove_tree(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EBUSY):
+            raise
+        log.info("kept %s until a later iteration: a process on this node still has a file "
+                 "in it open (%s)", path, exc.strerror)
+        return None

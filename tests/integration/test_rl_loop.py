@@ -67,10 +67,10 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
                          eval_before_train: bool, uninterrupted: bool) -> None:
     """What a completed 2-iteration run of the real loop leaves on disk.
 
-    The 3-node, 2-iteration runs on network mounts call this
-    (tests/integration/test_rl_netfs.py): one uninterrupted, one with four
-    nodes killed and recovered along the way, where the engines were restarted
-    and the timeline has recoveries (`uninterrupted` False skips those checks).
+    The 3-node, 2-iteration runs on network mounts (tests/integration/
+    test_rl_netfs.py, uninterrupted) and in a bucket (test_rl_bucket.py, a
+    worker killed and restarted: `uninterrupted` False skips the checks of one
+    engine process and a timeline without recoveries) call this.
     """
     from trainer.checkpoint import verify_checkpoint
 

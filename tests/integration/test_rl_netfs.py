@@ -6,11 +6,11 @@ seeing the run directory only through its own sshfs mount (tests/support/
 netfs.py): with `direct_io` mounts (reads go to the server, as NFS's
 close-to-open consistency promises; no mmap) and with plain caching mounts
 (attributes and data cached, reads of a replaced file cut at the cached size
-until the reader asks the server again).  Nodes are SIGKILLed at phases 1,
-4, 6 and 10 and brought back by `coordinator recover` and a restart of every
-node (on_failure "exit"); in the asynchronous, disaggregated loop a rollout
-node and the training node are killed in phase 10 and brought back alone, the
-others waiting (on_failure "wait").  When the fixture cannot be set up the test fails
+until the reader asks the server again).  In the asynchronous, disaggregated
+loop nodes are SIGKILLed at phases 4, 6 and 10 and brought back by
+`coordinator recover` and a restart of every node (on_failure "exit"), and a
+rollout node and the training node are killed in phase 10 and brought back
+alone, the others waiting (on_failure "wait").  When the fixture cannot be set up the test fails
 with the reason: it never skips.
 """
 
@@ -98,9 +98,9 @@ def test_three_nodes_train_two_iterations_each_on_its_own_mount(
 ) -> None:
     """direct_io mounts, nothing killed: every check of a completed run
     (test_rl_loop.check_two_iterations), the same engine process serving
-    both iterations, and the timeline.  On caching mounts the same two
-    iterations run with four nodes killed and recovered along the way
-    (test_killed_nodes_recover_and_restart_without_redoing_a_saved_chunk)."""
+    both iterations, and the timeline.  On caching mounts two iterations of
+    the asynchronous loop run with three nodes killed and recovered along the
+    way (test_async_nodes_killed_recover_and_restart_without_redoing_a_saved_chunk)."""
     with NetFs(tmp_path / "fs", mounts=3, direct_io=True) as fs:
         c = netfs_cluster(tmp_path, fs, warm_model)
         try:
@@ -309,35 +309,33 @@ def stop_all_then_recover(c: LocalCluster, export_run: Path, killed: int, iterat
     start_all(c)
 
 
-def test_killed_nodes_recover_and_restart_without_redoing_a_saved_chunk(
+def test_async_nodes_killed_recover_and_restart_without_redoing_a_saved_chunk(
     tmp_path: Path, warm_model: Path
 ) -> None:
     """on_failure "exit" on caching mounts (a reader's mount may hold a replaced
-    file's old size), the path `coordinator recover` serves: a worker killed
-    mid-rollout (phase 1), mid-eval-rollout (phase 6) and mid-training (phase 10),
-    then the master mid-aggregation (phase 4).  Each time the others exit 3
-    naming the lost rank, `coordinator recover` runs, every node is started
-    again; the run completes, and every chunk saved before a kill, of the train
-    and of the eval rollouts, is kept as it was (same content, same file)."""
+    file's old size), the path `coordinator recover` serves, in the asynchronous,
+    disaggregated loop (node 0 trains, nodes 1-2 roll out, k = 1): rollout node 2
+    killed mid-eval-rollout (phase 6), then in phase 10 mid-way through rolling
+    out iteration 1 ahead, then the training node (the master) mid-aggregation
+    (phase 4 of iteration 1).  Each time the others exit 3 naming the lost rank,
+    `coordinator recover` runs, every node is started again; the run completes,
+    every chunk saved before a kill (eval, and iteration 1's rolled out ahead)
+    is kept as it was (same content, same file), and every task is in its batch
+    exactly once, within one policy version."""
     import os
     import signal
 
     with NetFs(tmp_path / "fs", mounts=3, direct_io=False) as fs:
         c = netfs_cluster(tmp_path, fs, warm_model, eval_before_train=True, tasks=24, every=1,
-                          concurrency=1, max_tokens=12, weights="2,1,3", on_failure="exit")
-        # 12 eval tasks by weights 2,1,3: rank 2 rolls out 6, a chunk per group.
+                          concurrency=1, max_tokens=12, weights="2,1,3", on_failure="exit",
+                          run_keys='train_nodes = "0"\nmax_off_policy_steps = 1\n')
+        # 12 eval tasks by rollout weights 0,1,3: rank 2 rolls out 9, a chunk per group.
         c.config.write_text(c.config.read_text().replace("eval_tasks = 6", "eval_tasks = 12"))
         run = fs.export / "run"
         it0, it1 = run / "iterations/000000", run / "iterations/000001"
         saved: dict[Path, tuple[str, int]] = {}
         try:
             start_all(c)
-            # Phase 1: node 2 dies with part of its train shard saved.
-            freeze_mid_rollout(c, run, 2, it0 / "rollout/rank-2/manifest.json", (0, 1))
-            saved |= chunks(run)
-            kill_node(c, run, 2)
-            stop_all_then_recover(c, run, 2, 0, (1,))
-
             # Phase 6: node 2 dies with part of its eval shard saved; its rewritten
             # manifest is what the master's merge read torn before (issue 8).
             freeze_mid_rollout(c, run, 2, it0 / "eval/rank-2/manifest.json", (0, 6))
@@ -345,16 +343,17 @@ def test_killed_nodes_recover_and_restart_without_redoing_a_saved_chunk(
             kill_node(c, run, 2)
             stop_all_then_recover(c, run, 2, 0, (6,))
 
-            # Phase 10: node 1 dies while its trainer runs.
-            c.wait_until(lambda: c.at_phase(1, 0, 10) and (
-                run / "ranks/1/logs/trainer.log").exists(), 600, "node 1 training")
+            # Phase 10: node 2 dies with part of iteration 1's shard saved, rolled
+            # out ahead while node 0 trains iteration 0.
+            freeze_mid_rollout(c, run, 2, it1 / "rollout/rank-2/manifest.json", (0, 10))
             saved |= chunks(run)
-            kill_node(c, run, 1)
-            stop_all_then_recover(c, run, 1, 0, (10,))
+            kill_node(c, run, 2)
+            stop_all_then_recover(c, run, 2, 0, (10,))
 
-            # Phase 4 of iteration 1: the master is frozen as it creates the train
-            # batch's temporary file, then killed.
-            c.wait_until(lambda: (it1 / "rollout").is_dir(), 600, "iteration 1's rollout")
+            # Phase 4 of iteration 1: the master (the training node) is frozen as
+            # it creates the train batch's temporary file, then killed.
+            c.wait_until(lambda: c.at_phase(0, 1, 3) or c.at_phase(0, 1, 4), 600,
+                         "the master at iteration 1's aggregation")
             stopped = stop_when_created(it1, ".batch.pt", c.procs[0].pid)
             c.wait_until(stopped, 600, "the master writing iteration 1's batch")
             assert not (it1 / "batch.pt").exists(), "the master got past phase 4's write"
@@ -372,10 +371,19 @@ def test_killed_nodes_recover_and_restart_without_redoing_a_saved_chunk(
         redone = {p: v for p, v in saved.items() if final.get(p) != v}
         assert not redone, f"chunks saved before a kill were redone or lost: {redone}"
         assert any("/eval/" in str(p) for p in saved), "no eval chunk was saved before a kill"
+        assert any(str(it1) in str(p) for p in saved), "no chunk rolled out ahead was saved"
         assert not any(trainer_processes(m) for m in c.mount_paths)  # type: ignore[attr-defined]
-        # Every task exactly once in each batch (24 tasks x 4), 12 x 2 evaluated.
-        check_two_iterations(run, tmp_path, samples=96, eval_samples=24,
-                             eval_before_train=True, uninterrupted=False)
+        for it in (0, 1):
+            base = run / f"iterations/{it:06d}"
+            rollout = json.loads((base / "metrics/rollout.json").read_text())
+            # Every task exactly once in the batch (24 tasks x 4 samples), none from
+            # node 0, each at most one version behind.
+            assert rollout["num_samples"] == 96 and rollout["staleness_max"] <= 1, rollout
+            assert json.loads((base / "metrics/train.json").read_text())["samples"] == 96
+            assert (run / f"checkpoints/iter-{it:06d}/manifest.json").exists()
+            assert not (base / "rollout/rank-0/manifest.json").exists()
+        assert json.loads((it0 / "metrics/eval.json").read_text())["num_samples"] == 24
+        assert not (run / "ranks/0/engine.json").exists()  # node 0 only trains
 
 
 def test_chunks_on_a_direct_io_mount_verify_and_load_though_it_cannot_map_them(

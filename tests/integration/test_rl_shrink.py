@@ -28,6 +28,7 @@ from tests.integration.test_rl_netfs import (
     recoveries,
     start_all,
 )
+from tests.support.cluster import LocalCluster
 from tests.support.netfs import NetFs
 
 pytestmark = [pytest.mark.slow, pytest.mark.netfs]
@@ -117,3 +118,78 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
                 t for a in plan_n["assignments"] for t in a)
         journal = read(run / "ranks/2/journal.json")
         assert journal["completed_iteration"] == ITERATIONS - 1
+
+
+def test_async_a_rollout_node_lost_while_rolling_out_ahead_is_left_out_then_rejoins(
+    tmp_path: Path, warm_model: Path
+) -> None:
+    """The asynchronous, disaggregated loop (node 0 trains, nodes 1-2 roll out, k = 1)
+    under "shrink": node 2 is SIGKILLed in phase 10 of iteration 0 with part of
+    iteration 1's shard, rolled out ahead, saved.  The group goes on without it;
+    phase 0 of iteration 1 freezes what it saved of the kept plan and gives the
+    rest to node 1, which rolls it out on the newer policy: iteration 1's batch
+    holds every task once, within one version.  Restarted, node 2 is taken back
+    at a boundary and rolls out from the first plan made after it (a plan is made
+    one iteration ahead)."""
+    iterations, tasks = 5, 6  # 3 tasks per rollout node
+    with NetFs(tmp_path / "fs", mounts=3) as fs:
+        c = netfs_cluster(tmp_path, fs, warm_model, iterations=iterations, tasks=tasks,
+                          every=1, concurrency=1, max_tokens=12, on_failure="shrink",
+                          run_keys='train_nodes = "0"\nmax_off_policy_steps = 1\n',
+                          master_args=("--min-nodes", "2", "--set",
+                                       f"coordination.shrink_after_s={SHRINK_AFTER_S}"))
+        run = fs.export / "run"
+        it1 = run / "iterations/000001"
+        try:
+            start_all(c)
+            freeze_mid_rollout(c, run, 2, it1 / "rollout/rank-2/manifest.json", (0, 10))
+            planned = read(it1 / "shard-train.json")
+            saved = {p: v for p, v in chunks(run).items() if "000001/rollout/rank-2" in str(p)}
+            kill_node(c, run, 2)
+            c.wait_until(lambda: recoveries(run) == 1, 120, "the group going on without 2")
+            # Restarted once phase 0 of iteration 1 has shared out its tasks (taken
+            # back sooner, it would roll them out itself).
+            c.wait_until(lambda: past(c, 1, 0), 300, "the master past iteration 1's phase 0")
+            c.start(2, c.command(2, log_path=c.mount_paths[2]))  # type: ignore[attr-defined]
+            codes = c.wait_all(timeout=900)
+            assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+        finally:
+            c.close()
+
+        (recovery,) = read(run / "recoveries.json")["recoveries"]
+        assert (recovery["rank"], recovery["iteration"], recovery["left_out"]) == (2, 0, [2])
+        # Iteration 1: node 2's chunks rolled out ahead kept as they were, its other
+        # tasks rolled out by node 1 (never by node 0, which only trains).
+        plan = read(it1 / "shard-train.json")
+        assert plan["frozen"] == [2] and plan["assignments"][0] == []
+        frozen = read(it1 / "rollout/rank-2.frozen.json")
+        assert {(it1 / "rollout/rank-2" / e["file"], e["sha256"]) for e in frozen["chunks"]} == \
+            {(p, sha) for p, (sha, _) in saved.items()}
+        assert 0 < len(plan["assignments"][2]) < len(planned["assignments"][2])
+        every = sorted(t for a in planned["assignments"] for t in a)
+        assert sorted(merged_task_ids(it1, plan)) == every
+        assert sorted(load_train_batch(it1 / "batch.pt").group_task_ids) == every
+        rollout = read(it1 / "metrics/rollout.json")
+        # Rolled out ahead on version 0, taken over on version 1: within k = 1.
+        assert rollout["num_samples"] == tasks * GROUP and rollout["staleness_max"] == 1
+        assert set(rollout["policy_versions"]) == {"0", "1"}, rollout
+        # Node 2 worked from the boundary it was taken back at; it rolls out from
+        # the plan made at that boundary's phase 0, the next iteration's.
+        timings = {int(p.parent.parent.name) for p in run.glob("iterations/*/timings/rank-2.json")}
+        back = min(timings)
+        assert 2 <= back < iterations and timings == set(range(back, iterations)), timings
+        print(f"\nnode 2 taken back at iteration {back}")
+        for it in range(2, iterations):
+            plan_n = read(run / f"iterations/{it:06d}/shard-train.json")
+            assert plan_n["frozen"] == [] and plan_n["assignments"][0] == []
+            assert len(plan_n["assignments"][2]) == (tasks // 2 if it > back else 0), (it, back)
+            assert sorted(merged_task_ids(run / f"iterations/{it:06d}", plan_n)) == sorted(
+                t for a in plan_n["assignments"] for t in a)
+        for it in range(iterations):
+            train = read(run / f"iterations/{it:06d}/metrics/train.json")
+            assert train["samples"] == tasks * GROUP and train["world_size"] == 1
+
+
+def past(c: LocalCluster, iteration: int, phase: int) -> bool:
+    hb = c.heartbeat(0)
+    return bool(hb) and (hb["iteration"], hb["phase"]) > (iteration, phase)
