@@ -22,7 +22,8 @@ placement (coordinator/placement.py): a rollout node spends `rollout_s` in
 phase 1, or, in an asynchronous run, in phase 10 of the iteration before (the
 next iteration's rollout, marked done in
 `iterations/<N>/scripted/rank-<R>/rollout.json`, so phase 1 then skips it);
-a training node spends `train_s` in phase 10.  benchmarks/async_bench.py
+a training node spends `train_s` in phase 10 (a split node, training on some
+GPUs and rolling out on others, the longer of the two).  benchmarks/async_bench.py
 runs it with GPU-like durations, synchronous against asynchronous.
 
 Each executed action writes `iterations/<N>/scripted/rank-<R>/phase-<KK>.json`
@@ -148,11 +149,12 @@ class ScriptedActions:
         if phase is Phase.ROLLOUT and p.rolls_out(rank) and c.rollout_s \
                 and not self._rolled_out(iteration).exists():
             seconds, rolled = seconds + c.rollout_s, [iteration]
-        if phase is Phase.TRAIN and p.trains(rank):
-            seconds += c.train_s
+        training = c.train_s if phase is Phase.TRAIN and p.trains(rank) else 0.0
+        ahead = 0.0
         if p.carries_next_rollout(phase, rank, iteration, self.iterations) and c.rollout_s:
-            seconds, rolled = seconds + c.rollout_s, [iteration + 1]
-        return seconds, rolled
+            ahead, rolled = c.rollout_s, [iteration + 1]
+        # A split node trains and rolls out at once, on GPUs of their own.
+        return seconds + max(training, ahead), rolled
 
     def _output(self, iteration: int, phase: int, rank: int) -> Path:
         return (self.run_dir / layout.iteration_dir(iteration) / "scripted"

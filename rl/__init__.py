@@ -33,5 +33,6 @@ compares this table with it):
 With a disaggregated placement (`run.train_nodes`, coordinator/placement.py)
 phases 9-10 train on the training nodes only, and in an asynchronous run
 (`run.max_off_policy_steps` >= 1) `training.train` on a rollout node rolls out
-the next iteration instead (`rollouts.roll_out_next`).
+the next iteration instead (`rollouts.roll_out_next`), and on a split node
+(some of its GPUs train, others roll out) does both at once (`ahead.train_alongside`).
 """

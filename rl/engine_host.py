@@ -79,8 +79,9 @@ class EngineHost:
                 self.s.engine, log_dir=layout.logs(self.run_dir, self.rank),
                 port_file=layout.engine_port_file(self.run_dir, self.rank))
         engine, pid = self._engine, self._engine.pid
-        log.info("rank %d: the %s engine is to serve %s", self.rank, self.s.engine.kind.value,
-                 local)
+        devices = self.s.engine.cuda_visible_devices
+        log.info("rank %d: the %s engine is to serve %s%s", self.rank, self.s.engine.kind.value,
+                 local, "" if devices is None else f" on CUDA_VISIBLE_DEVICES={devices}")
         try:
             how = serving.serve(engine, local, serving=self._serving)
         except EngineError as exc:

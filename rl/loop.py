@@ -8,16 +8,19 @@ port held from phase 9 to phase 10.  Nothing here does a phase's work.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from coordinator.actions import StepContext
 from coordinator.beneath import relative_inside
 from coordinator.config import RunConfig
-from coordinator.errors import ActionError
+from coordinator.errors import ActionError, UsageError
 from coordinator.layout import release as release_key
 from coordinator.netaddr import Listener
+from coordinator.placement import Placement, Role
 from coordinator.store import read_document
 from rl import layout
 from rl.config import RlSections, parse_sections
@@ -30,6 +33,35 @@ from rollout.tasks import Task, TaskSource, load_task_source
 log = logging.getLogger(__name__)
 
 
+def placed_on_gpus(s: RlSections, placement: Placement, rank: int,
+                   ) -> tuple[RlSections, str | None]:
+    """The sections with the engine on the GPUs the placement gives this node's
+    rollout, and CUDA_VISIBLE_DEVICES for its trainer (None: the daemon's own)."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    rollout = placement.visible_devices(rank, Role.ROLLOUT, inherited)
+    train = placement.visible_devices(rank, Role.TRAIN, inherited)
+    if rollout is not None:
+        if s.engine.cuda_visible_devices is not None:
+            raise UsageError(
+                f"engine.cuda_visible_devices={s.engine.cuda_visible_devices!r} and "
+                f"run.rollout_nodes (node {rank}: GPUs {rollout}) both choose the engine's "
+                "GPUs: give them in run.rollout_nodes only")
+        try:
+            engine = dataclasses.replace(s.engine, cuda_visible_devices=rollout)
+        except ValueError as exc:
+            raise UsageError(f"run.rollout_nodes gives node {rank}'s engine GPUs {rollout}: "
+                             f"{exc}") from None
+        s = dataclasses.replace(s, engine=engine)
+    gpus = placement.gpus(rank, Role.TRAIN)
+    if gpus is not None and len(gpus) != s.torchrun.nproc_per_node:
+        raise UsageError(
+            f"run.train_nodes gives node {rank} {len(gpus)} GPU(s) to train on, but "
+            f"torchrun.nproc_per_node={s.torchrun.nproc_per_node} starts that many trainer "
+            f"ranks per node: give every training node {s.torchrun.nproc_per_node} GPU(s), "
+            f"or set torchrun.nproc_per_node={len(gpus)}")
+    return s, train
+
+
 class Loop:
     def __init__(self, config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> None:
         self.config = config
@@ -40,11 +72,13 @@ class Loop:
         # Which nodes roll out and which train, and how far rollout runs ahead
         # (coordinator/placement.py); checked by the master at its start.
         self.placement = config.run.placement(num_nodes)
+        self.s, train_devices = placed_on_gpus(self.s, self.placement, rank)
         self.engines = EngineHost(self.s, rank=rank, run_dir=run_dir)
         coordination = config.coordination
         self.trainers = TrainerHost(self.s, rank=rank, run_dir=run_dir,
                                     beat_s=coordination.heartbeat_interval_s,
-                                    lease_s=coordination.lease_s)
+                                    lease_s=coordination.lease_s,
+                                    cuda_visible_devices=train_devices)
         self.listener: Listener | None = None  # master, phases 9-10: the training port
         self._tasks: TaskSource | None = None
         self._by_id: dict[str, dict[str, Task]] = {}

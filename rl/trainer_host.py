@@ -70,8 +70,10 @@ class TrainerState(str, enum.Enum):
 
 class TrainerHost:
     def __init__(self, s: RlSections, *, rank: int, run_dir: Path, beat_s: float,
-                 lease_s: float) -> None:
+                 lease_s: float, cuda_visible_devices: str | None = None) -> None:
         self.s = s
+        # The GPUs run.train_nodes gives this node's trainer (None: the daemon's own).
+        self.cuda_visible_devices = cuda_visible_devices
         self.rank = rank
         self.run_dir = run_dir
         # coordination's heartbeat and lease: a trainer is pinged every beat and is
@@ -131,6 +133,8 @@ class TrainerHost:
         env[RUN_DIR_ENV] = str(self.run_dir)  # the trainer confines itself to it
         env[fsio.READ_RETRY_ENV] = str(fsio.read_retry(None))  # coordination.read_retry_s
         env[SOCKET_ENV], env[TOKEN_ENV] = channel_name, token
+        if self.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         self._host = ctx.host
         started = time.monotonic()
         fresh = TrainerGroup.spawn(group, members, command, env=env, pass_fds=pass_fds,
@@ -148,8 +152,10 @@ class TrainerHost:
             self._group, self.state, self.lost = fresh, TrainerState.IDLE, None
         threading.Thread(target=self._watch, args=(fresh,), daemon=True,
                          name="trainer-watch").start()
-        log.info("rank %d: resident trainer group %s started (torchrun pid %d, %d processes) "
+        log.info("rank %d: resident trainer group %s started (torchrun pid %d, %d processes%s) "
                  "in %.1f s", self.rank, group, fresh.proc.pid, len(fresh.channels),
+                 "" if self.cuda_visible_devices is None
+                 else f" on CUDA_VISIBLE_DEVICES={self.cuda_visible_devices}",
                  time.monotonic() - started)
 
     def submit(self, ctx: StepContext, job: Path, iteration: int) -> dict[str, Any]:

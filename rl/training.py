@@ -139,16 +139,27 @@ def torchrun_command(s: RlSections, *, rank: int, num_nodes: int, master_addr: s
 def train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 10 (collective): the job to this node's trainer, started first if the master
     chose a new group (the master's store on the held port).  On a rollout node of
-    an asynchronous run: the next iteration's rollout instead."""
+    an asynchronous run: the next iteration's rollout instead; on a split node
+    (some GPUs train, others roll out) both at once (rl/ahead.py)."""
     if not loop.trains:
         return {}
+    ahead = loop.placement.carries_next_rollout(ctx.phase, loop.rank, ctx.iteration,
+                                                loop.config.run.iterations)
     if not loop.trains_here:
-        if loop.placement.carries_next_rollout(ctx.phase, loop.rank, ctx.iteration,
-                                               loop.config.run.iterations):
+        if ahead:
             from rl.rollouts import roll_out_next
 
             return {"next_rollout": dict(roll_out_next(loop, ctx))}
         return {}
+    if ahead:  # a split node: its rollout GPUs roll out the next iteration meanwhile
+        from rl.ahead import train_alongside
+
+        return train_alongside(loop, ctx, lambda: _train_here(loop, ctx))
+    return _train_here(loop, ctx)
+
+
+def _train_here(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """This node's part of the collective step: its trainer ranks train the job."""
     rendezvous = TrainRendezvous.read(ctx)
     trainers = loop.trainers
     started = time.monotonic()

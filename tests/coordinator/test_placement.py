@@ -10,7 +10,7 @@ import pytest
 from coordinator.config import RunSection
 from coordinator.errors import UsageError
 from coordinator.phases import Phase
-from coordinator.placement import Placement, parse_ranks
+from coordinator.placement import Placement, Role, parse_placement, parse_ranks
 
 
 def placement(rollout: str = "", train: str = "", k: int = 0, n: int = 3) -> Placement:
@@ -52,8 +52,14 @@ def test_naming_the_training_nodes_gives_the_rest_the_rollout() -> None:
 
 
 @pytest.mark.parametrize(("rollout", "train", "k", "said"), [
-    ("", "", 1, "needs rollout and training on different nodes"),
+    ("", "", 1, "needs rollout and training on different GPUs"),
     ("0-1", "1-2", 0, "nodes 1 are in both"),
+    ("0:4-7,1-2", "0", 0, "nodes 0 are in both"),
+    ("0:2-5,1-2", "0:0-3", 0, "GPUs 2,3 of node 0 are in both"),
+    ("0:4-7,0", "0:0-3", 0, "names node 0 twice"),
+    ("0-1:4-7", "0:0-3", 0, "gives GPUs to a range of nodes"),
+    ("1-2", "0:x", 0, "'x' is not a GPU index"),
+    ("1-2", "0:3-1", 0, "runs backwards"),
     ("1", "0", 0, "nodes 2 neither roll out nor train"),
     ("0", "1-2", 0, "leaves out node 0"),
     ("0-2", "", 0, "leave no node to train"),
@@ -64,6 +70,37 @@ def test_a_placement_that_cannot_run_is_refused_naming_the_fix(
     with pytest.raises(UsageError) as caught:
         placement(rollout, train, k)
     assert said in str(caught.value)
+
+
+def test_gpu_ranges_of_a_node_parse_and_merge() -> None:
+    assert parse_placement("0:0-3,1-2", key="k", num_nodes=3) == {0: (0, 1, 2, 3), 1: None,
+                                                                   2: None}
+    assert parse_placement("0:6-7, 0:0", key="k", num_nodes=1) == {0: (0, 6, 7)}
+
+
+def test_a_split_node_rolls_out_on_some_gpus_and_trains_on_the_others() -> None:
+    """One node, 8 GPUs: 0-3 train, 4-7 roll out (RLinf's placement on one node)."""
+    p = placement(rollout="0:4-7", train="0:0-3", k=1, n=1)
+    assert (p.rollout, p.train, p.split_nodes) == ((0,), (0,), (0,))
+    assert not p.colocated and p.asynchronous
+    assert p.gpus(0, Role.ROLLOUT) == (4, 5, 6, 7) and p.gpus(0, Role.TRAIN) == (0, 1, 2, 3)
+    assert p.carries_next_rollout(Phase.TRAIN, 0, 0, 8)  # while it trains
+    assert p.visible_devices(0, Role.TRAIN, None) == "0,1,2,3"
+    # Indices count the GPUs the daemon sees: under CUDA_VISIBLE_DEVICES they pick from it.
+    assert p.visible_devices(0, Role.ROLLOUT, "8,9,10,11,12,13,14,15") == "12,13,14,15"
+    with pytest.raises(UsageError, match=r"node 0's GPUs 4-7 to rollout, but this node sees 4 "
+                                         r"\(CUDA_VISIBLE_DEVICES='0,1,2,3'\)"):
+        p.visible_devices(0, Role.ROLLOUT, "0,1,2,3")
+    assert p.describe() == ("disaggregated: node 0 GPUs 4-7 roll out, node 0 GPUs 0-3 train; "
+                            "asynchronous, at most 1 policy version(s) behind")
+
+
+def test_whole_nodes_and_a_split_node_together() -> None:
+    p = placement(rollout="0:4-7,1-2", train="0:0-3", n=3)
+    assert (p.rollout, p.train, p.split_nodes, p.colocated) == ((0, 1, 2), (0,), (0,), False)
+    assert p.visible_devices(1, Role.ROLLOUT, None) is None  # the whole node
+    assert p.rollout_weights([1, 1, 1]) == [1, 1, 1]
+    assert "nodes 1,2, node 0 GPUs 4-7 roll out" in p.describe()
 
 
 def test_the_run_section_takes_a_single_node_as_a_number() -> None:

@@ -5,6 +5,7 @@ one on the policy they serve (run.max_off_policy_steps = 1)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -72,3 +73,38 @@ def test_rollout_nodes_roll_out_the_next_iteration_while_node_0_trains_and_it_le
 def arrival(run: Path, iteration: int, phase: int, rank: int) -> dict:
     return json.loads((run / f"iterations/{iteration:06d}/phase-{phase:02d}/arrive-{rank}.json")
                       .read_text())["payload"]
+
+
+def test_one_node_trains_on_some_gpus_while_its_others_roll_out_ahead(
+        tmp_path: Path, warm_model: Path) -> None:
+    """A split node (run.train_nodes = "0:0", run.rollout_nodes = "0:1"): its engine
+    on one GPU, its trainer on another, and in phase 10 both at once: it trains
+    iteration N while it rolls out N+1.  One node is a whole asynchronous run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(warm_model, run / "model-init")
+    sets = ("run.train_nodes=0:0", "run.rollout_nodes=0:1", "run.max_off_policy_steps=1",
+            "schedule.eval_interval=0", "rollout.tasks_per_iteration=32")
+    commands = [["coordinator", "run", "--master", "--num-nodes", "1", "--log-path", str(run),
+                 "--iterations", "3", *(a for s in sets for a in ("--set", s))]]
+    # One daemon, its engine and one trainer: ~15 s on the 2-core machine.
+    done = run_nodes(commands, cwd=tmp_path, timeout_s=300)
+    log = done.logs[0]
+    assert done.codes == {0: 0}, log[-3000:]
+    assert "placement: disaggregated: node 0 GPUs 1 roll out, node 0 GPUs 0 train" in log
+    assert "engine is to serve" in log and "on CUDA_VISIBLE_DEVICES=1" in log, log[-3000:]
+    assert re.search(r"resident trainer group \S+ started .*on CUDA_VISIBLE_DEVICES=0\)", log)
+    for it in range(3):
+        rollout, train = metrics(run, it, "rollout"), metrics(run, it, "train")
+        assert rollout["num_samples"] == 32 * 8 == train["samples"]
+        assert rollout["policy_versions"] == {str(max(0, it - 1)): 32 * 8}, rollout
+        trained = arrival(run, it, 10, 0)
+        assert trained["trainer"] in ("started", "kept") and trained["seconds"] > 0
+        ahead = trained.get("next_rollout")
+        if it < 2:  # the same phase rolled out the next iteration on the other GPU
+            assert ahead["iteration"] == it + 1 and ahead["policy_version"] == it, ahead
+        else:
+            assert ahead is None
+    served = [arrival(run, it, 12, 0) for it in range(3)]
+    assert [s["engine"] for s in served] == ["updated in place"] * 3, served
+    assert len({s["engine_pid"] for s in served}) == 1, served
