@@ -28,6 +28,7 @@ from typing import Any, Final, Protocol
 from coordinator.config import RunConfig
 from coordinator.errors import PhaseFailedError, UsageError
 from coordinator.phases import Phase
+from coordinator.placement import Placement
 from coordinator.records import Arrival
 from coordinator.runtime import Runtime
 from coordinator.weights import Weights
@@ -142,6 +143,10 @@ class ActionKind:
     # (so a bucket run directory can carry it: coordinator/objstore.py).  A kind
     # that writes files by other means is refused on a bucket at start.
     runs_on_buckets: bool = False
+    # (config, placement) -> None, or UsageError: the placement's GPU ranges
+    # against the kind's own settings, checked by the master before run.json
+    # is written (coordinator/runplan.py)
+    check_placement: Callable[[RunConfig, Placement], None] | None = None
 
     def phases_of(self, config: RunConfig) -> tuple[Phase, ...]:
         return tuple(Phase) if self.phases is None else self.phases(config)

@@ -84,6 +84,9 @@ def _plan_master(req: RunRequest) -> RunPlan:
     # The CLI checked the weights against the node count (rl/cli_args.py).
     weights = req.weights if req.weights is not None else tuple(1.0 for _ in range(num_nodes))
     placement = config.run.placement(num_nodes)  # UsageError before anything is written
+    check_placement = kind(config.run.actions).check_placement
+    if check_placement is not None:
+        check_placement(config, placement)
     timeouts = config.coordination.phase_timeouts_s
     if placement.asynchronous and timeouts.train < timeouts.rollout:
         raise UsageError(

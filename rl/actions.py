@@ -17,6 +17,7 @@ from typing import Any, Final
 from coordinator.actions import ActionKind, StepContext
 from coordinator.config import RunConfig
 from coordinator.phases import Phase
+from coordinator.placement import Placement
 from coordinator.records import Arrival
 from rl import (
     aggregation,
@@ -102,8 +103,16 @@ def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> RlA
     return RlActions(config, rank=rank, num_nodes=num_nodes, run_dir=run_dir)
 
 
+def check_placement(config: RunConfig, placement: Placement) -> None:
+    """The rl kind's rules for the placement's GPU ranges (rl/loop.py)."""
+    from rl.config import parse_sections
+    from rl.loop import check_gpu_placement
+
+    check_gpu_placement(parse_sections(config.sections), placement)
+
+
 KIND = ActionKind(name="rl", build=build, resolve_sections=resolve_sections,
-                  runs_on_buckets=True,
+                  runs_on_buckets=True, check_placement=check_placement,
                   node_local=NODE_LOCAL_KEYS, summarize=history.summarize,
                   iteration_report=history.report, phases=phases_of)
 

@@ -33,33 +33,45 @@ from rollout.tasks import Task, TaskSource, load_task_source
 log = logging.getLogger(__name__)
 
 
+def check_gpu_placement(s: RlSections, placement: Placement,
+                        ranks: tuple[int, ...] | None = None) -> None:
+    """The GPU ranges of the placement against the settings, for every node (the
+    master, before run.json is written) or `ranks`: UsageError naming both."""
+    for rank in ranks if ranks is not None else range(placement.num_nodes):
+        rollout = placement.gpus(rank, Role.ROLLOUT)
+        if rollout is not None:
+            listed = ",".join(map(str, rollout))
+            if s.engine.cuda_visible_devices is not None:
+                raise UsageError(
+                    f"engine.cuda_visible_devices={s.engine.cuda_visible_devices!r} and "
+                    f"run.rollout_nodes (node {rank}: GPUs {listed}) both choose the engine's "
+                    "GPUs: give them in run.rollout_nodes only")
+            try:
+                dataclasses.replace(s.engine, cuda_visible_devices=listed)
+            except ValueError as exc:
+                raise UsageError(f"run.rollout_nodes gives node {rank}'s engine GPUs {listed}: "
+                                 f"{exc}") from None
+        train = placement.gpus(rank, Role.TRAIN)
+        if train is not None and len(train) != s.torchrun.nproc_per_node:
+            raise UsageError(
+                f"run.train_nodes gives node {rank} {len(train)} GPU(s) to train on, but "
+                f"torchrun.nproc_per_node={s.torchrun.nproc_per_node} starts that many trainer "
+                f"ranks per node: give every training node {s.torchrun.nproc_per_node} GPU(s), "
+                f"or set torchrun.nproc_per_node={len(train)}")
+
+
 def placed_on_gpus(s: RlSections, placement: Placement, rank: int,
                    ) -> tuple[RlSections, str | None]:
     """The sections with the engine on the GPUs the placement gives this node's
-    rollout, and CUDA_VISIBLE_DEVICES for its trainer (None: the daemon's own)."""
+    rollout, and CUDA_VISIBLE_DEVICES for its trainer (None: the daemon's own),
+    the indices taken from the daemon's own CUDA_VISIBLE_DEVICES when set."""
+    check_gpu_placement(s, placement, (rank,))
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     rollout = placement.visible_devices(rank, Role.ROLLOUT, inherited)
-    train = placement.visible_devices(rank, Role.TRAIN, inherited)
     if rollout is not None:
-        if s.engine.cuda_visible_devices is not None:
-            raise UsageError(
-                f"engine.cuda_visible_devices={s.engine.cuda_visible_devices!r} and "
-                f"run.rollout_nodes (node {rank}: GPUs {rollout}) both choose the engine's "
-                "GPUs: give them in run.rollout_nodes only")
-        try:
-            engine = dataclasses.replace(s.engine, cuda_visible_devices=rollout)
-        except ValueError as exc:
-            raise UsageError(f"run.rollout_nodes gives node {rank}'s engine GPUs {rollout}: "
-                             f"{exc}") from None
-        s = dataclasses.replace(s, engine=engine)
-    gpus = placement.gpus(rank, Role.TRAIN)
-    if gpus is not None and len(gpus) != s.torchrun.nproc_per_node:
-        raise UsageError(
-            f"run.train_nodes gives node {rank} {len(gpus)} GPU(s) to train on, but "
-            f"torchrun.nproc_per_node={s.torchrun.nproc_per_node} starts that many trainer "
-            f"ranks per node: give every training node {s.torchrun.nproc_per_node} GPU(s), "
-            f"or set torchrun.nproc_per_node={len(gpus)}")
-    return s, train
+        s = dataclasses.replace(s, engine=dataclasses.replace(s.engine,
+                                                              cuda_visible_devices=rollout))
+    return s, placement.visible_devices(rank, Role.TRAIN, inherited)
 
 
 class Loop:

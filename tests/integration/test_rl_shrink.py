@@ -42,6 +42,42 @@ def read(path: Path) -> dict:
     return json.loads(path.read_text())  # type: ignore[no-any-return]
 
 
+def shrinking_cluster(tmp_path: Path, fs: NetFs, model: Path, *, iterations: int, tasks: int,
+                      run_keys: str = "") -> LocalCluster:
+    return netfs_cluster(tmp_path, fs, model, iterations=iterations, tasks=tasks, every=1,
+                         concurrency=1, max_tokens=12, on_failure="shrink", run_keys=run_keys,
+                         master_args=("--min-nodes", "2", "--set",
+                                      f"coordination.shrink_after_s={SHRINK_AFTER_S}"))
+
+
+def lose_node_2_then_restart_it(c: LocalCluster, it_dir: Path, *,
+                                phase: tuple[int, int] | None,
+                                back_after: tuple[int, int] | None,
+                                ) -> tuple[dict, dict[Path, tuple[str, int]]]:
+    """SIGKILL node 2 mid-rollout of `it_dir`'s train shard (at `phase`, if given),
+    wait for the group to go on without it, restart it (once the master is past
+    `back_after`, if given) and run to the end.  Returns the train plan as it was
+    and node 2's chunks saved before the kill."""
+    run = c.log_path
+    manifest = it_dir / "rollout/rank-2/manifest.json"
+    try:
+        start_all(c)
+        freeze_mid_rollout(c, run, 2, manifest, phase)
+        planned = read(it_dir / "shard-train.json")
+        saved = {p: v for p, v in chunks(run).items() if p.parent == manifest.parent}
+        kill_node(c, run, 2)
+        c.wait_until(lambda: recoveries(run) == 1, 120, "the group going on without 2")
+        if back_after is not None:
+            c.wait_until(lambda: past(c, *back_after), 300,
+                         f"the master past iteration {back_after[0]} phase {back_after[1]}")
+        c.start(2, c.command(2, log_path=c.mount_paths[2]))  # type: ignore[attr-defined]
+        codes = c.wait_all(timeout=900)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+    finally:
+        c.close()
+    return planned, saved
+
+
 def merged_task_ids(it_dir: Path, plan: dict) -> list[str]:
     """Every task id the aggregation took, rank by rank: a frozen rank's from the
     master's copy of its manifest, the others' from their own."""
@@ -61,26 +97,12 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
     tmp_path: Path, warm_model: Path
 ) -> None:
     with NetFs(tmp_path / "fs", mounts=3) as fs:
-        c = netfs_cluster(tmp_path, fs, warm_model, iterations=ITERATIONS, tasks=TASKS, every=1,
-                          concurrency=1, max_tokens=12, on_failure="shrink",
-                          master_args=("--min-nodes", "2", "--set",
-                                       f"coordination.shrink_after_s={SHRINK_AFTER_S}"))
+        c = shrinking_cluster(tmp_path, fs, warm_model, iterations=ITERATIONS, tasks=TASKS)
         run = fs.export / "run"
         it0 = run / "iterations/000000"
-        try:
-            start_all(c)
-            freeze_mid_rollout(c, run, 2, it0 / "rollout/rank-2/manifest.json")
-            planned = read(it0 / "shard-train.json")
-            saved = {p: v for p, v in chunks(run).items() if "rank-2" in str(p)}
-            kill_node(c, run, 2)
-            c.wait_until(lambda: recoveries(run) == 1, 120, "the group going on without 2")
-            # Restarted once the group went on without it: taken back at the next
-            # iteration boundary after its daemon is up.
-            c.start(2, c.command(2, log_path=c.mount_paths[2]))  # type: ignore[attr-defined]
-            codes = c.wait_all(timeout=900)
-            assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
-        finally:
-            c.close()
+        # Restarted once the group went on without it: taken back at the next
+        # iteration boundary after its daemon is up.
+        planned, saved = lose_node_2_then_restart_it(c, it0, phase=None, back_after=None)
 
         # Taking node 2 back is no failure: nobody took the master for gone meanwhile.
         assert "to re-form the group: no reason given" not in c.output(1), c.output(1)[-3000:]
@@ -133,28 +155,13 @@ def test_async_a_rollout_node_lost_while_rolling_out_ahead_is_left_out_then_rejo
     one iteration ahead)."""
     iterations, tasks = 5, 6  # 3 tasks per rollout node
     with NetFs(tmp_path / "fs", mounts=3) as fs:
-        c = netfs_cluster(tmp_path, fs, warm_model, iterations=iterations, tasks=tasks,
-                          every=1, concurrency=1, max_tokens=12, on_failure="shrink",
-                          run_keys='train_nodes = "0"\nmax_off_policy_steps = 1\n',
-                          master_args=("--min-nodes", "2", "--set",
-                                       f"coordination.shrink_after_s={SHRINK_AFTER_S}"))
+        c = shrinking_cluster(tmp_path, fs, warm_model, iterations=iterations, tasks=tasks,
+                              run_keys='train_nodes = "0"\nmax_off_policy_steps = 1\n')
         run = fs.export / "run"
         it1 = run / "iterations/000001"
-        try:
-            start_all(c)
-            freeze_mid_rollout(c, run, 2, it1 / "rollout/rank-2/manifest.json", (0, 10))
-            planned = read(it1 / "shard-train.json")
-            saved = {p: v for p, v in chunks(run).items() if "000001/rollout/rank-2" in str(p)}
-            kill_node(c, run, 2)
-            c.wait_until(lambda: recoveries(run) == 1, 120, "the group going on without 2")
-            # Restarted once phase 0 of iteration 1 has shared out its tasks (taken
-            # back sooner, it would roll them out itself).
-            c.wait_until(lambda: past(c, 1, 0), 300, "the master past iteration 1's phase 0")
-            c.start(2, c.command(2, log_path=c.mount_paths[2]))  # type: ignore[attr-defined]
-            codes = c.wait_all(timeout=900)
-            assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
-        finally:
-            c.close()
+        # Restarted once phase 0 of iteration 1 has shared out its tasks (taken
+        # back sooner, it would roll them out itself).
+        planned, saved = lose_node_2_then_restart_it(c, it1, phase=(0, 10), back_after=(1, 0))
 
         (recovery,) = read(run / "recoveries.json")["recoveries"]
         assert (recovery["rank"], recovery["iteration"], recovery["left_out"]) == (2, 0, [2])
@@ -192,4 +199,4 @@ def test_async_a_rollout_node_lost_while_rolling_out_ahead_is_left_out_then_rejo
 
 def past(c: LocalCluster, iteration: int, phase: int) -> bool:
     hb = c.heartbeat(0)
-    return bool(hb) and (hb["iteration"], hb["phase"]) > (iteration, phase)
+    return hb is not None and (hb["iteration"], hb["phase"]) > (iteration, phase)

@@ -143,3 +143,17 @@ def test_gpus_that_do_not_fit_the_settings_are_refused_naming_both(
     with pytest.raises(UsageError) as caught:
         placed_on_gpus(parse_sections(sections), p, 0)
     assert said in str(caught.value)
+
+
+def test_the_master_refuses_gpu_ranges_that_do_not_fit_before_writing_run_json(
+        tmp_path: Path) -> None:
+    from coordinator.errors import UsageError
+    from coordinator.runplan import RunRequest, make_plan
+
+    request = RunRequest(log_path=tmp_path, rank=0, num_nodes=2, weights=None, config_file=None,
+                         overrides={"run": {"actions": "rl", "train_nodes": "0:0-1",
+                                            "rollout_nodes": "0:2-3,1"}})
+    with pytest.raises(UsageError, match=r"gives node 0 2 GPU\(s\) to train on, but "
+                                         r"torchrun.nproc_per_node=1"):
+        make_plan(request)
+    assert not (tmp_path / "run.json").exists()
