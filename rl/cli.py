@@ -323,12 +323,14 @@ def demo(
     try:
         demo_mod.demo_config()
         engine_items = demo_mod.engine_settings(engine, vllm=vllm, nodes=nodes)
+        node_env = demo_mod.node_environments(engine, vllm=vllm, nodes=nodes)
     except UsageError as exc:
         raise fail_usage(str(exc)) from None
     extra_args = [a for item in [*engine_items, *extra] for a in ("--set", item)]
     typer.echo(f"starting {nodes} nodes with the {engine} engine; run directory {path}")
     result = demo_mod.run_demo(log_path=path, nodes=nodes, iterations=iterations,
-                               eval_interval=eval_interval, extra_args=extra_args)
+                               eval_interval=eval_interval, extra_args=extra_args,
+                               node_env=node_env)
     typer.echo(demo_mod.render_table(result.rows))
     gain = demo_mod.improvement(result.rows)
     if gain is not None:

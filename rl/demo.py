@@ -60,6 +60,22 @@ def engine_settings(engine: str, *, vllm: str, nodes: int) -> list[str]:
     return [*items, "engine.extra_args=" + json.dumps(extra)]
 
 
+def node_environments(engine: str, *, vllm: str, nodes: int) -> list[dict[str, str]]:
+    """Each node's own environment on this one machine: for vLLM on CPU, its share of
+    the cores the demo may use (VLLM_CPU_OMP_THREADS_BIND); left to choose, every
+    engine binds its compute threads to the same ones."""
+    if engine != "vllm":
+        return [{} for _ in range(nodes)]
+    from rollout.engines.vllm_platform import probe
+
+    if probe(vllm).device != "cpu":
+        return [{} for _ in range(nodes)]
+    cores = sorted(os.sched_getaffinity(0))
+    shares = [cores[r * len(cores) // nodes:(r + 1) * len(cores) // nodes]
+              or [cores[r % len(cores)]] for r in range(nodes)]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))} for share in shares]
+
+
 @dataclass(frozen=True, kw_only=True)
 class DemoResult:
     codes: dict[int, int]
@@ -176,7 +192,8 @@ def node_line(log_path: Path, rank: int) -> str:
 
 
 def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
-             extra_args: list[str]) -> DemoResult:
+             extra_args: list[str], node_env: list[dict[str, str]] | None = None,
+             ) -> DemoResult:
     from rich.console import Console
     from rich.live import Live
 
@@ -195,7 +212,8 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
                *extra_args] if rank == 0 else ["--worker", str(rank), *extra_args]
         cmd = [sys.executable, "-m", "rl", "run", "--log-path", str(log_path), *who]
         with open(logs / f"rank-{rank}.log", "wb") as out:
-            procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            own = {**env, **(node_env[rank] if node_env else {})}
+            procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=own)
     console = Console()
     try:
         with Live(console=console, refresh_per_second=2, transient=False) as live:
