@@ -29,6 +29,7 @@ from rl.engine_host import EngineHost
 from rl.trainer_host import TrainerHost
 from rollout.sharding import ShardPlan
 from rollout.tasks import Task, TaskSource, load_task_source
+from trainer.config import Offload
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,13 @@ def check_gpu_placement(s: RlSections, placement: Placement,
 def placed_on_gpus(s: RlSections, placement: Placement, rank: int,
                    ) -> tuple[RlSections, str | None]:
     """The sections with the engine on the GPUs the placement gives this node's
-    rollout, and CUDA_VISIBLE_DEVICES for its trainer (None: the daemon's own),
-    the indices taken from the daemon's own CUDA_VISIBLE_DEVICES when set."""
+    rollout (and train.offload "auto" resolved to "off" where training has GPUs
+    of its own), and CUDA_VISIBLE_DEVICES for its trainer (None: the daemon's
+    own), the indices taken from the daemon's own CUDA_VISIBLE_DEVICES when set."""
     check_gpu_placement(s, placement, (rank,))
+    if not placement.colocated and s.train.offload is Offload.AUTO:
+        # Training has GPUs of its own: its state stays on them between jobs.
+        s = dataclasses.replace(s, train=dataclasses.replace(s.train, offload=Offload.OFF))
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     rollout = placement.visible_devices(rank, Role.ROLLOUT, inherited)
     if rollout is not None:
@@ -90,7 +95,8 @@ class Loop:
         self.trainers = TrainerHost(self.s, rank=rank, run_dir=run_dir,
                                     beat_s=coordination.heartbeat_interval_s,
                                     lease_s=coordination.lease_s,
-                                    cuda_visible_devices=train_devices)
+                                    cuda_visible_devices=train_devices,
+                                    shares_gpus=self.placement.colocated)
         self.listener: Listener | None = None  # master, phases 9-10: the training port
         self._tasks: TaskSource | None = None
         self._by_id: dict[str, dict[str, Task]] = {}

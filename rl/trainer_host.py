@@ -70,10 +70,14 @@ class TrainerState(str, enum.Enum):
 
 class TrainerHost:
     def __init__(self, s: RlSections, *, rank: int, run_dir: Path, beat_s: float,
-                 lease_s: float, cuda_visible_devices: str | None = None) -> None:
+                 lease_s: float, cuda_visible_devices: str | None = None,
+                 shares_gpus: bool = True) -> None:
         self.s = s
         # The GPUs run.train_nodes gives this node's trainer (None: the daemon's own).
         self.cuda_visible_devices = cuda_visible_devices
+        # Whether the engine uses the trainer's GPUs between jobs (colocated): only
+        # then must the trainer give them back after each job.
+        self.shares_gpus = shares_gpus
         self.rank = rank
         self.run_dir = run_dir
         # coordination's heartbeat and lease: a trainer is pinged every beat and is
@@ -241,9 +245,10 @@ class TrainerHost:
                               f"while {doing}")
 
     def _check_gpu_released(self, group: TrainerGroup, done: Mapping[str, Any]) -> None:
-        """After a job on a GPU the trainer must hold no more than its CUDA context."""
-        if not done.get("gpu_mib"):
-            return  # a CPU trainer, or nothing reserved: nothing to wait for
+        """After a job on a GPU the trainer must hold no more than its CUDA context, where
+        the engine needs the GPU back."""
+        if not done.get("gpu_mib") or not self.shares_gpus:
+            return  # a CPU trainer, nothing reserved, or GPUs of its own: nothing to wait for
         t = self.s.torchrun
         holders = wait_gpu_released(group.pids.values(), t.release_timeout_s,
                                     allowed_mib=t.offload_residual_mib)

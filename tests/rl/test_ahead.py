@@ -107,6 +107,7 @@ def test_a_split_node_gives_its_engine_and_its_trainer_their_own_gpus(
     from coordinator.placement import Placement
     from rl.config import parse_sections
     from rl.loop import placed_on_gpus
+    from trainer.config import Offload
 
     p = Placement.of(rollout_nodes="0:4-7,1", train_nodes="0:0-3", max_off_policy_steps=1,
                      num_nodes=2)
@@ -114,7 +115,16 @@ def test_a_split_node_gives_its_engine_and_its_trainer_their_own_gpus(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     placed, trainer = placed_on_gpus(s, p, 0)
     assert (placed.engine.cuda_visible_devices, trainer) == ("4,5,6,7", "0,1,2,3")
-    assert placed_on_gpus(s, p, 1) == (s, None)  # a whole node: the daemon's own GPUs
+    # Training has GPUs of its own on every node of a disaggregated run: its state
+    # stays on them between jobs (train.offload "auto" -> "off").
+    assert placed.train.offload is Offload.OFF
+    whole, devices = placed_on_gpus(s, p, 1)  # a whole node: the daemon's own GPUs
+    assert (whole.engine, devices, whole.train.offload) == (s.engine, None, Offload.OFF)
+    colocated = Placement.of(rollout_nodes="", train_nodes="", max_off_policy_steps=0,
+                             num_nodes=2)
+    assert placed_on_gpus(s, colocated, 0) == (s, None)  # auto: offload where they share
+    explicit = parse_sections({"torchrun": {"nproc_per_node": 4}, "train": {"offload": "on"}})
+    assert placed_on_gpus(explicit, p, 1)[0].train.offload is Offload.ON
     # Under a scheduler's CUDA_VISIBLE_DEVICES the indices pick from what it shows.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e,GPU-f,GPU-g,GPU-h")
     placed, trainer = placed_on_gpus(s, p, 0)

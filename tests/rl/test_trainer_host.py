@@ -130,6 +130,23 @@ def test_a_trainer_keeping_the_gpu_after_a_job_is_stopped_with_a_warning(
     assert "above torchrun.offload_residual_mib=3072: stopping it" in caplog.text
 
 
+def test_a_trainer_with_gpus_of_its_own_keeps_them_between_jobs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disaggregated (no engine on the trainer's GPUs): nothing to give back."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("FAKE_TRAINER_GPU_MIB", "9000")
+    monkeypatch.setattr("rl.trainer_host.wait_gpu_released",
+                        lambda *a, **k: pytest.fail("asked a trainer to give its own GPUs back"))
+    own = TrainerHost(parse_sections({}), rank=0, run_dir=tmp_path, beat_s=BEAT, lease_s=LEASE,
+                      shares_gpus=False)
+    try:
+        ctx = started(own, tmp_path)
+        own.submit(ctx, tmp_path / "job-0", 0)
+        assert own.state is TrainerState.IDLE
+    finally:
+        own.close()
+
+
 def test_a_clean_stop_saves_what_was_trained_since_the_last_save(
         host: TrainerHost, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "rl.trainer_host")
