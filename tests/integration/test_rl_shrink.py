@@ -78,6 +78,21 @@ def lose_node_2_then_restart_it(c: LocalCluster, it_dir: Path, *,
     return planned, saved
 
 
+def check_taken_over(it_dir: Path, planned: dict, saved: dict[Path, tuple[str, int]]) -> dict:
+    """Node 2's saved chunks of `it_dir` frozen as they were, its other tasks taken
+    over, every planned task merged into the batch exactly once.  Returns the plan."""
+    plan = read(it_dir / "shard-train.json")
+    assert plan["frozen"] == [2]
+    frozen = read(it_dir / "rollout/rank-2.frozen.json")
+    assert {(it_dir / "rollout/rank-2" / e["file"], e["sha256"]) for e in frozen["chunks"]} == \
+        {(p, sha) for p, (sha, _) in saved.items()}
+    assert 0 < len(plan["assignments"][2]) < len(planned["assignments"][2])
+    every = sorted(t for a in planned["assignments"] for t in a)
+    assert sorted(merged_task_ids(it_dir, plan)) == every
+    assert sorted(load_train_batch(it_dir / "batch.pt").group_task_ids) == every
+    return plan
+
+
 def merged_task_ids(it_dir: Path, plan: dict) -> list[str]:
     """Every task id the aggregation took, rank by rank: a frozen rank's from the
     master's copy of its manifest, the others' from their own."""
@@ -112,16 +127,7 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
 
         # Iteration 0: node 2's saved chunks kept as they were, its other tasks
         # taken over, every planned task merged exactly once.
-        plan = read(it0 / "shard-train.json")
-        assert plan["frozen"] == [2]
-        frozen = read(it0 / "rollout/rank-2.frozen.json")
-        assert {(it0 / "rollout/rank-2" / e["file"], e["sha256"]) for e in frozen["chunks"]} == \
-            {(p, sha) for p, (sha, _) in saved.items()}
-        assert 0 < len(plan["assignments"][2]) < len(planned["assignments"][2])
-        every = sorted(t for a in planned["assignments"] for t in a)
-        assert sorted(merged_task_ids(it0, plan)) == every
-        batch = load_train_batch(it0 / "batch.pt")
-        assert sorted(batch.group_task_ids) == every
+        check_taken_over(it0, planned, saved)
         assert read(it0 / "metrics/rollout.json")["num_samples"] == TASKS * GROUP
 
         # Node 2 worked from the boundary it was taken back at to the end, never before.
@@ -167,15 +173,8 @@ def test_async_a_rollout_node_lost_while_rolling_out_ahead_is_left_out_then_rejo
         assert (recovery["rank"], recovery["iteration"], recovery["left_out"]) == (2, 0, [2])
         # Iteration 1: node 2's chunks rolled out ahead kept as they were, its other
         # tasks rolled out by node 1 (never by node 0, which only trains).
-        plan = read(it1 / "shard-train.json")
-        assert plan["frozen"] == [2] and plan["assignments"][0] == []
-        frozen = read(it1 / "rollout/rank-2.frozen.json")
-        assert {(it1 / "rollout/rank-2" / e["file"], e["sha256"]) for e in frozen["chunks"]} == \
-            {(p, sha) for p, (sha, _) in saved.items()}
-        assert 0 < len(plan["assignments"][2]) < len(planned["assignments"][2])
-        every = sorted(t for a in planned["assignments"] for t in a)
-        assert sorted(merged_task_ids(it1, plan)) == every
-        assert sorted(load_train_batch(it1 / "batch.pt").group_task_ids) == every
+        plan = check_taken_over(it1, planned, saved)
+        assert plan["assignments"][0] == []
         rollout = read(it1 / "metrics/rollout.json")
         # Rolled out ahead on version 0, taken over on version 1: within k = 1.
         assert rollout["num_samples"] == tasks * GROUP and rollout["staleness_max"] == 1
