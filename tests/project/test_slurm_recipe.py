@@ -31,8 +31,10 @@ ITERATIONS = 2
 # Three daemons with the tiny model on 2 cores: 2 iterations take 40-60 s;
 # doctor and Slurm's own start add a few seconds.  Room for a loaded CI box.
 RUN_TIMEOUT_S = 300.0
-# A quarter of the demo's train tasks: what is under test is Slurm's side (cancel,
-# requeue, resume), not how much a step learns.  Passed as a user would, in RUN_ARGS.
+# A quarter of the demo's train tasks where what is under test is Slurm's side
+# (cancel, resume), not how much a step learns.  Passed as a user would, in
+# RUN_ARGS.  Not for the requeue: it lands during the last iteration, which a
+# smaller run could finish first.
 SMALLER = "--set rollout.tasks_per_iteration=32"
 # What the issue asks: every process of a cancelled job gone within 10 s.
 CANCEL_S = 10.0
@@ -51,12 +53,13 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         cluster.stop()
 
 
-def submit(slurm: SlurmCluster, tmp_path: Path, run_dir: Path, name: str) -> int:
+def submit(slurm: SlurmCluster, tmp_path: Path, run_dir: Path, name: str,
+           args: str = SMALLER) -> int:
     node_tmp = tmp_path / f"tmp-{name}"
     node_tmp.mkdir()
     env = {"RUN_DIR": str(run_dir), "DOCTOR_TIMEOUT": "60", "TMPDIR": str(node_tmp),
            "PYTHONUNBUFFERED": "1", "RUN_ARGS": f"--iterations {ITERATIONS} --eval-interval 0 "
-                                                 "--no-eval-before-train " + SMALLER,
+                                                 "--no-eval-before-train " + args,
            "COORDINATOR": f"{sys.executable} {ROOT / 'tests/support/exit_recorder.py'} "
                           f"{tmp_path / 'codes'} {sys.executable} -m rl"}
     # As README says, with the output file named by the test; CONFIG is the
@@ -144,7 +147,7 @@ def test_scancel_mid_iteration_leaves_nothing_and_a_resubmission_resumes_and_com
 def test_scontrol_requeue_resumes_the_same_job_and_completes(
         slurm: SlurmCluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    job = submit(slurm, tmp_path, run_dir, "requeued")
+    job = submit(slurm, tmp_path, run_dir, "requeued", args="")
     wait_for_phase(slurm, job, run_dir, iteration=1, phase=1)  # iteration 0 done
     slurm.requeue(job)
     info = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"},
