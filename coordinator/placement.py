@@ -88,11 +88,6 @@ def parse_placement(text: str, *, key: str, num_nodes: int) -> dict[int, tuple[i
     return dict(sorted(nodes.items()))
 
 
-def parse_ranks(text: str, *, key: str, num_nodes: int) -> tuple[int, ...]:
-    """'0', '1-2', '0,2-3' as sorted node ranks, each inside 0..num_nodes-1."""
-    return tuple(parse_placement(text, key=key, num_nodes=num_nodes))
-
-
 def _ranges(ranks: Iterable[int]) -> str:
     return ",".join(str(r) for r in ranks)
 

@@ -10,7 +10,7 @@ import pytest
 from coordinator.config import RunSection
 from coordinator.errors import UsageError
 from coordinator.phases import Phase
-from coordinator.placement import Placement, Role, parse_placement, parse_ranks
+from coordinator.placement import Placement, Role, parse_placement
 
 
 def placement(rollout: str = "", train: str = "", k: int = 0, n: int = 3) -> Placement:
@@ -19,8 +19,8 @@ def placement(rollout: str = "", train: str = "", k: int = 0, n: int = 3) -> Pla
 
 
 def test_ranks_and_ranges_parse_sorted() -> None:
-    assert parse_ranks("0", key="k", num_nodes=4) == (0,)
-    assert parse_ranks("3, 0-1", key="k", num_nodes=4) == (0, 1, 3)
+    assert tuple(parse_placement("0", key="k", num_nodes=4)) == (0,)
+    assert tuple(parse_placement("3, 0-1", key="k", num_nodes=4)) == (0, 1, 3)
 
 
 @pytest.mark.parametrize(("text", "said"), [
@@ -28,7 +28,7 @@ def test_ranks_and_ranges_parse_sorted() -> None:
     ("2-1", "runs backwards"), ("", "'' is not a node rank")])
 def test_a_bad_rank_list_names_the_key_and_the_fix(text: str, said: str) -> None:
     with pytest.raises(UsageError, match=r"run\.train_nodes") as caught:
-        parse_ranks(text, key="run.train_nodes", num_nodes=4)
+        parse_placement(text, key="run.train_nodes", num_nodes=4)
     assert said in str(caught.value)
 
 
