@@ -7,9 +7,9 @@ then cut in two, at phase 0's decision of the resumed iteration (the master):
     for each split's plan, each rank with tasks that is not in the session
     and not frozen yet:
         its chunks whose SHA-256 verifies   --> iterations/<N>/<split>/rank-<R>.frozen.json
-                                                (a complete manifest; the master's copy,
-                                                so nothing a stale incarnation of the rank
-                                                writes later is ever read)
+        (and, unless the rank had accepted     (a complete manifest; the master's copy,
+        its result, that hold no failed         so nothing a stale incarnation of the rank
+        sample: rollout/trajectory.saved_work)  writes later is ever read)
         its other tasks                     --> the members, in proportion to their weights
     the plan is republished (ShardPlan.without: frozen ranks listed)
     the release asks every member to rerun phases 1-3 and 6 (coordinator

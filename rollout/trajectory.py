@@ -297,8 +297,11 @@ def verified_chunks(directory: Path, manifest: RankManifest) -> tuple[ChunkEntry
 
 def saved_work(directory: Path, *, rank: int, iteration: int) -> RankManifest:
     """What a rank that left has safely saved, as a complete manifest: its verified
-    chunks (none without a readable manifest of this rank and iteration).  Read
-    only: nothing is written in the rank's directory."""
+    chunks (none without a readable manifest of this rank and iteration), less,
+    unless the rank had accepted its result (its manifest complete), every chunk
+    holding a failed sample: a failed sample is never taken as done, so those
+    groups are redone by whoever takes the rank's other tasks.  Read only: nothing
+    is written in the rank's directory."""
     try:
         found = read_manifest(directory)
     except MalformedRecordError as exc:
@@ -306,4 +309,12 @@ def saved_work(directory: Path, *, rank: int, iteration: int) -> RankManifest:
         found = None
     if found is None or found.rank != rank or found.iteration != iteration:
         return RankManifest(rank=rank, iteration=iteration, complete=True)
-    return replace(found, chunks=verified_chunks(directory, found), complete=True)
+    kept = verified_chunks(directory, found)
+    if not found.complete:
+        failed = [c for c in kept if c.failed_samples]
+        for entry in failed:
+            logger.info("rank %d iteration %d: %s holds %d failed samples: its %d groups "
+                        "will be redone by the ranks that take over", rank, iteration,
+                        entry.file, entry.failed_samples, len(entry.task_ids))
+        kept = tuple(c for c in kept if not c.failed_samples)
+    return replace(found, chunks=kept, complete=True)

@@ -25,7 +25,7 @@ from rollout.chunk_format import (
 )
 from rollout.errors import CheckpointError
 from rollout.manifest import MANIFEST_NAME, read_manifest
-from rollout.trajectory import RankCheckpointWriter
+from rollout.trajectory import RankCheckpointWriter, saved_work
 
 # Damaged files are reported after the read deadline: 1 s here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("quick_read_retry")
@@ -360,6 +360,29 @@ def test_failed_samples_a_complete_manifest_accepted_stay_done(tmp_path: Path) -
     again = RankCheckpointWriter(tmp_path, 0, 8, iteration=0)
     assert again.load_completed_task_ids() == {"a", "b"}
     assert again.manifest.failed_samples == 1
+
+
+def test_a_lost_ranks_failed_samples_are_not_frozen_as_done(tmp_path: Path) -> None:
+    """saved_work (a shrink's takeover, rl/takeover.py) reads what a lost rank saved: an
+    incomplete manifest's chunks holding a failed sample are left out, so their groups
+    are redone by the members; a complete manifest's accepted failures stay final."""
+    writer = RankCheckpointWriter(tmp_path, 2, 2, iteration=0)
+    writer.add_group(make_group("a"))
+    writer.add_group(make_group("b", failed=(1,)))  # chunk 0: a, b (1 failed sample)
+    writer.add_group(make_group("c"))
+    writer.add_group(make_group("d"))  # chunk 1: c, d
+    # Killed here: the manifest is not complete.
+    work = saved_work(tmp_path, rank=2, iteration=0)
+    assert work.complete and sorted(work.task_ids()) == ["c", "d"]
+    assert work.failed_samples == 0
+    untouched = read_manifest(tmp_path)  # read only: the rank's own manifest is left as it was
+    assert untouched is not None
+    assert [c.task_ids for c in untouched.chunks] == [("a", "b"), ("c", "d")]
+
+    writer.finalize()  # within the budget: the rank accepted it before it was lost
+    accepted = saved_work(tmp_path, rank=2, iteration=0)
+    assert sorted(accepted.task_ids()) == ["a", "b", "c", "d"]
+    assert accepted.failed_samples == 1
 
 
 def test_every_sample_records_its_policy_and_stale_groups_are_dropped_and_redone(
