@@ -6,7 +6,7 @@
     iterations/<N>/metrics/train.json     samples the trainer trained on, loss
 
     records(run_dir, iterations)   one IterationRecord per iteration (None where a
-                                   metrics file is not there yet)
+                                   metrics file is not there yet), each file read once
     report(run_dir, iterations)    the rows `coordinator status` shows
     summarize(run_dir, config)     the line each daemon ends with, and whether the
                                    run learned: exit 0 only if every iteration trained
@@ -14,7 +14,9 @@
 
 Files written by the master on another node are read like every shared record
 (coordinator.store.read_document); a missing or unreadable one is shown as
-unknown, never as zero.
+unknown, never as zero.  The summary a daemon exits with retries a failed
+read for up to SUMMARY_READ_S before it counts the file as unreadable (and
+names it): a transient EIO at the end of a good run is not a failed run.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from coordinator.actions import RunSummary
 from coordinator.config import RunConfig
@@ -46,6 +49,7 @@ class IterationRecord:
     eval_accuracy: float | None = None
     loss: float | None = None
     staleness_max: int | None = None  # policy versions the batch's oldest sample lags
+    unreadable: tuple[Unreadable, ...] = ()  # files there but unreadable within the deadline
 
     @property
     def failed(self) -> int | None:
@@ -61,19 +65,43 @@ class IterationRecord:
                 "staleness_max": self.staleness_max}
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object another node published; None when absent, unreadable or not an
-    object (after read_document's retries of a torn or stale read)."""
+# How long the end-of-run summary keeps retrying a metrics file that fails to
+# read (EIO, ESTALE, a throttled GET): an NFS server failover or a bucket's
+# throttling lasts seconds to a minute, and a finished run must not turn into
+# exit 4 over it.  The deadline is for the whole summary, not per file.
+SUMMARY_READ_S: Final = 120.0
+# `coordinator status` is interactive: one second per file, then unknown.
+STATUS_READ_S: Final = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Unreadable:
+    """A metrics file that exists but could not be read within the deadline."""
+
+    path: Path
+    error: str
+
+
+def read_json(path: Path, *, retry_s: float = STATUS_READ_S,
+              sleep: Callable[[float], None] = time.sleep) -> dict[str, Any] | Unreadable | None:
+    """A JSON object another node published; None when absent, Unreadable when
+    it could not be read or is not an object after read_document's retries of a
+    torn, stale or failed read (for `retry_s`)."""
     try:
-        data = read_document(path, lambda raw, _where: json.loads(raw), retry_s=1.0)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+        data = read_document(path, lambda raw, _where: json.loads(raw), retry_s=retry_s,
+                             sleep=sleep)
+    except (OSError, ValueError) as exc:
+        return Unreadable(path, f"{type(exc).__name__}: {exc}")
+    if data is None or isinstance(data, dict):
+        return data
+    return Unreadable(path, f"holds a JSON {type(data).__name__}, not an object")
 
 
-def read_metrics(run_dir: Path, iteration: int, name: str) -> dict[str, Any] | None:
+def read_metrics(run_dir: Path, iteration: int, name: str, *, retry_s: float = STATUS_READ_S,
+                 sleep: Callable[[float], None] = time.sleep
+                 ) -> dict[str, Any] | Unreadable | None:
     """An iteration's metrics file ("rollout", "eval" or "train"); None when absent."""
-    return read_json(layout.metrics(run_dir, iteration, name))
+    return read_json(layout.metrics(run_dir, iteration, name), retry_s=retry_s, sleep=sleep)
 
 
 def _number(data: Mapping[str, Any] | None, key: str) -> float | None:
@@ -88,21 +116,44 @@ def _count(data: Mapping[str, Any] | None, key: str) -> int | None:
     return int(value) if value is not None and value >= 0 else None
 
 
-def record(run_dir: Path, iteration: int) -> IterationRecord:
-    rollout = read_metrics(run_dir, iteration, "rollout")
-    evaluation = read_metrics(run_dir, iteration, "eval")
-    train = read_metrics(run_dir, iteration, "train")
+class _Reader:
+    """Reads metrics files, each retried for at most `per_file_s` and all of them
+    within `deadline_s` of this reader's start."""
+
+    def __init__(self, deadline_s: float = math.inf, *, per_file_s: float = math.inf,
+                 sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_file_s = per_file_s
+        self.sleep = sleep
+        self.clock = clock
+        self.until = clock() + deadline_s
+
+    def __call__(self, run_dir: Path, iteration: int, name: str
+                 ) -> dict[str, Any] | Unreadable | None:
+        left = min(self.per_file_s, max(0.0, self.until - self.clock()))
+        return read_metrics(run_dir, iteration, name, retry_s=left, sleep=self.sleep)
+
+
+def record(run_dir: Path, iteration: int, *, reader: _Reader | None = None) -> IterationRecord:
+    read = reader or _Reader(per_file_s=STATUS_READ_S)
+    files = {name: read(run_dir, iteration, name) for name in ("rollout", "eval", "train")}
+    unreadable = tuple(f for f in files.values() if isinstance(f, Unreadable))
+    rollout, evaluation, train = (None if isinstance(f, Unreadable) else f
+                                  for f in files.values())
     return IterationRecord(
         iteration=iteration, rolled_out=_count(rollout, "num_samples"),
         batch=_count(rollout, "num_train_samples"), trained=_count(train, "samples"),
         train_failed=_count(rollout, "num_failed"), eval_failed=_count(evaluation, "num_failed"),
         reward_mean=_number(rollout, "reward_mean"),
         eval_accuracy=_number(evaluation, "accuracy"), loss=_number(train, "loss"),
-        staleness_max=_count(rollout, "staleness_max"))
+        staleness_max=_count(rollout, "staleness_max"), unreadable=unreadable)
 
 
-def records(run_dir: Path, iterations: int) -> list[IterationRecord]:
-    return [record(run_dir, it) for it in range(iterations)]
+def records(run_dir: Path, iterations: int, *, reader: _Reader | None = None
+            ) -> list[IterationRecord]:
+    """Each iteration's record, each metrics file read once."""
+    read = reader or _Reader(per_file_s=STATUS_READ_S)
+    return [record(run_dir, it, reader=read) for it in range(iterations)]
 
 
 def report(run_dir: Path, iterations: int) -> list[dict[str, Any]]:
@@ -120,6 +171,8 @@ def _problem(r: IterationRecord, config: RunConfig, fraction: float) -> str | No
     """Why iteration `r` did not learn as asked, or None."""
     if not _trains(config):
         return None
+    if r.unreadable:
+        return "; ".join(f"{u.path} could not be read ({u.error})" for u in r.unreadable)
     if Phase.AGGREGATE in schedule_of(config.sections).rl_phase.phases:
         if r.rolled_out is None or r.batch is None or r.train_failed is None:
             return "no rollout metrics"
@@ -133,12 +186,19 @@ def _problem(r: IterationRecord, config: RunConfig, fraction: float) -> str | No
     return None
 
 
-def summarize(run_dir: Path, config: RunConfig) -> RunSummary:
-    """What the run did, for each daemon's last line, and why it did not learn."""
+def summarize(run_dir: Path, config: RunConfig, *, deadline_s: float = SUMMARY_READ_S,
+              sleep: Callable[[float], None] = time.sleep,
+              clock: Callable[[], float] = time.monotonic) -> RunSummary:
+    """What the run did, for each daemon's last line, and why it did not learn.
+
+    Each metrics file is read once; a read that fails (EIO, ESTALE, a throttled
+    GET) is retried until `deadline_s` after the first, shared by every file,
+    and only then counts against the run, naming the file and the error."""
     from rl.config import parse_sections
 
     fraction = parse_sections(config.sections).rollout.max_failed_fraction
-    found = records(run_dir, config.run.iterations)
+    found = records(run_dir, config.run.iterations,
+                    reader=_Reader(deadline_s, sleep=sleep, clock=clock))
     trained = sum(r.trained or 0 for r in found)
     failed = sum(r.failed or 0 for r in found)
     text = f"{trained} samples trained, {failed} failed"

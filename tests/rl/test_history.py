@@ -75,3 +75,51 @@ def test_a_run_that_asked_for_no_training_is_not_held_to_it(tmp_path: Path) -> N
     (tmp_path / "iterations/000000/metrics/train.json").unlink()
     rollout_only = history.summarize(tmp_path, config(iterations=1, rl_phase="rollout"))
     assert rollout_only.problem is None and "rollout only" in rollout_only.text
+
+
+def _failing_reads(monkeypatch: Any, seconds: float) -> list[Path]:
+    """Metrics files answer EIO from the first read of one until `seconds` later:
+    a file server failing over, or a bucket throttling GETs."""
+    import errno
+    import time
+
+    from coordinator import fsio
+
+    real = fsio.read_bytes
+    first: dict[str, float] = {}
+    failed: list[Path] = []
+
+    def read_bytes(path: Path, **kwargs: Any) -> bytes:
+        if "metrics" in path.parts:
+            started = first.setdefault("server down", time.monotonic())
+            if time.monotonic() - started < seconds:
+                failed.append(path)
+                raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(fsio, "read_bytes", read_bytes)
+    return failed
+
+
+def test_a_finished_run_whose_metrics_fail_to_read_for_a_while_still_exits_0(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    from coordinator.actions import completed_run, kind
+    from coordinator.phases import Phase
+
+    iteration(tmp_path, 0, eval_failed=0)
+    iteration(tmp_path, 1)
+    failed = _failing_reads(monkeypatch, seconds=1.5)  # longer than a 1 s retry
+    line = completed_run(kind("rl"), tmp_path, config(), run_id="r", recoveries=0,
+                         last_phase=Phase.FINAL_SYNC)  # raises PhaseFailedError (exit 4) else
+    assert line == "2 iterations of run r: 2048 samples trained, 0 failed, 0 recoveries"
+    assert len(failed) > 1  # the fault was hit, retried, and read through
+
+
+def test_metrics_that_stay_unreadable_past_the_deadline_fail_the_run_naming_the_file(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    iteration(tmp_path, 0)
+    _failing_reads(monkeypatch, seconds=60)
+    problem = history.summarize(tmp_path, config(iterations=1), deadline_s=0.3).problem
+    assert problem is not None
+    assert "iteration 0: " in problem and "rollout.json could not be read" in problem
+    assert "Input/output error" in problem

@@ -201,3 +201,23 @@ def test_a_file_that_is_not_parquet_is_reported_as_unreadable(tmp_path: Path) ->
     (tmp_path / "train.parquet").write_bytes(b"definitely not parquet")
     with pytest.raises(TaskDataError, match="not a readable parquet file"):
         load_task_source(str(tmp_path), seed=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 7, 42])
+def test_builtin_eval_prompts_are_never_train_prompts(seed: int) -> None:
+    # Drawn independently from one space, seed 0 gave 17 of 64 eval prompts
+    # that were also train prompts: an eval of memorised answers.
+    source = BuiltinReverseTasks(seed=seed, train_size=2048, eval_size=256)
+    train = {t.prompt for t in source.tasks("train")}
+    evaluated = {t.prompt for t in source.tasks("eval")}
+    assert len(evaluated) > 100  # many distinct prompts, not one repeated
+    assert not train & evaluated
+
+
+def test_builtin_eval_prompts_are_outside_every_seeds_train_split() -> None:
+    # The warm start trains on another seed's train split: the partition of
+    # the prompt space must not depend on the seed.
+    warm_train = {t.prompt for s in range(5)
+                  for t in BuiltinReverseTasks(seed=1000 + s, train_size=1024).tasks("train")}
+    run_eval = {t.prompt for t in BuiltinReverseTasks(seed=0).tasks("eval")}
+    assert not warm_train & run_eval
