@@ -398,6 +398,11 @@ class Journal(Record):
         return iteration == self.iteration and phase in self.done
 
     def with_done(self, iteration: int, phase: int) -> Journal:
+        if iteration <= self.completed_iteration:
+            # A replayed iteration (the group resumed behind this rank, and a
+            # collective or rerun phase ran again): it is complete already, and
+            # what this rank has done of a later iteration stays.
+            return self
         done = self.done if iteration == self.iteration else ()
         return dataclasses.replace(
             self, iteration=iteration, done=tuple(sorted({*done, phase}))

@@ -78,6 +78,16 @@ def test_journal_says_what_is_done_and_where_to_resume() -> None:
     assert ahead.with_completed(0) == ahead and ahead.is_done(1, 1)
 
 
+def test_a_replayed_iteration_keeps_the_done_phases_of_the_later_one() -> None:
+    # Ranks 0 and 1 completed iteration 2 and did phases 0-9 of iteration 3; the
+    # group replays iteration 1 (a rank behind them), where a collective step
+    # runs again on every rank: marking it done must not forget iteration 3.
+    j = Journal(run_id="r", rank=0, completed_iteration=2, iteration=3, done=tuple(range(10)))
+    assert j.with_done(1, 10) == j
+    assert j.with_done(2, 0) == j
+    assert all(j.is_done(3, p) for p in range(10)) and j.resume_iteration == 3
+
+
 def test_read_record_retries_a_torn_file_then_names_it(tmp_path: Path) -> None:
     store = FsStore(tmp_path)
     (tmp_path / "hb.json").write_bytes(heartbeat().to_bytes()[:40])
