@@ -313,6 +313,16 @@ class TrainBatch:
         return self.response_offsets.diff()
 
     @cached_property
+    def model_token_counts(self) -> list[int]:
+        """Per sample, the response tokens the model generated (response_mask true): what
+        the loss is averaged over.  A multi-turn episode's environment and template
+        tokens are context: counted in response_lengths, not here."""
+        assert self.response_mask is not None  # filled in __post_init__
+        # Prefix sums read at the offsets: O(tokens) in C, no per-sample Python slicing.
+        ends = torch.cat([torch.zeros(1, dtype=torch.int64), self.response_mask.cumsum(0)])
+        return (ends[self.response_offsets[1:]] - ends[self.response_offsets[:-1]]).tolist()
+
+    @cached_property
     def task_ids(self) -> list[str]:
         ids = self.group_task_ids
         return [ids[g] for g in self.group_index.tolist()]

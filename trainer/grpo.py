@@ -5,8 +5,10 @@ relative to its group as the advantage, so no value model is needed:
 
     A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
 
-Every response token of sample i shares A_i.  The policy loss is PPO's
-clipped surrogate per token, against the log-probabilities of the policy that
+Every token the model generated in sample i shares A_i (a multi-turn
+episode's environment and template tokens are context: masked out of the
+loss and out of every count below).  The policy loss is PPO's clipped
+surrogate per token, against the log-probabilities of the policy that
 generated the data ("old"):
 
     ratio = exp(logp - old_logp)
@@ -17,9 +19,10 @@ counted over the whole optimizer step (all ranks, all micro-batches), so that
 gradient accumulation and data parallelism give the same gradient as one big
 batch.  Two normalisations are offered (TrainConfig.loss_agg):
 
-    token-mean           sum over tokens / response tokens in the step (DAPO)
-    seq-mean-token-mean  each response's token mean, summed / samples in the
-                         step (the GRPO paper); every response weighs the same
+    token-mean           sum over tokens / the model's tokens in the step (DAPO)
+    seq-mean-token-mean  each response's mean over its model tokens, summed /
+                         samples in the step (the GRPO paper); every response
+                         weighs the same, however long its environment turns
 
 `plan_steps` decides, identically on every rank and without communication,
 which samples each rank runs in which micro-batch of which optimizer step.
@@ -82,13 +85,10 @@ class PackedBatch:
 
     input_ids: Tensor  # [B, T] long
     attention_mask: Tensor  # [B, T] long, 1 for real tokens
-    response_mask: Tensor  # [B, T-1] float, 1 where the target is a response token
+    response_mask: Tensor  # [B, T-1] float, 1 where the target is a token the model wrote
     prompt_lens: tuple[int, ...]
-    response_lens: tuple[int, ...]
-
-    @property
-    def num_response_tokens(self) -> int:
-        return sum(self.response_lens)
+    response_lens: tuple[int, ...]  # every response token, environment turns included
+    model_lens: tuple[int, ...]  # the response tokens the model wrote: what the loss counts
 
 
 def collate(
@@ -125,6 +125,7 @@ def collate(
         response_mask=response_mask,
         prompt_lens=tuple(len(p) for p in prompt_ids),
         response_lens=tuple(len(r) for r in response_ids),
+        model_lens=tuple(int(n) for n in response_mask.sum(dim=1).tolist()),
     )
 
 
@@ -205,14 +206,14 @@ def grpo_loss(
 ) -> LossTerms:
     """Clipped policy loss plus kl_coef * k3 KL, summed over masked tokens / normalizer.
 
-    `sample_weights` ([B]) scales every token of a sample: 1 / response length
+    `sample_weights` ([B]) scales every token of a sample: 1 / its model tokens
     with the number of samples as normaliser gives the per-sequence mean.
     `is_weights` ([B, T-1], no gradient) scales each token's policy loss: the
     truncated importance weight of an off-policy batch (`truncated_is_weights`).
     The returned sums (policy_sum, kl_sum, ...) are unweighted token sums.
     """
     if normalizer <= 0:
-        raise ValueError(f"normalizer={normalizer} must be > 0: count the step's response tokens")
+        raise ValueError(f"normalizer={normalizer} must be > 0: count the step's model tokens")
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
         raise ValueError(
             f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
@@ -260,7 +261,7 @@ class Step:
     """One optimizer step: for each rank, its micro-batches (lists of sample indices)."""
 
     micro: tuple[tuple[tuple[int, ...], ...], ...]  # [rank][micro] -> sample indices
-    tokens: int  # response tokens in the step over all ranks: the token-mean normaliser
+    tokens: int  # the model's tokens in the step over all ranks: the token-mean normaliser
     samples: int  # samples in the step over all ranks: the sequence-mean normaliser
 
 
@@ -270,14 +271,18 @@ def shard(num_samples: int, world: int, rank: int) -> list[int]:
 
 
 def plan_steps(
-    response_lens: Sequence[int], *, world: int, config: TrainConfig, iteration: int
+    model_tokens: Sequence[int], *, world: int, config: TrainConfig, iteration: int
 ) -> list[Step]:
     """Every rank's micro-batches for every optimizer step, the same on every rank.
+
+    `model_tokens` counts, per sample, the tokens the model generated
+    (TrainBatch.model_token_counts): the environment's and the template's
+    tokens of a multi-turn episode carry no loss and must not dilute it.
 
     Each epoch reshuffles each shard with an RNG seeded by (seed, iteration,
     epoch), so the plan is reproducible and needs no communication.
     """
-    n = len(response_lens)
+    n = len(model_tokens)
     shards = [shard(n, world, r) for r in range(world)]
     longest = max(len(s) for s in shards)
     mini = config.mini_batch_size or n
@@ -296,7 +301,7 @@ def plan_steps(
                 )
                 for c in chunks
             )
-            tokens = sum(response_lens[i] for c in chunks for i in c)
+            tokens = sum(model_tokens[i] for c in chunks for i in c)
             samples = sum(len(c) for c in chunks)
             steps.append(Step(micro=micro, tokens=tokens, samples=samples))
     return steps

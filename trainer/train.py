@@ -62,13 +62,13 @@ from trainer.distributed import (
     unwrap,
 )
 from trainer.errors import TrainError
-from trainer.grpo import plan_steps, shard
+from trainer.grpo import shard
 from trainer.job import TrainJob
 from trainer.policy import autocast, load_policy, param_digest, policy_logprobs
 from trainer.probes import ProbeSet, make_probe_set
 from trainer.session import Session, open_session
 from trainer.sharded_save import stage_sharded_weights
-from trainer.update import Inputs, Sums, optimizer_step
+from trainer.update import Inputs, Sums, optimizer_step, plan
 
 log = logging.getLogger("trainer")
 
@@ -155,16 +155,18 @@ def train_iteration(session: Session, job: TrainJob, *, publish: bool = True,
     session.onload()
     seed_everything(config.seed * 1_000_003 + job.iteration)
     batch = load_batch(job)
-    lens = [len(r) for r in batch.response_ids]
+    # The model's own tokens per sample: what the loss and every per-token metric
+    # average over (a multi-turn episode's environment turns are context).
     log.info(
-        "batch %s: %d samples, %d response tokens", job.batch_path, batch.num_samples, sum(lens)
+        "batch %s: %d samples, %d response tokens, %d of them the model's", job.batch_path,
+        batch.num_samples, int(batch.response_tokens.numel()), sum(batch.model_token_counts)
     )
     wrapped, optimizer, start_step = session.model, session.optimizer, session.step
     check_vocab(batch, unwrap(wrapped).get_input_embeddings().num_embeddings, job.batch_path)
     tokenizer = session.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    steps = plan_steps(lens, world=ctx.world_size, config=config, iteration=job.iteration)
-    inputs, mismatch = fixed_inputs(job, ctx, wrapped, batch, lens, bool(steps), pad_id)
+    steps = plan(batch, world=ctx.world_size, config=config, iteration=job.iteration)
+    inputs, mismatch = fixed_inputs(job, ctx, wrapped, batch, bool(steps), pad_id)
     progress = Progress()
     for number, step in enumerate(steps, start=1):
         local, grad_norm = optimizer_step(
@@ -183,7 +185,7 @@ def train_iteration(session: Session, job: TrainJob, *, publish: bool = True,
             optimizer.param_groups[0]["lr"],
         )
     session.step, session.through = start_step + len(steps), job.iteration
-    metrics = iteration_metrics(job, ctx, inputs, lens, progress, mismatch, start_step)
+    metrics = iteration_metrics(job, ctx, inputs, progress, mismatch, start_step)
     if publish:
         metrics["resumed"] = session.resumed or None
         session.resumed = {}
@@ -196,7 +198,6 @@ def fixed_inputs(
     ctx: DistContext,
     wrapped: Any,
     batch: TrainBatch,
-    lens: list[int],
     training: bool,
     pad_id: int,
 ) -> tuple[Inputs, tuple[float, ...]]:
@@ -204,10 +205,12 @@ def fixed_inputs(
 
     Returns the `Inputs` and, summed over ranks: the absolute gap between the
     engine's log-probs and the recomputed old ones (sum, max), and for an
-    off-policy job the truncated importance weights (sum, tokens truncated).
+    off-policy job the truncated importance weights (sum, tokens truncated),
+    all over the tokens the model generated (TrainBatch.model_token_counts).
     Without steps to take (`training` false) no forward runs.
     """
     config = job.config
+    model_tokens = batch.model_token_counts
     own = shard(batch.num_samples, ctx.world_size, ctx.rank)
     # The PPO "old" policy is the current weights, recomputed here: the
     # engine's log-probs differ by kernels and precision and are only compared.
@@ -221,8 +224,8 @@ def fixed_inputs(
     # Only the model's own tokens have an engine log-prob to compare.
     mask = batch.response_mask
     assert mask is not None  # TrainBatch fills it
-    model_tokens = {i: mask[offsets[i] : offsets[i + 1]] for i in own}
-    gaps = [(old[i] - engine[i]).abs()[model_tokens[i]] for i in own if lens[i]]
+    model_mask = {i: mask[offsets[i] : offsets[i + 1]] for i in own}
+    gaps = [(old[i] - engine[i]).abs()[model_mask[i]] for i in own if model_tokens[i]]
     gaps = [g for g in gaps if g.numel()]
     mismatch_sum = all_reduce([sum(float(g.sum()) for g in gaps)], ctx)[0]
     mismatch_max = all_reduce(
@@ -235,7 +238,7 @@ def fixed_inputs(
     if job.off_policy and training:
         tis = {i: grpo.truncated_is_weights(old[i], engine[i], cap=config.tis_cap) for i in own}
         for i in own:
-            kept = tis[i][model_tokens[i]]
+            kept = tis[i][model_mask[i]]
             tis_sums[0] += float(kept.sum())
             tis_sums[1] += float((kept >= config.tis_cap).sum())
         tis_sums = all_reduce(tis_sums, ctx)
@@ -249,7 +252,7 @@ def fixed_inputs(
         del ref_wrapped
     log.info(
         "old log-probs ready; engine mismatch mean %.3g max %.3g",
-        mismatch_sum / max(1, sum(lens)),
+        mismatch_sum / max(1, sum(model_tokens)),
         mismatch_max,
     )
     advantages = (
@@ -266,7 +269,6 @@ def iteration_metrics(
     job: TrainJob,
     ctx: DistContext,
     inputs: Inputs,
-    lens: list[int],
     progress: Progress,
     mismatch: tuple[float, ...],
     start_step: int,
@@ -275,6 +277,9 @@ def iteration_metrics(
     batch, advantages, totals = inputs.batch, inputs.advantages, progress.totals
     steps = len(progress.losses)
     seen = max(totals.tokens, 1.0)
+    # The model's tokens: what the loss, the mismatch and the TIS sums run over.
+    model_tokens = sum(batch.model_token_counts)
+    counted = max(1, model_tokens)
     return {
         "schema": METRICS_SCHEMA,
         "version": METRICS_VERSION,
@@ -282,7 +287,7 @@ def iteration_metrics(
         "world_size": ctx.world_size,
         "strategy": ctx.strategy.value,
         "samples": batch.num_samples,
-        "tokens": sum(lens),
+        "tokens": model_tokens,
         "steps": steps,
         "loss": totals.loss / steps if steps else 0.0,
         "loss_per_step": progress.losses,
@@ -295,11 +300,11 @@ def iteration_metrics(
         "reward_mean": float(batch.rewards.mean()) if batch.num_samples else 0.0,
         "advantage_mean": float(advantages.mean()) if batch.num_samples else 0.0,
         "advantage_abs_mean": float(advantages.abs().mean()) if batch.num_samples else 0.0,
-        "logprob_mismatch_mean_abs": mismatch[0] / max(1, sum(lens)),
+        "logprob_mismatch_mean_abs": mismatch[0] / counted,
         "logprob_mismatch_max_abs": mismatch[1],
         # Off-policy jobs only (asynchronous runs): the truncated importance weights.
-        "tis_weight_mean": mismatch[2] / max(1, sum(lens)) if job.off_policy else None,
-        "tis_truncated_fraction": mismatch[3] / max(1, sum(lens)) if job.off_policy else None,
+        "tis_weight_mean": mismatch[2] / counted if job.off_policy else None,
+        "tis_truncated_fraction": mismatch[3] / counted if job.off_policy else None,
         "optimizer_step_start": start_step,
         "optimizer_step_end": start_step + steps,
     }

@@ -64,6 +64,15 @@ class Inputs:
     pad_id: int
 
 
+def plan(batch: TrainBatch, *, world: int, config: TrainConfig,
+         iteration: int) -> list[grpo.Step]:
+    """The iteration's optimizer steps (grpo.plan_steps), their token-mean normalisers
+    counting only the tokens the model generated: a multi-turn episode's environment
+    and template tokens are context, masked out of the loss and out of its mean."""
+    return grpo.plan_steps(batch.model_token_counts, world=world, config=config,
+                           iteration=iteration)
+
+
 def optimizer_step(
     wrapped: Any,
     optimizer: Any,
@@ -127,10 +136,12 @@ def micro_batch_loss(
     tis = None
     if inputs.tis is not None and real:
         tis = grpo.place_response_values([inputs.tis[i] for i in idx], packed).to(ctx.device)
+    # Only the model's own tokens count: a multi-turn episode's environment and
+    # template tokens are masked out of the loss and must not dilute its mean.
     if config.loss_agg == LossAgg.TOKEN_MEAN:
         weights, normalizer = None, max(step.tokens, 1)
     else:
-        weights = torch.tensor([1.0 / max(r, 1) for r in packed.response_lens])
+        weights = torch.tensor([1.0 / max(n, 1) for n in packed.model_lens])
         normalizer = max(step.samples, 1)
     return grpo.grpo_loss(
         logp,

@@ -39,7 +39,7 @@ def test_collate_right_pads_and_masks_response_targets_only() -> None:
     # Target column t predicts input t+1: row 0's response (inputs 2..4) is
     # columns 1..3, row 1's single response token (input 1) is column 0.
     assert packed.response_mask.tolist() == [[0, 1, 1, 1], [1, 0, 0, 0]]
-    assert packed.num_response_tokens == 4
+    assert packed.response_lens == packed.model_lens == (3, 1)
 
 
 def test_collate_refuses_an_empty_prompt() -> None:
