@@ -26,9 +26,10 @@
 While it trains, the torchrun tree is one of the daemon's children (a lost
 peer kills it at once, coordinator/runtime.py); between jobs it is not, so a
 failure elsewhere leaves an idle, consistent trainer alone.  A daemon that
-dies takes it along: torchrun gets PR_SET_PDEATHSIG from the daemon's main
-thread, each trainer process from torchrun, and a trainer whose channel
-closes exits.
+dies takes it along: torchrun gets PR_SET_PDEATHSIG tied to the daemon's
+lifetime (forked by its spawner thread, coordinator/lifetime.py), each
+trainer process from torchrun's main thread (trainer/lifeline.py), and a
+trainer whose channel closes exits.
 """
 
 from __future__ import annotations

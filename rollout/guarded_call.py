@@ -15,7 +15,16 @@ deadline that always holds.
     call(args) ─── {"args": [...]} ───────────> F(*args)
               <─── {"value": v} | {"error": s} ┘
     no reply within the deadline: SIGKILL, reap, CallTimedOut; the next call
-    starts a new child.  EOF on the child's stdin (the parent gone) ends it.
+    starts a new child.  The child gone mid-call (killed, out of memory, a
+    crash in C): WorkerDied naming how it ended, never a result; the next call
+    starts a new child.
+
+The child belongs to the process, not to the thread that first called: it is
+forked by the process's spawner thread (coordinator/lifetime.py) with
+PR_SET_PDEATHSIG, so it dies with the process, even mid-computation, and
+outlives the episode threads of agent plugins (rollout/agents.py), which
+end after each episode.  EOF on the child's stdin (the parent gone) ends it
+too while it waits for a request.
 
 One request at a time per worker (a lock); the JSON-lines exchange costs tens
 of microseconds, nothing beside the function's own work.
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
 import importlib
 import json
 import os
@@ -36,9 +46,14 @@ import time
 from collections.abc import Callable
 from typing import IO, Any, Final
 
+from coordinator.lifetime import describe_exit, spawn
+
 # Importing math-verify (sympy, antlr) takes 2-3 s on an idle core; a loaded
 # 2-core machine running four daemons can take several times that.
 DEFAULT_START_SECONDS: Final = 60.0
+# A child whose stdout closed is reaped within this, or taken for one still
+# running (then killed): exiting takes a dead process milliseconds.
+_EXIT_GRACE_S: Final = 2.0
 
 
 class GuardedCallError(RuntimeError):
@@ -49,6 +64,21 @@ class CallTimedOut(GuardedCallError, TimeoutError):
     def __init__(self, message: str, *, seconds: float) -> None:
         super().__init__(message)
         self.seconds = seconds
+
+
+class WorkerDied(GuardedCallError):
+    """The child process ended during a call: there is no result, and none is made up."""
+
+    def __init__(self, message: str, *, returncode: int | None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+class _End(enum.Enum):
+    """Why no reply came."""
+
+    DEADLINE = "deadline"
+    EXITED = "exited"  # EOF on the child's stdout
 
 
 class GuardedWorker:
@@ -79,11 +109,12 @@ class GuardedWorker:
             try:
                 child.stdin.write(json.dumps({"args": list(args)}) + "\n")
                 child.stdin.flush()
-            except (BrokenPipeError, OSError) as exc:
-                self._kill()
-                raise GuardedCallError(f"{self.target}: the worker process died ({exc})") from exc
+            except OSError as exc:  # BrokenPipeError: it died since the check above
+                raise self._died(child, f"before the call ({exc})") from exc
             reply = self._read_line(child.stdout, seconds)
-            if reply is None:
+            if reply is _End.EXITED:
+                raise self._died(child, "during the call")
+            if reply is _End.DEADLINE:
                 self._kill()
                 raise CallTimedOut(f"{self.target}: no result within {seconds:g} s; the worker "
                                    "process was killed and a new one starts on the next call",
@@ -96,35 +127,45 @@ class GuardedWorker:
         with self._lock:
             self._kill()
 
+    def _died(self, child: subprocess.Popen[str], when: str) -> WorkerDied:
+        returncode = self._kill(exited=True)
+        how = describe_exit(returncode) if returncode is not None else \
+            "its output closed and it was killed"
+        return WorkerDied(f"{self.target}: the worker process (pid {child.pid}) died {when}: "
+                          f"{how}; no result, and a new one starts on the next call",
+                          returncode=returncode)
+
     def _ensure_started(self) -> subprocess.Popen[str]:
         if self._child is not None and self._child.poll() is None:
             return self._child
         self._kill()
-        child = subprocess.Popen(
+        child: subprocess.Popen[str] = spawn(
             [sys.executable, "-m", "rollout.guarded_call", self.target],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._child = child
         assert child.stdout is not None
         ready = self._read_line(child.stdout, self.start_seconds)
-        if ready is None or not ready.get("ready"):
-            self._kill()
-            why = ready.get("error") if ready else f"not ready within {self.start_seconds:g} s"
+        if not isinstance(ready, dict) or not ready.get("ready"):
+            returncode = self._kill(exited=ready is _End.EXITED)
+            why = ready.get("error") if isinstance(ready, dict) else \
+                f"not ready within {self.start_seconds:g} s" if ready is _End.DEADLINE else \
+                f"it ended before it was ready ({describe_exit(returncode)})"
             raise GuardedCallError(f"{self.target}: the worker process did not start: {why}")
         return child
 
-    def _read_line(self, stream: IO[str], seconds: float) -> dict[str, Any] | None:
-        """The child's next reply, or None past the deadline or at its exit."""
+    def _read_line(self, stream: IO[str], seconds: float) -> dict[str, Any] | _End:
+        """The child's next reply, or why none came."""
         deadline = time.monotonic() + seconds
         with selectors.DefaultSelector() as selector:
             selector.register(stream, selectors.EVENT_READ)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not selector.select(timeout=left):
-                    return None
+                    return _End.DEADLINE
                 line = stream.readline()
                 if not line:
-                    return None  # the child exited
+                    return _End.EXITED
                 try:
                     reply = json.loads(line)
                 except json.JSONDecodeError:
@@ -132,16 +173,24 @@ class GuardedWorker:
                 if isinstance(reply, dict):
                     return reply
 
-    def _kill(self) -> None:
+    def _kill(self, *, exited: bool = False) -> int | None:
+        """Kill and reap the child; its exit status if it ended by itself (None: it was
+        still running, so killed here).  `exited`: its stdout closed, so it is ending."""
         child, self._child = self._child, None
         if child is None:
-            return
-        if child.poll() is None:
+            return None
+        returncode = child.poll()
+        if returncode is None and exited:
+            # EOF on its stdout comes a moment before the exit is reapable.
+            with contextlib.suppress(subprocess.TimeoutExpired):  # then it still runs
+                returncode = child.wait(_EXIT_GRACE_S)
+        if returncode is None:
             child.kill()
-        child.wait()
+            child.wait()
         for stream in (child.stdin, child.stdout):
             if stream is not None:
                 stream.close()
+        return returncode
 
 
 def _resolve(target: str) -> Callable[..., Any]:
@@ -152,21 +201,7 @@ def _resolve(target: str) -> Callable[..., Any]:
     return fn  # type: ignore[no-any-return]
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies, even mid-computation
-    (EOF on stdin ends it only while it waits for a request)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig: Final = 1
-    with contextlib.suppress(OSError):  # no libc by that name: EOF still ends it
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def _serve(target: str) -> int:
-    _die_with_parent()
     # Replies go to the real stdout only; whatever the function prints goes to stderr.
     out = sys.stdout
     sys.stdout = sys.stderr

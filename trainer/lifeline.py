@@ -28,6 +28,12 @@ LAUNCHER_PID_ENV: Final = "COORDINATOR_LAUNCHER_PID"
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL us when our parent (torchrun) dies.
 
+    The kernel sends it when the *thread* that forked us ends: torchrun's
+    elastic agent starts and restarts its workers from its main thread
+    (`_invoke_run`), which ends only with torchrun, so this is torchrun's
+    death.  (The daemon's own children are forked by a thread that lives as
+    long as the daemon: coordinator/lifetime.py.)
+
     Without it a rank whose torchrun agent was killed keeps its process group
     and memory until its next collective times out, minutes later.  prctl only
     covers deaths after the call: a torchrun that died while this process was

@@ -11,17 +11,17 @@ the process group), and not a CUDA context held by a zombie.
 
 Orphans: each child gets PR_SET_PDEATHSIG=SIGKILL, so if the daemon that
 started it is SIGKILLed the server dies with it.  Linux delivers that signal
-when the parent *thread* exits, so engines must be started from a long-lived
-thread (the daemon's main thread).  Grandchildren do not inherit it; a
-SIGKILLed daemon can leave vLLM workers behind, which the next stop cannot
-see.  That is a known gap (no subreaper here), not silently handled.
+when the parent *thread* exits, so every child is forked by the process's
+spawner thread (coordinator/lifetime.py), which ends only with the process:
+an engine started from a thread that returns (the rollout ahead of training,
+rl/ahead.py) stays up.  Grandchildren do not inherit it; a SIGKILLed daemon
+can leave vLLM workers behind, which the next stop cannot see.  That is a
+known gap (no subreaper here), not silently handled.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -37,44 +37,15 @@ import psutil
 
 from coordinator.errors import UnsafeFileError
 from coordinator.fsio import open_append, open_regular
+from coordinator.lifetime import (
+    describe_exit as describe_exit,  # re-exported: callers import it here
+)
+from coordinator.lifetime import spawn
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG: Final = 1  # from <linux/prctl.h>
 _TAIL_BYTES: Final = 64 * 1024  # enough for ~50 lines of a Python traceback
 _POLL_S: Final = 0.02  # exit polling; stop() runs once per iteration, cost is nil
-
-
-def describe_exit(returncode: int | None) -> str:
-    """'exit status 3' / 'killed by SIGKILL (-9)' / 'still running'."""
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"killed by {name} ({returncode})"
-    return f"exit status {returncode}"
-
-
-# Loaded once in the parent: dlopen in the forked child could deadlock on a
-# loader lock held by another thread of the daemon at fork time.
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-def _preexec_pdeathsig(parent_pid: int) -> Callable[[], None]:
-    prctl = _LIBC.prctl
-
-    def preexec() -> None:
-        # Runs in the child between fork and exec: keep it to two syscalls.
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        # The parent may have died before prctl took effect: then nobody would
-        # ever send the signal, so exit now instead of running orphaned.
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return preexec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +89,7 @@ class ManagedProcess:
                 f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(self.argv)}\n".encode()
             )
             self.log_offset = logf.tell()
-            self._popen = subprocess.Popen(
+            self._popen = spawn(
                 self.argv,
                 stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                 stdout=logf,
@@ -126,7 +97,6 @@ class ManagedProcess:
                 env=dict(env),
                 cwd=cwd,
                 start_new_session=True,
-                preexec_fn=_preexec_pdeathsig(os.getpid()),
                 close_fds=True,
                 pass_fds=tuple(pass_fds),
             )

@@ -29,8 +29,9 @@ Waits for / released by:
 
 close() is stop() plus ending whatever an engine keeps for its next start
 (the hf engine's warm spare, see hf.py); call it at daemon shutdown.
-Engines are driven from one thread (the daemon's main thread: see process.py
-on PR_SET_PDEATHSIG).  The port file, when given, holds
+Engines are driven from one thread at a time; whichever starts the server,
+it dies with the daemon, not with that thread (process.py, PR_SET_PDEATHSIG).
+The port file, when given, holds
 {"version": 1, "kind", "host", "port", "pid", "model_dir"} (never the key).
 """
 

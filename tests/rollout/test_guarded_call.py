@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import pytest
 
-from rollout.guarded_call import CallTimedOut, GuardedCallError, GuardedWorker
+from rollout.guarded_call import CallTimedOut, GuardedCallError, GuardedWorker, WorkerDied
 
 
 def test_a_call_returns_its_value_and_the_worker_stays_up_between_calls() -> None:
@@ -54,3 +56,51 @@ def test_a_target_that_does_not_import_is_reported_at_start() -> None:
         worker.call(seconds=30)
     with pytest.raises(ValueError, match="not 'module:function'"):
         GuardedWorker("nocolon")
+
+
+def test_the_worker_outlives_the_thread_that_started_it() -> None:
+    """Agent plugins call rewards from one thread per episode, each ending after its
+    episode: the worker must belong to the process (PR_SET_PDEATHSIG is per thread)."""
+    worker = GuardedWorker("math:hypot")
+    try:
+        thread = threading.Thread(target=worker.call, args=(3, 4), kwargs={"seconds": 30})
+        thread.start()
+        thread.join(timeout=60)
+        first = worker.pid
+        assert first is not None
+        # A death signal tied to the thread comes as it exits: well within this.
+        time.sleep(1.0)
+        assert worker.call(6, 8, seconds=30) == 10.0
+        assert worker.pid == first, "the worker died with the thread that started it"
+    finally:
+        worker.close()
+
+
+def test_a_worker_that_dies_during_a_call_is_named_never_taken_for_a_timeout() -> None:
+    worker = GuardedWorker("time:sleep")
+    try:
+        worker.call(0, seconds=30)
+        pid = worker.pid
+        assert pid is not None
+        errors: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                worker.call(600, seconds=60)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        time.sleep(0.5)  # the request is in the worker (a kill before it: the same error)
+        os.kill(pid, signal.SIGKILL)  # as the kernel's OOM killer would
+        thread.join(timeout=30)
+        assert len(errors) == 1
+        assert isinstance(errors[0], WorkerDied) and not isinstance(errors[0], CallTimedOut)
+        assert errors[0].returncode == -signal.SIGKILL
+        assert f"the worker process (pid {pid}) died" in str(errors[0])
+        assert "killed by SIGKILL (-9)" in str(errors[0])
+        assert worker.call(0, seconds=30) is None  # a new worker takes the next call
+        assert worker.pid not in (None, pid)
+    finally:
+        worker.close()

@@ -137,6 +137,42 @@ def test_server_dies_when_the_daemon_that_started_it_is_sigkilled(
     assert _wait_for(lambda: _gone(child), 5.0), "server outlived its SIGKILLed daemon"
 
 
+def test_a_server_started_from_a_thread_that_ends_lives_until_its_daemon_dies(
+    tmp_path: Path, reap: list[int]
+) -> None:
+    """PR_SET_PDEATHSIG fires when the forking *thread* ends: the rollout ahead of
+    training (rl/ahead.py) may start the engine from a thread that then returns."""
+    child_file = tmp_path / "child.json"
+    daemon_code = textwrap.dedent(f"""
+        import json, os, sys, threading, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+        from rollout.engines.process import ManagedProcess
+        started = []
+        def start():
+            started.append(ManagedProcess([sys.executable, "-c", "import time; time.sleep(60)"],
+                                          log_path={str(tmp_path / "c.log")!r}, env=os.environ))
+        thread = threading.Thread(target=start)
+        thread.start()
+        thread.join()
+        open({str(child_file)!r}, "w").write(json.dumps(started[0].pid))
+        time.sleep(60)
+    """)
+    daemon = subprocess.Popen([PY, "-c", daemon_code])
+    reap.append(daemon.pid)
+    assert _wait_for(child_file.exists)
+    child = json.loads(child_file.read_text())
+    reap.append(child)
+    # The signal, were it tied to the thread, comes as the thread exits: well
+    # within a second even on a loaded machine.
+    time.sleep(1.0)
+    assert not _gone(child), "the server died with the thread that started it"
+
+    daemon.kill()
+    daemon.wait()
+
+    assert _wait_for(lambda: _gone(child), 5.0), "server outlived its SIGKILLed daemon"
+
+
 def test_log_tail_shows_the_last_lines_of_the_current_run_only(tmp_path: Path) -> None:
     log = tmp_path / "s.log"
     log.write_text("old run line\n" * 3)
