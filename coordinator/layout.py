@@ -7,6 +7,7 @@ steer a daemon to read or write outside the run directory.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Final
 
@@ -28,6 +29,28 @@ def rank_dir(rank: int) -> str:
 
 def claim(rank: int) -> str:
     return f"{rank_dir(rank)}/claim.json"
+
+
+def claim_taken(rank: int, token: str) -> str:
+    """Created exclusively by the one daemon that may replace the claim of `token`
+    (coordinator/claims.py): its own claim."""
+    return f"{rank_dir(rank)}/claim.taken-{_token_name(token)}.json"
+
+
+def claim_stale(rank: int, token: str) -> str:
+    """The claim of `token`, set aside by the daemon that took its place."""
+    return f"{rank_dir(rank)}/claim.stale-{_token_name(token)}.json"
+
+
+# A daemon's token (secrets.token_hex) as it is; anything else a claim in the
+# untrusted run directory names, by digest: never a path of its own making.
+_TOKEN: Final = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
+
+def _token_name(token: str) -> str:
+    if _TOKEN.fullmatch(token):
+        return token
+    return "sha256-" + hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def heartbeat(rank: int) -> str:

@@ -1,32 +1,24 @@
-"""Joining the group: rank claims, finding the master, forming a session.
+"""Joining the group: finding the master, forming a session.
 
-Exclusive claim: `ranks/<R>/claim.json` is created with link(2), which fails
-when the file exists.  A claim held by a live daemon makes a second daemon
-exit with code 2 naming the holder; a claim whose holder is provably dead (a
-PID gone on this host, a heartbeat that says it left or failed, or no
-heartbeat progress for a whole lease on this daemon's own clock), whatever run
-or generation it names, is moved aside and taken over.  A
-daemon that took a claim re-reads it every few beats (liveness.fence_check),
-so two daemons racing for one dead claim cannot both keep writing.
+A daemon first takes its rank's claim (coordinator/claims.py: exclusive, taken
+over from a holder proven dead by compare-and-swap); `claim_rank`, `release_claim`
+and `hostname` are named here too, where the daemon has always called them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psutil
-
 from coordinator import layout, netaddr
+from coordinator.claims import claim_rank as claim_rank
+from coordinator.claims import hostname as hostname
+from coordinator.claims import release_claim as release_claim
 from coordinator.errors import (
     MalformedRecordError,
     PeerLostError,
     PhaseFailedError,
-    RankHeldError,
     RunCompleted,
 )
 from coordinator.polling import Backoff, Clock, Wait
@@ -45,109 +37,11 @@ from coordinator.store import Store, publish_record, read_record
 log = logging.getLogger(__name__)
 
 
-def hostname() -> str:
-    return socket.gethostname()
-
-
-def pid_is_dead_here(claim: Claim) -> bool:
-    """True when the holder ran on this host and its process is gone."""
-    if claim.host != hostname():
-        return False
-    try:
-        proc = psutil.Process(claim.pid)
-        # A reused PID belongs to a process started after the claim.
-        return proc.create_time() > claim.started + 1.0
-    except psutil.NoSuchProcess:
-        return True
-
-
 @dataclass
 class _Progress:
     counter: int = -1
     changed_at: float = 0.0
     token: str = ""
-
-
-def holder_alive(
-    store: Store, claim: Claim, *, lease_s: float, clock: Clock, retry_s: float,
-    backoff: Backoff, progress_interval_s: float,
-) -> bool:
-    """Decide whether a claim's holder lives: at most one lease of watching."""
-    if pid_is_dead_here(claim):
-        return False
-    seen = _Progress(changed_at=clock.now())
-    first = True
-
-    def probe() -> bool | None:
-        nonlocal first
-        hb = read_record(store, layout.heartbeat(claim.rank), Heartbeat, retry_s=retry_s)
-        now = clock.now()
-        if hb is None or hb.token != claim.token:
-            if now - seen.changed_at > lease_s:
-                return False
-            return None
-        if hb.state not in LIVE_STATES:
-            return False
-        if hb.counter != seen.counter:
-            if not first:
-                return True  # it advanced while we watched: alive
-            seen.counter, seen.changed_at = hb.counter, now
-        first = False
-        if now - seen.changed_at > lease_s:
-            return False
-        return None
-
-    wait = Wait(
-        deadline_s=lease_s * 2 + 1, backoff=backoff, progress_interval_s=progress_interval_s,
-        describe=lambda: f"a sign of life from rank {claim.rank}'s holder (pid {claim.pid} on "
-        f"host {claim.host}), to decide whether it can be replaced",
-        clock=clock,
-    )
-    return wait.until(probe)
-
-
-def claim_rank(
-    store: Store, claim: Claim, *, lease_s: float, clock: Clock, retry_s: float,
-    backoff: Backoff, progress_interval_s: float,
-) -> None:
-    """Take rank `claim.rank` exclusively, or raise RankHeldError naming the holder."""
-    key = layout.claim(claim.rank)
-    for _ in range(5):
-        if store.create_exclusive(key, claim.to_bytes()):
-            mine = read_record(store, key, Claim, retry_s=retry_s)
-            if mine is not None and mine.token == claim.token:
-                return
-            continue
-        holder = read_record(store, key, Claim, retry_s=retry_s)
-        if holder is None:
-            continue  # its holder removed it between our link and our read
-        # Whatever run or generation the claim names, only a holder proven
-        # dead gives way: two masters racing on a fresh directory name
-        # different runs, and the one that holds rank 0 must keep it.
-        if holder_alive(
-            store, holder, lease_s=lease_s, clock=clock, retry_s=retry_s, backoff=backoff,
-            progress_interval_s=progress_interval_s,
-        ):
-            raise RankHeldError(
-                f"rank {claim.rank} of run {claim.run_id} is already held by pid {holder.pid} "
-                f"on host {holder.host} (run {holder.run_id}, started "
-                f"{time.ctime(holder.started)}): stop that daemon first, or give this one "
-                "another rank or another --log-path",
-                rank=claim.rank, host=holder.host, pid=holder.pid,
-            )
-        why = "a dead holder" + (f" of run {holder.run_id}" if holder.run_id != claim.run_id
-                                 else "")
-        log.warning("taking over rank %d from %s (pid %d on %s)", claim.rank, why,
-                    holder.pid, holder.host)
-        # Race: another daemon may move the dead holder's claim first; then
-        # the next round sees its fresh claim.
-        with contextlib.suppress(FileNotFoundError):
-            store.rename(key, f"{layout.rank_dir(claim.rank)}/claim.stale-{holder.token}.json")
-    raise RankHeldError(
-        f"could not claim rank {claim.rank}: other daemons kept claiming it; is a second daemon "
-        "for this rank starting on another host?",
-        rank=claim.rank, host="?", pid=-1,
-    )
 
 
 def unfinished_master(store: Store, run_id: str, *, retry_s: float) -> Heartbeat | None:
@@ -157,17 +51,6 @@ def unfinished_master(store: Store, run_id: str, *, retry_s: float) -> Heartbeat
     if before is not None and before.run_id == run_id and before.state is not NodeState.FINISHED:
         return before
     return None
-
-
-def release_claim(store: Store, rank: int, token: str, *, retry_s: float) -> None:
-    """Remove our claim at exit, but only if it is still ours."""
-    key = layout.claim(rank)
-    try:
-        current = read_record(store, key, Claim, retry_s=retry_s)
-        if current is not None and current.token == token:
-            store.remove(key)
-    except Exception as exc:  # shutdown path: log and carry on
-        log.warning("could not remove the claim of rank %d: %s", rank, exc)
 
 
 def master_gave_up(hb: Heartbeat) -> PeerLostError | PhaseFailedError:

@@ -112,6 +112,8 @@ class MemoryStore:
 
     def rename(self, src: str, dst: str) -> None:
         with self._lock:
+            if src not in self._files:
+                raise FileNotFoundError(src)  # as os.rename and a bucket's copy say it
             self._files[dst] = self._files.pop(src)
 
     def listdir(self, key: str) -> list[str]:
