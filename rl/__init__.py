@@ -17,7 +17,7 @@ compares this table with it):
 | 0 sync | `plan.publish_shard_plans` | `plan.choose_policy` |
 | 1 rollout | `rollouts.roll_out_train` | `rollouts.same_agent` |
 | 2 rollout_done | `rollouts.finish_train_rollout` | - |
-| 3 trajectories | `rollouts.report_trajectories` | - |
+| 3 trajectories | `rollouts.report_trajectories` | `aggregation.pin_manifests` |
 | 4 aggregate | `aggregation.aggregate_train` | - |
 | 5 eval_decision | `evaluation.await_eval_decision` | `evaluation.decide_eval` |
 | 6 eval | `evaluation.roll_out_eval` | `evaluation.merge_eval` |

@@ -48,7 +48,7 @@ PHASE_WORK: Final[Mapping[Phase, PhaseWork]] = {
     Phase.SYNC: PhaseWork(plan.publish_shard_plans, plan.choose_policy),
     Phase.ROLLOUT: PhaseWork(rollouts.roll_out_train, rollouts.same_agent),
     Phase.ROLLOUT_DONE: PhaseWork(rollouts.finish_train_rollout),
-    Phase.TRAJECTORIES: PhaseWork(rollouts.report_trajectories),
+    Phase.TRAJECTORIES: PhaseWork(rollouts.report_trajectories, aggregation.pin_manifests),
     Phase.AGGREGATE: PhaseWork(aggregation.aggregate_train),
     Phase.EVAL_DECISION: PhaseWork(evaluation.await_eval_decision, evaluation.decide_eval),
     Phase.EVAL: PhaseWork(evaluation.roll_out_eval, evaluation.merge_eval),

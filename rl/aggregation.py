@@ -1,16 +1,20 @@
-"""Phase 4: the master turns every rank's trajectories into the training batch.
+"""Phases 3-4: the master turns every rank's trajectories into the training batch.
 
+    3   decide   pin each rank's manifest: the SHA-256 the rank reported (or, for a
+                 rank that skipped phase 3 as done in its journal, of the manifest
+                 as the master reads it now) goes into the release (PinnedManifests)
     4   master   check each rank's output against the shard plan and the merged
                  result against the budget (failed samples, the batch's size:
                  rollout/budget.py), write iterations/<N>/batch.pt and
-                 metrics/rollout.json
+                 metrics/rollout.json; a manifest is read only in its pinned form
+                 (one changed since phase 3 fails the phase, naming both digests)
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +22,9 @@ from typing import Any
 from coordinator import fsio
 from coordinator.actions import StepContext
 from coordinator.errors import ActionError
+from coordinator.records import Arrival
 from rl import layout
+from rl.contracts import PinnedManifests
 from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
@@ -47,6 +53,39 @@ def merge_inputs(loop: Loop, iteration: int, split: Split) -> MergeInputs:
                 for r in plan.frozen if r in ranks})
 
 
+def pinned_digests(ranks: Iterable[int], reported: Mapping[int, Any],
+                   read: Callable[[int], str | None]) -> dict[int, str]:
+    """Phase 3's decision, pure: each rank's manifest digest as it reported it; `read` (the
+    master's own read of the manifest) only for a rank whose arrival carries none, as it
+    skipped phase 3 done in its journal (a restarted group).  A rank with tasks and no
+    manifest fails the phase, naming it."""
+    pinned = {}
+    for rank in sorted(ranks):
+        digest = reported[rank] if rank in reported else read(rank)
+        if not isinstance(digest, str):
+            raise ActionError(
+                f"rank {rank} has train tasks but reported no manifest digest at phase 3 "
+                f"({digest!r}) and none can be read: its rollout output is missing; run "
+                "phases 1-3 again (`coordinator recover`)")
+        pinned[rank] = digest
+    return pinned
+
+
+def pin_manifests(loop: Loop, ctx: StepContext,
+                  arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
+    """Phase 3's decision (master): the manifests phase 4 aggregates, by digest."""
+    from rollout.aggregate import manifest_digest
+
+    if not loop.trains:
+        return {}
+    inputs = merge_inputs(loop, ctx.iteration, Split.TRAIN)
+    reported = {rank: a.payload["manifest_sha256"] for rank, a in arrivals.items()
+                if "manifest_sha256" in a.payload}
+    pinned = pinned_digests([r for r in inputs.rank_dirs if r not in inputs.frozen], reported,
+                            lambda rank: manifest_digest(inputs.rank_dirs[rank]))
+    return PinnedManifests(manifest_sha256={str(r): d for r, d in pinned.items()}).fields()
+
+
 def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 4 (master): the training batch and the rollout metrics."""
     from rollout.aggregate import aggregate_iteration
@@ -55,10 +94,12 @@ def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     if not ctx.is_master or not loop.trains:
         return {}
     inputs = merge_inputs(loop, ctx.iteration, Split.TRAIN)
+    pinned = PinnedManifests.read(ctx).by_rank()
     started = time.monotonic()
     try:
         metrics = aggregate_iteration(inputs.rank_dirs, inputs.assignments,
                                       frozen=inputs.frozen, iteration=ctx.iteration,
+                                      manifest_sha256=pinned,
                                       group_size=loop.s.rollout.group_size,
                                       out_path=layout.batch(loop.run_dir, ctx.iteration),
                                       max_failed_fraction=loop.s.rollout.max_failed_fraction,

@@ -6,6 +6,7 @@ validated like every other record when a rank reads them back, so that a
 missing, mistyped or hostile value is refused with the release's path:
 
     phase 0   PolicyChoice            the model this iteration samples from
+    phase 3   PinnedManifests         each rank's manifest digest, what phase 4 aggregates
     phase 5   EvalDecision            whether this iteration evaluates
     phase 6   EvalResult              the merged eval accuracy
     phase 9   TrainRendezvous         the trainer group: kept, or new on the master's port
@@ -71,6 +72,28 @@ class PolicyChoice(Payload):
     PHASE: ClassVar[Phase] = Phase.SYNC
     # "initial", or the newest checkpoint before this iteration, relative to the run directory
     policy: str
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PinnedManifests(Payload):
+    """Per rank with train tasks (its number as a string, a JSON key), the SHA-256 of its
+    rank manifest as phase 3 found it: phase 4 aggregates exactly those bytes."""
+
+    SCHEMA: ClassVar[str] = "rl/pinned-manifests"
+    PHASE: ClassVar[Phase] = Phase.TRAJECTORIES
+    manifest_sha256: dict[str, str]
+
+    def __post_init__(self) -> None:
+        for rank, digest in self.manifest_sha256.items():
+            if not re.fullmatch(r"[0-9]{1,6}", rank) or not _SHA256.fullmatch(digest):
+                raise ValueError(f"manifest_sha256 {{{rank!r}: {digest!r}}} is not a rank "
+                                 "number and 64 hex digits")
+
+    def by_rank(self) -> dict[int, str]:
+        return {int(rank): digest for rank, digest in self.manifest_sha256.items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,8 @@
 """Master-side aggregation of one iteration's rollouts into a training batch.
 
     pass 1, for each rank (one at a time):
-        manifest.json --rank/iteration fence, id check against the plan-->
+        manifest.json --the digest the rank reported at phase 3 (pinned),
+                       rank/iteration fence, id check against the plan-->
             assigned ids each present exactly once, none foreign, finalized
         each chunk --SHA-256 of the bytes read--> torch.load(weights_only=True, mmap)
             --> every group exactly group_size samples, indices 0..n-1
@@ -17,7 +18,10 @@
 Nothing is trusted before it is checked: a rank whose output is incomplete,
 duplicated, foreign, altered or not loadable as plain tensors stops the
 aggregation with an AggregationError naming the rank and the ids, before any
-batch is published.  Pass 1 touches only the small per-sample tensors of the
+batch is published.  With the digests the ranks reported at phase 3
+(`manifest_sha256`), a manifest is parsed from the very bytes whose SHA-256
+matched: one that changed since (a writer that outlived its phase) is
+refused naming both digests, never merged in its new form.  Pass 1 touches only the small per-sample tensors of the
 mapped chunks, so token data is read into memory once, in pass 2, one chunk at
 a time: the master's memory stays near one chunk file however big the batch.
 The running sums and the kept samples live in rollout/accumulator.py.
@@ -25,6 +29,7 @@ The running sums and the kept samples live in rollout/accumulator.py.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -39,7 +44,7 @@ from rollout.accumulator import Accumulator, AggregateMetrics
 from rollout.budget import check_batch, check_failures
 from rollout.chunk_format import Chunk, read_verified_chunk
 from rollout.errors import AggregationError
-from rollout.manifest import RankManifest, read_manifest
+from rollout.manifest import MANIFEST_NAME, RankManifest, read_manifest
 from rollout.train_batch import TrainBatchWriter
 
 logger = logging.getLogger(__name__)
@@ -52,13 +57,55 @@ def _ids(ids: Sequence[str]) -> str:
     return f"{len(ids)} (first {len(shown)}: {', '.join(shown)})"
 
 
+def manifest_digest(directory: Path) -> str | None:
+    """SHA-256 (hex) of the manifest in a rank directory as it reads now; None if there is
+    none.  What a rank reports at phase 3 and what phase 4 then aggregates."""
+    return read_document(directory / MANIFEST_NAME,
+                         lambda raw, _path: hashlib.sha256(raw).hexdigest())
+
+
+class _ManifestMoved(ValueError):
+    """The manifest's bytes are not those whose digest was pinned.  A ValueError, so the
+    reader retries it afresh (a client's stale cache) before it is final."""
+
+    def __init__(self, found: str) -> None:
+        super().__init__(found)
+        self.found = found
+
+
+def _read_pinned(directory: Path, pinned: str) -> RankManifest | None:
+    """The rank's manifest parsed from the bytes whose SHA-256 is `pinned`, read once:
+    no second read can see another file than the one checked."""
+
+    def parse(raw: bytes, path: Path) -> RankManifest:
+        found = hashlib.sha256(raw).hexdigest()
+        if found != pinned:
+            raise _ManifestMoved(found)
+        return RankManifest.from_bytes(raw, path)
+
+    return read_document(directory / MANIFEST_NAME, parse)
+
+
 def _check_manifest(
     rank: int, directory: Path, assigned: Sequence[str], iteration: int,
-    frozen: Path | None = None,
+    frozen: Path | None = None, pinned: str | None = None,
 ) -> RankManifest:
     try:
-        manifest = read_manifest(directory) if frozen is None else \
-            read_document(frozen, RankManifest.from_bytes)
+        if frozen is not None:
+            manifest = read_document(frozen, RankManifest.from_bytes)
+        elif pinned is not None:
+            manifest = _read_pinned(directory, pinned)
+        else:
+            manifest = read_manifest(directory)
+    except _ManifestMoved as exc:
+        path = directory / MANIFEST_NAME
+        raise AggregationError(
+            f"rank {rank}'s manifest {path} has SHA-256 {exc.found} now, but the rank "
+            f"reported {pinned} at phase 3: it changed after the rank finished its rollout (a "
+            "writer that outlived its phase), and the batch is built only from the manifest "
+            "reported; a rerun of the step pins the manifest as it is then (on_failure "
+            f"'wait' reruns it; else `coordinator recover --iteration {iteration}` and "
+            "restart every node)", rank=rank, path=path) from None
     except MalformedRecordError as exc:
         raise AggregationError(f"rank {rank}: {exc}", rank=rank, path=exc.path) from exc
     if manifest is None:
@@ -146,6 +193,7 @@ def _merge(
     collect: bool,
     frozen: Mapping[int, Path],
     oldest_version: int = 0,
+    pinned: Mapping[int, str] | None = None,
 ) -> tuple[Accumulator, dict[int, float], Versions]:
     if type(group_size) is not int or group_size < 1:
         raise ValueError(f"group_size={group_size!r} is below 1: give the samples per task")
@@ -158,13 +206,19 @@ def _merge(
     twice = [t for t, n in everywhere.items() if n > 1]
     if twice:
         raise AggregationError(f"the plan assigns task ids to several ranks: {_ids(twice)}")
+    unpinned = sorted(set(rank_dirs) - set(frozen) - set(pinned)) if pinned is not None else []
+    if unpinned:
+        raise AggregationError(
+            f"no manifest digest was reported at phase 3 for rank(s) {unpinned}: phase 4 "
+            "aggregates only the manifests phase 3 reported; run phases 1-3 again "
+            f"(`coordinator recover --iteration {iteration}`)", rank=unpinned[0])
     acc = Accumulator(group_size, collect)
     speeds: dict[int, float] = {}
     versions = Versions()
     for rank in sorted(rank_dirs):
         directory = Path(rank_dirs[rank])
         manifest = _check_manifest(rank, directory, assignments[rank], iteration,
-                                   frozen.get(rank))
+                                   frozen.get(rank), (pinned or {}).get(rank))
         stale = [e.file for e in manifest.chunks if e.policy_version < oldest_version]
         if stale:
             raise AggregationError(
@@ -233,11 +287,15 @@ def aggregate_iteration(
     max_failed_fraction: float = 1.0,
     min_batch_fraction: float = 0.0,
     oldest_version: int = 0,
+    manifest_sha256: Mapping[int, str] | None = None,
 ) -> AggregateMetrics:
     """Check every rank's output against the plan, publish the training batch, give metrics.
 
     `frozen`: for a rank that left (ShardPlan.frozen), the master's copy of the
     manifest of what it saved, read instead of the one in its directory.
+    `manifest_sha256`: per rank (frozen ones aside), the digest of its manifest
+    as reported at phase 3; each is aggregated only in exactly that form
+    (AggregationError naming both digests otherwise).
     The merged result is held to the budget before anything is published
     (rollout/budget.py): at most `max_failed_fraction` failed samples, and a
     batch of at least `min_batch_fraction` of the samples (never an empty one);
@@ -245,7 +303,7 @@ def aggregate_iteration(
     (asynchronous runs) is refused: AggregationError."""
     acc, speeds, versions = _merge(
         rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=True,
-        frozen=frozen or {}, oldest_version=oldest_version,
+        frozen=frozen or {}, oldest_version=oldest_version, pinned=manifest_sha256,
     )
     check_failures(acc.failed, samples=acc.samples, fraction=max_failed_fraction,
                    where="train (all ranks)", first=acc.first_error)

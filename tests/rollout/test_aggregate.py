@@ -447,3 +447,48 @@ def test_each_batch_reports_its_policy_versions_and_refuses_samples_past_the_bou
     with pytest.raises(AggregationError, match="older than version 5"):
         aggregate_iteration(dirs, plan.as_mapping(), iteration=5, group_size=2,
                             out_path=tmp_path / "batch2.pt", oldest_version=5)
+
+
+def test_phase_4_aggregates_only_the_manifest_whose_digest_phase_3_reported(
+    tmp_path: Path,
+) -> None:
+    import dataclasses
+
+    from coordinator import fsio
+    from rollout.aggregate import manifest_digest
+    from rollout.manifest import read_manifest
+
+    plan = ShardPlan.build(ids(6), [1, 1], seed=0, iteration=2)
+    dirs = run_ranks(tmp_path, plan)
+    reported: dict[int, str] = {}
+    for rank, directory in dirs.items():  # what each rank reports at phase 3
+        digest = manifest_digest(directory)
+        assert digest is not None and len(digest) == 64
+        reported[rank] = digest
+    out = tmp_path / "batch.pt"
+    aggregate_iteration(dirs, plan.as_mapping(), iteration=2, group_size=2, out_path=out,
+                        manifest_sha256=reported)
+    assert load_train_batch(out).num_samples == 12
+    out.unlink()
+
+    # A late writer (a rollout thread that outlived its phase) publishes rank 1's
+    # manifest again, still valid, between phases 3 and 4.
+    before = read_manifest(dirs[1])
+    assert before is not None
+    fsio.publish_bytes(dirs[1] / MANIFEST_NAME,
+                       dataclasses.replace(before, rollout_seconds=99.0).to_bytes())
+    now = manifest_digest(dirs[1])
+    assert now != reported[1]
+    with pytest.raises(AggregationError) as caught:
+        aggregate_iteration(dirs, plan.as_mapping(), iteration=2, group_size=2, out_path=out,
+                            manifest_sha256=reported)
+    assert caught.value.rank == 1
+    assert f"SHA-256 {now} now, but the rank reported {reported[1]} at phase 3" \
+        in str(caught.value)
+    assert not out.exists()  # nothing published from the changed manifest
+
+    with pytest.raises(AggregationError, match=r"no manifest digest was reported at phase 3 "
+                                               r"for rank\(s\) \[1\]"):
+        aggregate_iteration(dirs, plan.as_mapping(), iteration=2, group_size=2, out_path=out,
+                            manifest_sha256={0: reported[0]})
+    assert not out.exists()
