@@ -8,7 +8,12 @@ the claim waits until the test lets it go.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,7 @@ from coordinator.polling import Backoff, Clock
 from coordinator.records import Claim, NodeState
 from coordinator.runtime import Runtime
 from coordinator.store import FsStore, MemoryStore, Store, read_record
+from tests.support.cluster import LocalCluster, write_config
 
 RUN = "0123456789ab"
 BEAT_S = 0.05
@@ -120,9 +126,16 @@ def beating(store: Store, who: Claim, *, fenced: bool) -> HeartbeatPublisher:
     return publisher
 
 
-@pytest.fixture(params=["filesystem", "memory"])
+@pytest.fixture(params=["filesystem", "memory",
+                        pytest.param("bucket", marks=pytest.mark.slow)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    made: Store = FsStore(tmp_path) if request.param == "filesystem" else MemoryStore()
+    made: Store
+    if request.param == "bucket":
+        # S3 (moto's server): the exclusive creates are conditional PUTs
+        # (If-None-Match: *), a rename is a copy and a delete.
+        made = request.getfixturevalue("moto").bucket("claims").store
+    else:
+        made = FsStore(tmp_path) if request.param == "filesystem" else MemoryStore()
     # The holder failed: its heartbeat says so, and its claim is still there.
     assert made.create_exclusive(KEY, DEAD.to_bytes())
     HeartbeatPublisher.starting(made, DEAD, resume_iteration=0, interval_s=BEAT_S,
@@ -230,3 +243,98 @@ def test_a_hostile_token_never_shapes_a_path() -> None:
         name = layout.claim_taken(1, token)
         assert name.startswith("ranks/1/claim.taken-sha256-") and name.count("/") == 2
         assert layout.claim_stale(1, token).startswith("ranks/1/claim.stale-sha256-")
+
+
+# A worker daemon whose first judgment of a claim's holder, once made, waits for a
+# byte on stdin before the daemon acts on it: the exact call, in the real process.
+GATED_WORKER = (
+    "import os, sys\n"
+    "from coordinator import claims\n"
+    "real = claims.holder_alive\n"
+    "gated = []\n"
+    "def judged(store, claim, **kw):\n"
+    "    alive = real(store, claim, **kw)\n"
+    "    if not gated:\n"
+    "        gated.append(claim)\n"
+    "        os.write(1, f'judged {claim.token} alive={alive}\\n'.encode())\n"
+    "        os.read(0, 1)\n"
+    "    return alive\n"
+    "claims.holder_alive = judged\n"
+    "from rl.cli import main\n"
+    "sys.argv = ['coordinator'] + sys.argv[1:]\n"
+    "main()\n"
+)
+DAEMON_S = 90.0  # a 2-iteration scripted run with 1 s phases: seconds; room for a loaded box
+
+
+class GatedWorker:
+    def __init__(self, c: LocalCluster, out: Path) -> None:
+        self.out = out
+        with open(out, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", GATED_WORKER, "run", "--worker", "1", "--log-path",
+                 str(c.log_path)], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                env=c.env)
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_judged(self, c: LocalCluster, token: str) -> None:
+        c.wait_until(lambda: f"judged {token} alive=False" in self.text()
+                     or self.proc.poll() is not None, DAEMON_S,
+                     f"{self.out.name} to judge the holder dead")
+        assert self.proc.poll() is None, self.text()[-3000:]
+
+    def open_gate(self) -> None:
+        assert self.proc.stdin is not None
+        os.write(self.proc.stdin.fileno(), b"g")
+
+
+@pytest.mark.slow
+def test_two_restarted_daemons_that_judged_the_holder_dead_one_runs_the_other_exits_naming_it(
+        tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.toml", iterations=2, scripted='sleeps = ["*:*:1:1.0"]')
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=2, config=config)
+    workers: list[GatedWorker] = []
+    try:
+        c.start(0)
+        c.wait_until(lambda: (c.log_path / "run.json").exists() or c.procs[0].poll() is not None,
+                     DAEMON_S, "the run manifest")
+        assert c.procs[0].poll() is None, c.output(0)[-3000:]
+        manifest = json.loads((c.log_path / "run.json").read_text())
+        # Rank 1's last holder failed: its claim is still there, its heartbeat says so.
+        store = FsStore(c.log_path)
+        dead = Claim(run_id=manifest["run_id"], generation=manifest["generation"], rank=1,
+                     token="dead0000", host="node-x", address="127.0.0.1", probe_port=None,
+                     pid=1111, started=time.time())
+        assert store.create_exclusive(KEY, dead.to_bytes())
+        HeartbeatPublisher.starting(store, dead, resume_iteration=0, interval_s=0.5,
+                                    runtime=Runtime(), retry_s=1.0).beat(
+            state=NodeState.FAILED, error="a step failed")
+        # Two restarts of rank 1 both find it dead; the second's gate opens last.
+        second = GatedWorker(c, tmp_path / "second.log")
+        workers.append(second)
+        second.wait_judged(c, dead.token)
+        first = GatedWorker(c, tmp_path / "first.log")
+        workers.append(first)
+        first.wait_judged(c, dead.token)
+        first.open_gate()
+        c.wait_until(lambda: (holder(store) or dead).pid == first.proc.pid, DAEMON_S,
+                     "the first to take rank 1 over")
+        second.open_gate()
+        try:
+            code = second.proc.wait(timeout=DAEMON_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the second ran on: {second.text()[-3000:]}") from None
+        assert code == 2, second.text()[-3000:]
+        assert f"already held by pid {first.proc.pid} on host" in second.text(), \
+            second.text()[-3000:]
+        assert first.proc.wait(timeout=DAEMON_S) == 0, first.text()[-3000:]
+        assert c.wait(0, DAEMON_S) == 0, c.output(0)[-3000:]
+        assert "taking over rank 1 from a dead holder" in first.text()
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.kill()
+            w.proc.wait(timeout=30)
+        c.close()
