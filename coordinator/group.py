@@ -20,19 +20,19 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from coordinator import membership, regroup, routing
+from coordinator import layout, membership, regroup, routing
 from coordinator.config import CoordinationConfig
-from coordinator.errors import PeerLostError, WaitTimeout
+from coordinator.errors import MalformedRecordError, PeerLostError, WaitTimeout
 from coordinator.liveness import HeartbeatPublisher
 from coordinator.on_failure import policy
 from coordinator.phases import Phase
 from coordinator.polling import Backoff, Clock
 from coordinator.records import Claim, Heartbeat, Manifest, NodeState, Session
 from coordinator.runtime import Runtime
-from coordinator.store import Store
+from coordinator.store import Store, read_record
 
 log = logging.getLogger("coordinator")
 
@@ -69,9 +69,13 @@ class GroupForming:
         """
         rejoin = incident is not None or previous is not None or admit
         run_id = self.manifest.run_id
-        left = membership.read_session(self.store, run_id=run_id,
-                                       generation=self.manifest.generation,
-                                       retry_s=self.coord.read_retry_s)
+        # The last session of this run, of any generation: `coordinator recover`
+        # bumps the generation but keeps session.json, whose members say which
+        # ranks the group had gone on with (a rank left out must not pull it
+        # back into iterations completed without it: regroup.start_iteration).
+        carried = self._last_session()
+        left = carried if carried is not None and \
+            carried.generation == self.manifest.generation else None
 
         def waiting(missing: list[int]) -> str:
             return (f"rank(s) {missing} to rejoin run {run_id} after: "
@@ -95,9 +99,15 @@ class GroupForming:
             if not rejoin:
                 raise
             raise regroup.rejoin_timeout("a rank", self.coord.rejoin_timeout_s) from exc
+        start = regroup.start_iteration(beats, carried)
+        later = () if admit else self._rejoin_later(beats, carried, start)
+        if later:
+            log.warning("rank(s) %s rejoin the group at the end of iteration %d: the others "
+                        "worked on it without them (on_failure shrink), and its collective "
+                        "step would otherwise run again on every rank", list(later), start)
+            claims = {r: c for r, c in claims.items() if r not in later}
         members = {0: self.token} | {r: c.token for r, c in claims.items()}
         hosts = {0: self.host} | {r: c.host for r, c in claims.items()}
-        start = regroup.start_iteration(beats, left)
         if incident is None and not admit:
             incident = regroup.incident_from_members(beats, previous)
         if incident is not None:
@@ -114,6 +124,27 @@ class GroupForming:
                  [hosts[r] for r in sorted(hosts)], session.start_iteration,
                  session.end_iteration - 1)
         return session, hosts, history
+
+    def _rejoin_later(self, beats: Mapping[int, Heartbeat], carried: Session | None,
+                      start: int) -> tuple[int, ...]:
+        """The ranks back that wait for the next iteration boundary (regroup.rejoin_later);
+        the journals are read only when some rank back was not in the carried session."""
+        if carried is None or all(carried.token_of(r) is not None for r in beats):
+            return ()
+        pending = regroup.pending_phases(
+            self.store, [r for r in sorted(beats) if carried.token_of(r) is not None], start,
+            self.phases, run_id=self.manifest.run_id, retry_s=self.coord.read_retry_s)
+        return regroup.rejoin_later(sorted(beats), carried, pending=pending,
+                                    phases=len(self.phases), min_nodes=self.coord.min_nodes)
+
+    def _last_session(self) -> Session | None:
+        try:
+            found = read_record(self.store, layout.SESSION, Session,
+                                retry_s=self.coord.read_retry_s)
+        except MalformedRecordError as exc:
+            log.warning("ignoring an unreadable session record: %s", exc)
+            return None
+        return found if found is not None and found.run_id == self.manifest.run_id else None
 
     def returning(self, session: Session) -> list[int]:
         """Master of a shrunk group, at an iteration boundary: the ranks out of the

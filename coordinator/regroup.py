@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar, Final
 
 from coordinator import layout
@@ -245,10 +245,29 @@ def start_iteration(beats: Mapping[int, Heartbeat], left: Session | None) -> int
     """Where a new session starts: the lowest iteration a member of the session the
     group left has not completed.  A rank that was not in it (it returns to a group
     that went on without it: on_failure "shrink") does not pull the group back; it
-    skips the iterations the group completed without it (JournalBook.skip_to)."""
+    skips the iterations the group completed without it (JournalBook.skip_to).
+    `left` is the run's last session of any generation: `coordinator recover`
+    keeps it, so that a restart after it starts where recover said."""
     carried = [hb.resume_iteration for r, hb in beats.items()
                if left is not None and left.token_of(r) is not None]
     return min(carried or [hb.resume_iteration for hb in beats.values()])
+
+
+def rejoin_later(back: Sequence[int], carried: Session | None, *,
+                 pending: Mapping[str, tuple[int, ...]], phases: int,
+                 min_nodes: int) -> tuple[int, ...]:
+    """The ranks back (the master included) that do not join the session now but
+    at the end of its first iteration, like any rank returning to a shrunk group
+    (the last phase's admit): those the carried session went on without, when its
+    members have done part of that iteration (`pending`: per member, the phases of
+    it their journals do not mark done; of `phases` in all).  Joining in the middle
+    of an iteration whose work the others did without them, they would make every
+    rank run its collective step (training) again.  None wait when the others alone
+    would be fewer than min_nodes: a step run again beats a group that cannot go on."""
+    if carried is None or all(len(p) == phases for p in pending.values()):
+        return ()
+    later = tuple(r for r in back if carried.token_of(r) is None)
+    return later if len(back) - len(later) >= min_nodes else ()
 
 
 def incident_from_members(beats: Mapping[int, Heartbeat], previous_master: Heartbeat | None,

@@ -2,10 +2,17 @@
 
 Recovery never guesses from mtimes. It refuses while any rank's heartbeat
 still advances (unless --force), removes the records of the failed attempt
-(arrival and release records of iterations >= N, the session, temporary
-files, claims, partial outputs of actions that the journals do not mark
-complete), keeps every completed output, and bumps the generation so that a
-daemon from before that wakes up late is ignored and stops itself.
+(arrival and release records of iterations >= N, temporary files, claims,
+partial outputs of actions that the journals do not mark complete), keeps
+every completed output, and bumps the generation so that a daemon from before
+that wakes up late is ignored and stops itself.
+
+It keeps session.json: its members are the ranks the group had gone on with
+(on_failure "shrink"), so that the restarted group starts where recover says
+(regroup.start_iteration) instead of going back with a rank left out into
+iterations completed without it, whose checkpoints may be pruned.  A stale
+session is harmless: a worker joins only a session naming its new token, and
+the old session's arrivals and releases are removed or ignored by its id.
 """
 
 from __future__ import annotations
@@ -140,7 +147,7 @@ def _live_daemons(log_path: Path, window_s: float) -> tuple[str, ...]:
 
 def _protocol_records(store: FsStore, root: Path, iteration: int,
                       num_nodes: int) -> list[Path]:
-    """Arrivals and releases from `iteration` on, the session, claims, temporary files."""
+    """Arrivals and releases from `iteration` on, claims, temporary files."""
     remove: list[Path] = []
     for name in store.listdir(layout.ITERATIONS):
         found = layout.iteration_named(name)
@@ -153,8 +160,6 @@ def _protocol_records(store: FsStore, root: Path, iteration: int,
             for record in store.listdir(f"{layout.ITERATIONS}/{name}/{phase_name}"):
                 if _RECORD.match(record):
                     remove.append(it_dir / phase_name / record)
-    if layout.SESSION in store.listdir("."):
-        remove.append(root / layout.SESSION)
     for rank in range(num_nodes):
         for name in store.listdir(layout.rank_dir(rank)):
             if name == "claim.json" or name.startswith("claim.stale-"):

@@ -12,6 +12,8 @@ side (tasks re-sharded, training on fewer nodes) is tests/integration/test_rl_sh
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,64 @@ def test_fewer_nodes_back_than_min_nodes_stop_every_daemon_with_exit_3(tmp_path:
     assert "only 2 of 3 nodes are back" in c.output(0)
     assert "coordination.min_nodes=3 needs 3" in c.output(0)
     assert "coordination.min_nodes=3" in c.output(1)  # the worker says why the master stopped
+
+
+def test_recover_after_a_shrink_resumes_where_it_says_without_the_left_out_rank_pulling_back(
+        tmp_path: Path) -> None:
+    """Rank 2 is lost in iteration 1 and the group goes on without it; rank 1's step
+    then fails in iteration 2 (max_attempts 1: the run stops, exit 4).  `recover`
+    names iteration 2, and a restart of every node resumes there: rank 2, left out
+    since iteration 1, no longer takes the group back into iteration 1, whose
+    training (a collective step) every rank would run again and, in the RL loop,
+    from a checkpoint phase 13 had pruned; it rejoins at the end of iteration 2,
+    whose training the others had done without it."""
+    fails_at = (2, int(Phase.RESTART_ENGINE))
+    config = write_config(
+        tmp_path / "c.toml", iterations=4, lease=LEASE, on_failure="shrink",
+        scripted=(f'sleeps = ["2:{KILLED_AT[0]}:{KILLED_AT[1]}:1.5"]\n'
+                  f'fail_once = ["1:{fails_at[0]}:{fails_at[1]}"]'))
+    settings = ["--set", "coordination.max_attempts=1", "--min-nodes", "2"]
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
+                     master_args=[*settings, "--set",
+                                  f"coordination.shrink_after_s={SHRINK_AFTER_S}"])
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(2, *KILLED_AT, "running"), 120, "rank 2 in phase 1")
+        c.kill(2)
+        # Lease (3 s), shrink_after_s (2 s), two iterations and the failure's stop.
+        codes = {r: c.wait(r, 90) for r in (0, 1)}
+        assert codes == {0: 4, 1: 4}, {r: c.output(r)[-3000:] for r in codes}
+        assert "failed the same way 1 times" in c.output(0), c.output(0)[-3000:]
+        assert sorted(session(c.log_path)["members"]) == ["0", "1"]
+
+        recover = subprocess.run(
+            [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path)],
+            capture_output=True, text=True, timeout=60)
+        assert recover.returncode == 0, recover.stderr
+        assert f"recovering iteration {fails_at[0]}:" in recover.stdout, recover.stdout
+        assert f"at iteration {fails_at[0]}:" in recover.stdout, recover.stdout
+
+        # A restart after a failure may shrink too: shrink_after_s (operational)
+        # long enough for every daemon to start on a loaded machine.
+        c.master_args = [*settings, "--set", "coordination.shrink_after_s=60"]
+        c.start_all()
+        codes = c.wait_all(timeout=120)
+        assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
+    finally:
+        c.close()
+
+    # The group resumed where recover said, without rank 2: its members had done
+    # most of iteration 2 without it.  It took rank 2 back at the next boundary.
+    assert "group formed: ranks [0, 1] on hosts" in c.output(0), c.output(0)[-3000:]
+    assert f"iterations {fails_at[0]}..3" in c.output(0)
+    assert "rank(s) [2] rejoin the group at the end of iteration 2" in c.output(0)
+    assert sorted(session(c.log_path)["members"]) == ["0", "1", "2"]
+    assert "rank 2 rejoins the group at iteration 3" in c.output(2), c.output(2)[-3000:]
+    # Nothing finished was redone (training included), nothing skipped: ranks 0
+    # and 1 ran every action once (rank 1's failed one raised before its record).
+    for rank in (0, 1):
+        assert scripted_log(c.log_path, rank) == [(it, int(p)) for it in range(4) for p in Phase]
+    assert all(n == 1 for n in scripted_runs(c.log_path).values()), scripted_runs(c.log_path)
+    # Rank 2: iteration 0, the start of the one it was killed in, then the last.
+    assert scripted_log(c.log_path, 2) == [(0, int(p)) for p in Phase] + [(1, 0)] + [
+        (3, int(p)) for p in Phase]
