@@ -153,7 +153,8 @@ def test_recover_refuses_while_a_rank_still_heartbeats(tmp_path: Path) -> None:
              "--iteration", "0", "--force", "--dry-run"], capture_output=True, text=True,
             timeout=60)
         assert dry.returncode == 0 and "would remove" in dry.stdout
-        assert (c.log_path / "session.json").exists(), "a dry run removes nothing"
+        assert "ranks/1/claim.json" in dry.stdout, dry.stdout
+        assert (c.log_path / "ranks/1/claim.json").exists(), "a dry run removes nothing"
     finally:
         c.close()
 
