@@ -3,13 +3,14 @@
 The configuration is a tree of frozen, keyword-only dataclasses, each
 validated in `__post_init__`.  `from_mapping` builds one from a parsed file
 strictly: an unknown key or a mistyped value is an error naming the key, the
-value and the fix.  The master writes the resolved tree (every default filled
+value and the fix (for a key, the closest setting: "did you mean ...?").  The master writes the resolved tree (every default filled
 in) into the run manifest; workers read it from there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import hashlib
 import json
@@ -17,7 +18,7 @@ import math
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar, Union
 
@@ -35,6 +36,41 @@ else:  # pragma: no cover
 T = TypeVar("T")
 # recoveries.json keeps every recovery of a run: this bounds its size.
 MAX_RECOVERIES: Final = 1000
+# How alike (difflib's ratio) a mistyped name and a setting must be to offer
+# the setting: 0.6 catches a letter dropped, doubled or swapped (lrr -> lr,
+# leese_s -> lease_s) without offering an unrelated name.
+CLOSE_ENOUGH: Final = 0.6
+
+
+class UnknownSettingError(UsageError):
+    """A config file or --set names a key no section has (exit 2 at start)."""
+
+    def __init__(self, message: str, *, key: str, suggestion: str | None) -> None:
+        super().__init__(message)
+        self.key = key  # dotted, as given: train.lrr
+        self.suggestion = suggestion  # dotted, the closest setting: train.lr
+
+
+def closest_name(name: str, known: Collection[str]) -> str | None:
+    """The name of `known` most like `name`, if any is close enough to be a typo of it."""
+    found = difflib.get_close_matches(name, list(known), n=1, cutoff=CLOSE_ENOUGH)
+    return found[0] if found else None
+
+
+def unknown_setting(key: str, section: str, known: Collection[str],
+                    suggestion: str | None = None) -> UnknownSettingError:
+    """The error for dotted `key`, which names no setting of `section` (whose settings
+    are `known`): the closest setting (`suggestion`, or the closest of `known`),
+    else the list of `known`."""
+    if suggestion is None:
+        near = closest_name(key.rpartition(".")[2], known)
+        suggestion = f"{section}.{near}" if near else None
+    if suggestion:
+        return UnknownSettingError(f"{key}: no such setting; did you mean {suggestion}?",
+                                   key=key, suggestion=suggestion)
+    return UnknownSettingError(
+        f"{key}: no such setting; the settings of [{section}] are {', '.join(sorted(known))}",
+        key=key, suggestion=None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -302,10 +338,7 @@ def from_mapping(cls: type[T], raw: Any, where: str) -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise UsageError(
-            f"unknown key {where}.{unknown[0]}: known keys of [{where}] are "
-            f"{', '.join(sorted(fields))}"
-        )
+        raise unknown_setting(f"{where}.{unknown[0]}", where, fields)
     hints = typing.get_type_hints(cls)
     values = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in raw.items()}
     try:

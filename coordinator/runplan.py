@@ -213,6 +213,9 @@ def _check_bucket(log_path: Path, config: RunConfig) -> None:
 
 def _plan_worker(req: RunRequest) -> RunPlan:
     raw = _raw_config(req)
+    # What this worker was given, checked as the master checks its own before the
+    # wait: a mistyped key or a bad value exits 2 now, not once the master is up.
+    resolve_config(raw)
     local = from_mapping(CoordinationConfig, raw.get("coordination", {}), "coordination")
     info = membership.wait_for_master(
         FsStore(req.log_path), log_path=routing.display(req.log_path), join_timeout_s=local.join_timeout_s,

@@ -23,10 +23,19 @@ bound are checked against them before any engine starts (rl/preflight.py).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Final
 
-from coordinator.config import deep_merge, from_mapping, to_plain
+from coordinator.config import (
+    CoordinationConfig,
+    RunSection,
+    UnknownSettingError,
+    closest_name,
+    deep_merge,
+    from_mapping,
+    to_plain,
+    unknown_setting,
+)
 from coordinator.errors import UsageError
 from rl.schedule import ScheduleSection, schedule_of
 from rollout.engines.engine import EngineConfig
@@ -242,13 +251,79 @@ def with_model_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
     return deep_merge({k: dict(v) for k, v in TINY_MODEL_DEFAULTS.items()}, raw)
 
 
+# Each section's dataclass; with [run] and [coordination] (coordinator/config.py),
+# every setting a config file or --set may give.
+SECTION_CLASSES: Final[Mapping[str, type]] = {
+    "run": RunSection, "coordination": CoordinationConfig, "schedule": ScheduleSection,
+    "model": ModelSection, "data": DataSection, "rollout": RolloutSection,
+    "engine": EngineConfig, "train": TrainConfig, "torchrun": TorchrunSection,
+    "checkpoint": CheckpointSection, "metrics": MetricsSection,
+}
+
+# What a verl user is likely to write for a setting, where the name is too far
+# from ours for difflib to find it (train.learning_rate is not close to train.lr).
+VERL_NAMES: Final[Mapping[str, str]] = {
+    "train.learning_rate": "train.lr",
+    "train.lr_warmup_steps": "train.warmup_steps",
+    "train.ppo_mini_batch_size": "train.mini_batch_size",
+    "train.ppo_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "train.ppo_epochs": "train.epochs",
+    "train.clip_ratio": "train.clip_eps",
+    "train.grad_clip": "train.max_grad_norm",
+    "train.kl_loss_coef": "train.kl_coef",
+    "train.loss_agg_mode": "train.loss_agg",
+    "rollout.n": "rollout.group_size",
+    "rollout.response_length": "rollout.max_tokens",
+    "data.max_response_length": "rollout.max_tokens",
+    "data.train_files": "data.path",
+}
+
+
+def settings_of(section: str) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(SECTION_CLASSES[section]))
+
+
+def suggest(key: str) -> str | None:
+    """The setting dotted `key` (which names none) most likely meant: a verl name's
+    counterpart, a close name in its section, else the same name in another section
+    (train.max_tokens -> rollout.max_tokens)."""
+    if key in VERL_NAMES:
+        return VERL_NAMES[key]
+    section, _, name = key.rpartition(".")
+    if section in SECTION_CLASSES and (near := closest_name(name, settings_of(section))):
+        return f"{section}.{near}"
+    return next((f"{other}.{name}" for other in SECTION_CLASSES
+                 if other != section and name in settings_of(other)), None)
+
+
+def check_names(raw: Mapping[str, Any]) -> None:
+    """Every section and key of raw config sections names a setting, or
+    UnknownSettingError naming the closest one (exit 2 at start)."""
+    for section in sorted(map(str, raw)):
+        value = raw[section]
+        if section not in SECTION_CLASSES:
+            if not isinstance(value, Mapping):  # --set lr=1e-5: a key without its section
+                near = suggest(section)
+                raise UnknownSettingError(
+                    f"{section}: no such setting; "
+                    + (f"did you mean {near}?" if near else
+                       "a key is written with its section, e.g. train.lr=1e-5"),
+                    key=section, suggestion=near)
+            near = closest_name(section, list(SECTION_CLASSES))
+            raise UsageError(
+                f"[{section}]: no such section"
+                + (f"; did you mean [{near}]?" if near else "")
+                + f" (run.actions='rl' knows {', '.join(f'[{s}]' for s in SECTION_CLASSES)})")
+        if not isinstance(value, Mapping):
+            continue  # from_mapping says a section must be a table
+        known = settings_of(section)
+        for name in sorted(set(map(str, value)) - set(known)):
+            key = f"{section}.{name}"
+            raise unknown_setting(key, section, known, suggest(key))
+
+
 def parse_sections(raw: Mapping[str, Any]) -> RlSections:
-    unknown = sorted(set(raw) - set(SECTIONS))
-    if unknown:
-        raise UsageError(
-            f"config section [{unknown[0]}] is unknown to run.actions='rl': known sections are "
-            f"[run], [coordination], {', '.join(f'[{s}]' for s in SECTIONS)}"
-        )
+    check_names(raw)
     try:
         train = TrainConfig.from_dict(dict(raw.get("train", {})))
     except ConfigError as exc:

@@ -27,6 +27,7 @@ from rl.config import RlSections, parse_sections
 from rl.contracts import INITIAL_POLICY
 from rl.engine_host import EngineHost
 from rl.trainer_host import TrainerHost
+from rollout.errors import TaskDataError
 from rollout.sharding import ShardPlan
 from rollout.tasks import Task, TaskSource, load_task_source
 from trainer.config import Offload
@@ -132,7 +133,14 @@ class Loop:
         if self._tasks is None:
             self._tasks = load_task_source(self.s.data.path, seed=self.s.data.seed)
         if split.value not in self._by_id:
-            self._by_id[split.value] = {t.task_id: t for t in self._tasks.tasks(split.value)}
+            try:
+                found = self._tasks.tasks(split.value)
+            except TaskDataError:
+                # A file source read every row when it loaded: what fails here is a
+                # split it does not have (a single task file has no eval split).  The
+                # settings check refuses a run that needs it (rl/preflight.py).
+                found = ()
+            self._by_id[split.value] = {t.task_id: t for t in found}
         return self._by_id[split.value]
 
     def initial_model(self) -> Path:

@@ -1,7 +1,8 @@
 """Phases 0 and 13: an iteration's plan, and the clean-up once it is complete.
 
-    0   master   build the demo model once (no --model given); check the settings
-                 against the model and the tasks (rl/preflight.py, once per daemon);
+    0   master   check the given model and data, build the demo model once (no
+                 --model given), check the settings against the model and the tasks
+                 (rl/preflight.py, once per daemon);
                  pick each split's tasks for this iteration and publish the shard plans
         decide   the policy this iteration samples from (PolicyChoice)
     13  master   remove the previous iteration's rank files, the checkpoints beyond
@@ -39,6 +40,10 @@ def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 0 (master): the iteration's tasks of each split, shared among the ranks."""
     if not ctx.is_master:
         return {}
+    if not loop.checked:
+        from rl.preflight import check_inputs
+
+        check_inputs(loop)  # UsageError: every node exits 2, before the demo model is built
     ensure_initial_model(loop, ctx)
     if not loop.checked:
         from rl.preflight import check_loop

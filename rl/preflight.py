@@ -1,6 +1,9 @@
 """Settings the model and the tasks bound, checked before any engine starts.
 
-    phase 0, master, once per daemon (after the initial model exists):
+    phase 0, master, once per daemon, before the demo model is built:
+        inputs      model.path: a directory with config.json, weights and a tokenizer;
+                    data.path: a task source that exists and loads (every row read)
+    then, once the initial model exists:
         rewards     data.reward, or each data source's default, must load here
         ModelFacts  <- <model>/config.json: its context (max_position_embeddings)
         TaskFacts   <- the task source: each split's size, and the longest prompt in
@@ -10,15 +13,21 @@
                        node) naming the setting, its limit and the fix
 
 A wrong value here would otherwise surface as thousands of refused requests,
-a recovery that cannot help, or a batch too small to train on.  The rules are
+a recovery that cannot help, or a batch too small to train on.  The message
+says what to change, and that a changed setting starts with --new-run: run.json
+was written before phase 0 and keeps the settings the run started with.  The
+user's model and data may be symlinks (their own files, e.g. a Hugging Face
+cache snapshot); only the run directory is untrusted.  The rules are
 pure functions of the facts (RULES, one per rule), so each is tested as a table.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import os
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -29,15 +38,28 @@ from coordinator.phases import Phase
 from rl.config import RlSections
 from rl.layout import Split
 from rl.loop import Loop
-from rollout.errors import UnknownRewardError
+from rollout.errors import TaskDataError, UnknownRewardError
 from rollout.rewards import default_reward_for, get_reward
-from rollout.tasks import Task
+from rollout.tasks import BUILTIN_PREFIX, Task
 
 log = logging.getLogger(__name__)
 
 # Where Hugging Face configs keep the context length, by model family.
 CONTEXT_KEYS: Final = ("max_position_embeddings", "n_positions", "max_sequence_length",
                        "seq_length")
+# What every message of a refused setting ends with: run.json already holds the
+# settings, so a restart with a changed one is refused as a different setup.
+RESTART_ADVICE: Final = ("then start every node again (the master with --new-run if a "
+                         "setting changed: this run directory keeps the settings it started "
+                         "with)")
+# A Hugging Face model directory's weights (save_pretrained: one file or shards
+# with an index) and its tokenizer (a fast tokenizer, a sentencepiece model, or
+# a BPE/WordPiece vocabulary).
+WEIGHT_SUFFIXES: Final = (".safetensors", ".bin")
+TOKENIZER_FILES: Final = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# Errors of a network filesystem that a retry of the phase may cure: not a setting.
+TRANSIENT_ERRNOS: Final = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN,
+                                     errno.EINTR})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,12 +212,85 @@ def problems(facts: Facts) -> list[str]:
 
 def check(facts: Facts) -> None:
     """Raise one UsageError listing every broken rule."""
-    found = problems(facts)
-    head = "the settings cannot work with this model and these tasks"
+    refuse("the settings cannot work with this model and these tasks", problems(facts))
+
+
+def refuse(head: str, found: Sequence[str]) -> None:
+    """One UsageError for every problem `found` (none: nothing), ending with what to
+    do after the change."""
     if len(found) == 1:
-        raise UsageError(f"{head}: {found[0]}")
+        raise UsageError(f"{head}: {found[0]}; {RESTART_ADVICE}")
     if found:
-        raise UsageError(f"{head} ({len(found)} problems):\n  - " + "\n  - ".join(found))
+        raise UsageError(f"{head} ({len(found)} problems):\n  - " + "\n  - ".join(found)
+                         + f"\n{RESTART_ADVICE[0].upper()}{RESTART_ADVICE[1:]}")
+
+
+# --- the user's model and data, before anything is built -------------------------
+
+
+def model_dir_problem(path: Path, files: Collection[str] | None) -> str | None:
+    """What keeps `path` from being a model to start from, given the names of the
+    files in it (`files`, symlinks followed; None where it is no directory this user
+    can read)."""
+    where = f"model.path {path}"
+    if files is None:
+        return (f"{where} does not exist, is not a directory or cannot be read by this "
+                "user: give --model a local Hugging Face model "
+                "directory (config.json, weights, tokenizer), or leave it out for the tiny "
+                "demo model")
+    if "config.json" not in files:
+        return (f"{where} has no config.json: give the directory a model was saved to "
+                "(save_pretrained, or a downloaded snapshot)")
+    if not any(n.endswith(WEIGHT_SUFFIXES) for n in files):
+        return (f"{where} holds no weights (*.safetensors or pytorch_model*.bin): give the "
+                "directory the weights were saved to, or download them into it")
+    if not any(n in files for n in TOKENIZER_FILES):
+        return (f"{where} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): save the "
+                "tokenizer beside the model (tokenizer.save_pretrained)")
+    return None
+
+
+def model_files(path: Path) -> list[str] | None:
+    """The names of the files in directory `path`, symlinks followed (a Hugging Face
+    cache snapshot is symlinks into its blobs); None where `path` is no directory
+    this user can list.
+    A transient error of the filesystem is raised as it is: a retry may cure it."""
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return None
+    return [n for n in names if os.path.isfile(path / n)]
+
+
+def data_problem(spec: str) -> str | None:
+    """What keeps data.path from naming a task source, before it is read."""
+    if spec.startswith(BUILTIN_PREFIX) or os.path.exists(spec):
+        return None
+    return (f"data.path {spec!r} does not exist: give --data-path builtin:reverse, a .parquet "
+            "or .jsonl task file, or a directory holding train.<ext> (and test.<ext> or "
+            "eval.<ext>)")
+
+
+def check_inputs(loop: Loop) -> None:
+    """Phase 0 on the master, before the demo model is built or any engine starts:
+    the user's model directory and task source exist and load (UsageError: every
+    node exits 2, naming each problem and the fix)."""
+    s = loop.s
+    found = []
+    if s.model.path:
+        path = Path(s.model.path)
+        found.append(model_dir_problem(path, model_files(path)))
+    found.append(problem := data_problem(s.data.path))
+    if problem is None:
+        try:
+            loop.tasks(Split.TRAIN)
+            loop.tasks(Split.EVAL)
+        except TaskDataError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, OSError) and cause.errno in TRANSIENT_ERRNOS:
+                raise  # the filesystem, not the setting: the phase fails and is retried
+            found.append(f"data.path {s.data.path!r}: {exc}")
+    refuse("the model or the data given cannot be used", [p for p in found if p])
 
 
 def check_loop(loop: Loop) -> None:
@@ -252,7 +347,11 @@ def longest_prompt(model: Path, tasks: Iterable[Task]) -> tuple[int, str] | None
     the model's chat template with the generation prompt."""
     from transformers import AutoTokenizer  # heavy: only on the master, once
 
-    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as exc:  # what transformers raises for files it cannot use
+        raise UsageError(f"model.path {model}: its tokenizer cannot be loaded ({exc}): save "
+                         f"the model's tokenizer beside it; {RESTART_ADVICE}") from None
     texts = [t for t in tasks if isinstance(t.prompt, str)]
     chats = [t for t in tasks if not isinstance(t.prompt, str)]
     lengths: list[tuple[int, str]] = []
@@ -267,5 +366,7 @@ def longest_prompt(model: Path, tasks: Iterable[Task]) -> tuple[int, str] | None
             log.warning("cannot render task %s with the chat template of %s (%s): prompt "
                         "lengths are not checked", t.task_id, model, exc)
             return None
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding, whose len() is
+            ids = ids["input_ids"]  # its number of fields (2), not of tokens
         lengths.append((len(ids), t.task_id))
     return max(lengths) if lengths else None

@@ -189,8 +189,10 @@ class _FileTasks:
 
 def _open_task_file(file: Path) -> int:
     """A descriptor of a task file: a regular file, never a FIFO or device that
-    would block or never end (data.path comes from run.json, which others write)."""
-    return open_regular(file)
+    would block or never end (data.path comes from run.json, which others write).
+    The path is the user's own (--data-path), not the run directory's: a symlink
+    in it (a dataset kept elsewhere) is followed to the file it names."""
+    return open_regular(Path(os.path.realpath(file)))
 
 
 class ParquetTasks(_FileTasks):

@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from coordinator.config import unknown_setting
+
 
 class TrainerError(Exception):
     """Root of the trainer package's own errors.
@@ -209,6 +211,10 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: Any) -> TrainConfig:
         check(isinstance(data, dict), f"config must be a JSON object, got {type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        for key in sorted(map(str, set(data) - set(names))):
+            # A typo would otherwise train at the default (train.lrr=1e-5 at lr 1e-6).
+            raise ConfigError(str(unknown_setting(f"train.{key}", "train", names)))
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in data:

@@ -3,6 +3,8 @@ each on_failure policy.  Every node exits non-zero within a bounded time, naming
 cause; no run ever exits 0.
 
     max_tokens   too large for the model: refused before any engine starts (exit 2)
+    data_path    a task file that does not exist: refused before the demo model is
+                 built (exit 2), with the advice a changed setting needs (--new-run)
     reward       a reward that raises on every sample: the budget fails phase 1, the
                  rerun redoes the failed samples and fails again (exit 4)
     engine       an engine answering 500 to every completion (exit 4)
@@ -34,6 +36,9 @@ def broken(cause: str, tmp_path: Path) -> tuple[list[str], list[str], dict[str, 
     if cause == "max_tokens":
         return ["rollout.max_tokens=1024"], [], {}, 2, "rollout.max_tokens=1024 plus the " \
             "longest prompt"
+    if cause == "data_path":
+        missing = tmp_path / "tasks.jsonl"
+        return [f"data.path={missing}"], [], {}, 2, f"data.path '{missing}' does not exist"
     if cause == "reward":
         site = install_entry_points(tmp_path / "site", "raising-reward", {
             "coordinator.rewards": {"raising": "tests.integration.broken_plugins:raising_reward"}})
@@ -55,9 +60,10 @@ def broken(cause: str, tmp_path: Path) -> tuple[list[str], list[str], dict[str, 
 # a step under a policy that retries, and each such policy at least once (what ends
 # the retries, the repeated failure, is one rule for every cause:
 # tests/coordinator/test_repeated_failure.py); max_tokens, refused in phase 0 before
-# any engine starts and before any policy could act, under "wait" (which would retry).
-CASES = [("max_tokens", "wait"), ("reward", "exit"), ("reward", "shrink"),
-         ("engine-500", "wait"), ("agent", "shrink")]
+# any engine starts and before any policy could act, under "wait" (which would retry);
+# data_path, refused in phase 0 before the model is built, the same way.
+CASES = [("max_tokens", "wait"), ("data_path", "wait"), ("reward", "exit"),
+         ("reward", "shrink"), ("engine-500", "wait"), ("agent", "shrink")]
 
 
 @pytest.mark.parametrize(("cause", "policy"), CASES, ids=[f"{c}-{p}" for c, p in CASES])
@@ -65,8 +71,10 @@ def test_a_broken_setting_ends_the_run_non_zero_naming_the_cause(
         tmp_path: Path, tiny_model: Path, cause: str, policy: str) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    # The model the master would build, there already: seconds saved per case.
-    shutil.copytree(tiny_model, run / "model-init")
+    # The model the master would build, there already: seconds saved per case (but
+    # not where the check must come before the build).
+    if cause != "data_path":
+        shutil.copytree(tiny_model, run / "model-init")
     master_sets, everywhere, env, code, words = broken(cause, tmp_path)
     sets = lambda items: [a for item in items for a in ("--set", item)]  # noqa: E731
     commands = [
@@ -89,6 +97,10 @@ def test_a_broken_setting_ends_the_run_non_zero_naming_the_cause(
         # Refused in phase 0 before any engine started, and never retried.
         assert not (run / "ranks/0/logs/hf_server.log").exists()
         assert not recoveries.exists()
+        for log in done.logs.values():  # the advice that works, not one that cannot
+            assert "--new-run if a setting changed" in log and "coordinator recover" not in log
+        if cause == "data_path":
+            assert not (run / "model-init").exists()  # refused before the model was built
     elif policy == "exit":
         assert not recoveries.exists()
         assert "rank 0 stops" in done.logs[0]

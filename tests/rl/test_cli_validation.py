@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
 
+from coordinator.errors import UsageError
 from rl.cli import app
+from rl.config import SECTION_CLASSES
 
 runner = CliRunner()
 
@@ -86,10 +91,11 @@ def test_no_rank_at_all_exits_2_and_env_ranks_are_honoured(tmp_path, monkeypatch
     assert code == 2 and "--worker 4 is out of range for --num-nodes 2" in out
 
 
-def test_unknown_config_keys_exit_2_listing_the_known_ones(tmp_path) -> None:
+def test_unknown_config_keys_exit_2_naming_the_closest_setting(tmp_path) -> None:
     code, out = invoke("run", "--master", "--log-path", str(tmp_path), "--actions", "scripted",
                        "--set", "coordination.leese_s=3")
-    assert code == 2 and "unknown key coordination.leese_s" in out and "lease_s" in out
+    assert code == 2 and \
+        "coordination.leese_s: no such setting; did you mean coordination.lease_s?" in out
     code, out = invoke("run", "--master", "--log-path", str(tmp_path), "--actions", "scripted",
                        "--lease", "1", "--heartbeat-interval", "2")
     assert code == 2 and "must be below coordination.lease_s=1.0" in out
@@ -143,3 +149,81 @@ def test_a_yaml_config_works_like_toml(tmp_path) -> None:
     code, out = invoke("run", "--master", "--log-path", str(tmp_path / "run"), "--config",
                        str(tmp_path / "c.ini"))
     assert code == 2 and "use .toml, .yaml or .yml" in out
+
+
+def mistyped(name: str) -> str:
+    """`name` with its last letter doubled: a typo closest to `name` of all settings."""
+    return name + name[-1]
+
+
+@pytest.mark.parametrize("section", list(SECTION_CLASSES))
+def test_every_section_refuses_a_mistyped_key_naming_the_closest_setting(section) -> None:
+    from coordinator.actions import resolve_config
+
+    for f in dataclasses.fields(SECTION_CLASSES[section]):
+        with pytest.raises(UsageError, match=re.escape(
+                f"{section}.{mistyped(f.name)}: no such setting; did you mean "
+                f"{section}.{f.name}?")):
+            resolve_config({section: {mistyped(f.name): 1}})
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    # A verl name far from ours, a key of another section, a key without its section.
+    ({"train": {"learning_rate": 1e-5}}, "train.learning_rate: no such setting; did you mean "
+                                         "train.lr?"),
+    ({"train": {"max_tokens": 64}}, "train.max_tokens: no such setting; did you mean "
+                                    "rollout.max_tokens?"),
+    ({"lr": 1e-5}, "lr: no such setting; did you mean train.lr?"),
+    ({"trian": {"lr": 1e-5}}, "[trian]: no such section; did you mean [train]?"),
+    ({"coordination": {"phase_timeouts_s": {"trian": 9}}},
+     "coordination.phase_timeouts_s.trian: no such setting; did you mean "
+     "coordination.phase_timeouts_s.train?"),
+    ({"train": {"zzz": 1}}, "train.zzz: no such setting; the settings of [train] are "
+                            "activation_checkpointing, adam_eps"),
+])
+def test_a_key_far_from_any_setting_still_names_where_to_look(raw, message) -> None:
+    from coordinator.actions import resolve_config
+
+    with pytest.raises(UsageError, match=re.escape(message)):
+        resolve_config(raw)
+
+
+def test_the_trainer_refuses_an_unknown_key_too() -> None:
+    from trainer.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match=re.escape("train.lrr: no such setting; did you mean "
+                                                    "train.lr?")):
+        TrainConfig.from_dict({"lrr": 1e-5})
+
+
+def test_a_train_typo_exits_2_at_start_from_set_and_from_a_config_file(tmp_path) -> None:
+    message = "train.lrr: no such setting; did you mean train.lr?"
+    run = tmp_path / "run"
+    code, out = invoke("run", "--master", "--log-path", str(run), "--set", "train.lrr=1e-5")
+    assert code == 2 and message in out, out
+    config = tmp_path / "c.toml"
+    config.write_text("[train]\nlrr = 1e-5\n")
+    code, out = invoke("run", "--master", "--log-path", str(run), "--config", str(config))
+    assert code == 2 and message in out, out
+    assert not (run / "run.json").exists()  # refused before anything was written
+
+
+def test_a_worker_refuses_its_own_typo_without_waiting_for_the_master(tmp_path) -> None:
+    # No master ever comes: before, the worker waited for one (here 20 s, then exit 5).
+    started = time.monotonic()
+    code, out = invoke("run", "--worker", "1", "--log-path", str(tmp_path), "--set",
+                       "coordination.join_timeout_s=20", "--set", "rollout.grup_size=4")
+    assert code == 2 and "rollout.grup_size: no such setting; did you mean " \
+        "rollout.group_size?" in out, out
+    assert time.monotonic() - started < 15
+
+
+def test_a_missing_config_file_exits_2_and_a_symlinked_one_is_read(tmp_path) -> None:
+    from coordinator.config import load_file
+
+    code, out = invoke("run", "--master", "--log-path", str(tmp_path / "run"), "--config",
+                       str(tmp_path / "nope.toml"))
+    assert code == 2 and f"--config {tmp_path / 'nope.toml'} does not exist" in out
+    (tmp_path / "real.toml").write_text("[train]\nlr = 1e-5\n")
+    (tmp_path / "link.toml").symlink_to(tmp_path / "real.toml")
+    assert load_file(tmp_path / "link.toml") == {"train": {"lr": 1e-5}}

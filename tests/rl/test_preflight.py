@@ -4,6 +4,7 @@ the tiny model's own defaults, and the facts read from a real model directory.""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from coordinator.config import RunSection, deep_merge
 from coordinator.errors import UsageError
 from rl import preflight
 from rl.config import TINY_MODEL_DEFAULTS, parse_sections, resolve_sections, with_model_defaults
+from rl.layout import Split
 from rl.preflight import Facts, ModelFacts, TaskFacts
 
 
@@ -139,3 +141,100 @@ def test_a_model_directory_without_config_is_refused(tmp_path: Path) -> None:
 def test_facts_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         facts().model.context = 1  # type: ignore[misc]
+
+
+# --- the user's model and data, checked before anything is built ---------------------
+
+
+def loop_of(tmp_path: Path, sections: dict[str, Any]) -> Any:
+    """The master's Loop of a run with `sections` (nothing is started by building it)."""
+    from coordinator.actions import resolve_config
+    from rl.loop import Loop
+
+    return Loop(resolve_config(sections), rank=0, num_nodes=1, run_dir=tmp_path / "run")
+
+
+def chat_task(index: int, content: str) -> str:
+    return json.dumps({"prompt": [{"role": "user", "content": content}], "data_source": "mine",
+                       "reward_model": {"ground_truth": "1"}, "extra_info": {"index": index}})
+
+
+NEVER_EVAL = {"eval_interval": 0, "eval_before_train": False}
+
+
+@pytest.mark.parametrize(("files", "words"), [
+    (None, "does not exist, is not a directory"),
+    ((), "has no config.json"),
+    (("config.json", "tokenizer.json"), "holds no weights"),
+    (("config.json", "model.safetensors"), "holds no tokenizer"),
+    (("config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+      "tokenizer.model"), None),
+    (("config.json", "pytorch_model.bin", "vocab.json"), None),
+])
+def test_a_model_directory_needs_its_config_weights_and_tokenizer(
+        files: tuple[str, ...] | None, words: str | None) -> None:
+    found = preflight.model_dir_problem(Path("/models/m"), files)
+    if words is None:
+        assert found is None
+    else:
+        assert found is not None and words in found and "model.path /models/m" in found, found
+
+
+def test_a_missing_model_or_data_path_is_refused_at_once_with_the_fix(tmp_path: Path) -> None:
+    loop = loop_of(tmp_path, {"model": {"path": str(tmp_path / "nope")},
+                              "data": {"path": str(tmp_path / "tasks.jsonl")}})
+    with pytest.raises(UsageError, match=r"\(2 problems\)") as info:
+        preflight.check_inputs(loop)
+    text = str(info.value)
+    assert f"model.path {tmp_path / 'nope'} does not exist" in text
+    assert f"data.path '{tmp_path / 'tasks.jsonl'}' does not exist: give --data-path" in text
+    # What to do next: a changed setting makes a new run; never `recover`, which cannot help.
+    assert "--new-run if a setting changed" in text and "recover" not in text
+
+
+def test_a_bad_row_of_the_users_data_is_a_setting_to_fix_not_a_failed_step(
+        tmp_path: Path) -> None:
+    (tmp_path / "tasks.jsonl").write_text(chat_task(0, "hi") + "\n{not json\n")
+    loop = loop_of(tmp_path, {"data": {"path": str(tmp_path / "tasks.jsonl")}})
+    with pytest.raises(UsageError, match=r"line 2: not valid JSON.*--new-run"):
+        preflight.check_inputs(loop)
+
+
+def test_the_users_model_and_data_may_be_symlinks(tmp_path: Path, tiny_model: Path) -> None:
+    # A Hugging Face cache snapshot: every file a symlink into blobs/; the data kept
+    # elsewhere, linked as the task file and as a directory's train.jsonl.
+    snapshot, blobs, data = tmp_path / "snapshot", tmp_path / "blobs", tmp_path / "data"
+    for d in (snapshot, blobs, data):
+        d.mkdir()
+    for f in tiny_model.iterdir():
+        (blobs / f.name).write_bytes(f.read_bytes())
+        (snapshot / f.name).symlink_to(blobs / f.name)
+    (data / "real.jsonl").write_text("".join(chat_task(i, "12") + "\n" for i in range(3)))
+    (tmp_path / "tasks.jsonl").symlink_to(data / "real.jsonl")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "train.jsonl").symlink_to(data / "real.jsonl")
+    for source in ("tasks.jsonl", "dir"):
+        loop = loop_of(tmp_path, {"model": {"path": str(snapshot)},
+                                  "data": {"path": str(tmp_path / source), "reward": "exact_match"},
+                                  "schedule": NEVER_EVAL})
+        preflight.check_inputs(loop)
+        assert len(loop.tasks(Split.TRAIN)) == 3 and loop.tasks(Split.EVAL) == {}
+
+
+def test_a_chat_prompt_of_the_users_data_is_measured_through_the_chat_template(
+        tmp_path: Path, tiny_model: Path) -> None:
+    # The tiny model's context is 128 positions; its template adds the role markers.
+    (tmp_path / "tasks.jsonl").write_text(chat_task(0, "7" * 100) + "\n" + chat_task(1, "1")
+                                          + "\n")
+    sections = {"model": {"path": str(tiny_model)},
+                "data": {"path": str(tmp_path / "tasks.jsonl"), "reward": "exact_match"},
+                "rollout": {"max_tokens": 20, "tasks_per_iteration": 2, "group_size": 2},
+                "train": {"mini_batch_size": 0}, "schedule": NEVER_EVAL}
+    loop = loop_of(tmp_path, sections)
+    preflight.check_inputs(loop)
+    with pytest.raises(UsageError, match=r"rollout\.max_tokens=20 plus the longest prompt "
+                                         r"\(1\d\d tokens, task mine/train/0\)") as info:
+        preflight.check_loop(loop)
+    assert "--new-run if a setting changed" in str(info.value)
+    # The same data run without evaluating, with room for the answer: no objection.
+    preflight.check_loop(loop_of(tmp_path, deep_merge(sections, {"rollout": {"max_tokens": 6}})))
