@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator import fsio
 from coordinator.actions import StepContext
@@ -28,6 +28,9 @@ from rl.contracts import PinnedManifests
 from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
+
+if TYPE_CHECKING:
+    from rollout.accumulator import AggregateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     log.info("iteration %d: reward mean %.3f, accuracy %.3f over %d samples (%.1f s)",
              ctx.iteration, metrics.reward_mean or 0.0, metrics.accuracy or 0.0,
              metrics.num_samples, time.monotonic() - started)
+    warn_reward_timeouts(ctx.iteration, "train", metrics)
     if loop.placement.asynchronous:
         log.info("iteration %d: samples per policy version %s, staleness max %d mean %.2f, "
                  "%d stale groups dropped and generated again", ctx.iteration,
@@ -121,3 +125,14 @@ def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     return {"reward_mean": metrics.reward_mean, "samples": metrics.num_samples,
             "staleness_max": metrics.staleness_max,
             "train_samples": metrics.num_train_samples, "failed_samples": metrics.num_failed}
+
+
+def warn_reward_timeouts(iteration: int, split: str, metrics: AggregateMetrics) -> None:
+    """Phases 4 and 6: a WARNING when more than 1 % of the split's reward calls ran out of
+    time (each scored 0 whatever the answer); metrics/<split>.json counts them anyway."""
+    from rollout.reward_tally import timeout_warning
+
+    line = timeout_warning(calls=metrics.reward_calls, timeouts=metrics.reward_timeouts,
+                           iteration=iteration, split=split)
+    if line is not None:
+        log.warning("%s", line)

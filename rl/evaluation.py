@@ -17,7 +17,7 @@ from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.records import Arrival
 from rl import layout
-from rl.aggregation import merge_inputs
+from rl.aggregation import merge_inputs, warn_reward_timeouts
 from rl.contracts import EvalDecision, EvalResult
 from rl.layout import Split
 from rl.loop import Loop
@@ -64,4 +64,5 @@ def merge_eval(loop: Loop, ctx: StepContext,
                        metrics.to_json().encode())
     log.info("iteration %d: eval accuracy %.3f over %d samples", ctx.iteration,
              metrics.accuracy or 0.0, metrics.num_samples)
+    warn_reward_timeouts(ctx.iteration, "eval", metrics)
     return EvalResult(eval_accuracy=metrics.accuracy).fields()

@@ -49,6 +49,9 @@ class IterationRecord:
     eval_accuracy: float | None = None
     loss: float | None = None
     staleness_max: int | None = None  # policy versions the batch's oldest sample lags
+    # Reward calls that ran out of time and scored 0 (rollout/reward_tally.py).
+    train_reward_timeouts: int | None = None
+    eval_reward_timeouts: int | None = None
     unreadable: tuple[Unreadable, ...] = ()  # files there but unreadable within the deadline
 
     @property
@@ -57,12 +60,19 @@ class IterationRecord:
         known = [n for n in (self.train_failed, self.eval_failed) if n is not None]
         return sum(known) if known else None
 
+    @property
+    def reward_timeouts(self) -> int | None:
+        """Reward calls that timed out, train and eval; None when neither is known."""
+        known = [n for n in (self.train_reward_timeouts, self.eval_reward_timeouts)
+                 if n is not None]
+        return sum(known) if known else None
+
     def row(self) -> dict[str, Any]:
         """For `coordinator status`: the columns people look at first."""
         return {"iteration": self.iteration, "train_samples": self.trained,
                 "failed_samples": self.failed, "rollout_samples": self.rolled_out,
                 "reward_mean": self.reward_mean, "eval_accuracy": self.eval_accuracy,
-                "staleness_max": self.staleness_max}
+                "staleness_max": self.staleness_max, "reward_timeouts": self.reward_timeouts}
 
 
 # How long the end-of-run summary keeps retrying a metrics file that fails to
@@ -146,7 +156,9 @@ def record(run_dir: Path, iteration: int, *, reader: _Reader | None = None) -> I
         train_failed=_count(rollout, "num_failed"), eval_failed=_count(evaluation, "num_failed"),
         reward_mean=_number(rollout, "reward_mean"),
         eval_accuracy=_number(evaluation, "accuracy"), loss=_number(train, "loss"),
-        staleness_max=_count(rollout, "staleness_max"), unreadable=unreadable)
+        staleness_max=_count(rollout, "staleness_max"),
+        train_reward_timeouts=_count(rollout, "reward_timeouts"),
+        eval_reward_timeouts=_count(evaluation, "reward_timeouts"), unreadable=unreadable)
 
 
 def records(run_dir: Path, iterations: int, *, reader: _Reader | None = None

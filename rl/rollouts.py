@@ -17,7 +17,14 @@ single-turn sampling (rollout/sampling_agent.py), or the plugin
 raised or timed out) is recorded with its task id, never dropped; more failed
 samples than `rollout.max_failed_fraction` fail the phase, before the
 rank's manifest is marked complete: a failed sample is never taken as done,
-and the phase run again redoes it (rollout/budget.py).
+and the phase run again redoes it (rollout/budget.py).  The phase fails as
+soon as its failed samples exceed what the budget allows for the whole
+shard: an agent that never returns costs the budget's worth of episode
+timeouts, not the whole shard's.
+
+The reward calls with a time limit the rollout makes (the math reward), and
+those that ran out of it, are counted into the rank's manifest
+(rollout/reward_tally.py), for the iteration's metrics.
 """
 
 from __future__ import annotations
@@ -35,12 +42,14 @@ from coordinator.store import read_document
 from rl import layout
 from rl.config import requests_in_flight
 from rl.contracts import PolicyChoice, policy_version
+from rl.engines import serve_chosen_policy
 from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
 from rollout.agents import Agent, GroupAgent, load_agent, run_groups
-from rollout.budget import check_failures
+from rollout.budget import check_failures, check_failures_so_far
 from rollout.errors import BudgetError
+from rollout.reward_tally import RewardTally, tallying
 from rollout.sampling_agent import SingleTurnSampler
 from rollout.tasks import Task
 from rollout.trajectory import RankCheckpointWriter
@@ -50,9 +59,12 @@ BUILTIN_AGENT = "builtin"  # what phase 1 reports without rollout.agent
 
 
 def roll_out_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
-    """Phase 1: this rank's train shard (in an asynchronous run, what phase 10 of the
-    previous iteration did not already roll out)."""
-    return roll_out_shard(loop, ctx, Split.TRAIN) if loop.trains else {}
+    """Phase 1: the engine serves phase 0's policy, checked (rl/engines.py), then this
+    rank's train shard (in an asynchronous run, what phase 10 of the previous iteration
+    did not already roll out)."""
+    if not loop.trains:
+        return {}
+    return {**serve_chosen_policy(loop, ctx), **roll_out_shard(loop, ctx, Split.TRAIN)}
 
 
 def roll_out_next(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
@@ -123,10 +135,11 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split, *,
             f"takes versions >= {oldest} only (run.max_off_policy_steps="
             f"{loop.placement.max_off_policy_steps}): the checkpoints in between are missing; "
             f"run `coordinator recover --iteration {ctx.iteration}` and restart every node")
+    rewards = RewardTally()
     writer = RankCheckpointWriter(layout.rank_dir(loop.run_dir, target, split, loop.rank),
                                   ctx.rank, s.rollout.checkpoint_every_groups,
                                   iteration=target, every_s=s.rollout.checkpoint_every_s,
-                                  policy_version=version)
+                                  policy_version=version, rewards=rewards)
     done = writer.load_completed_task_ids(oldest_version=oldest)
     todo = [t for t in tasks if t.task_id not in done]
     if todo and writer.manifest.complete:
@@ -138,16 +151,18 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split, *,
                  split.value, len(done & {t.task_id for t in tasks}), len(tasks), len(todo))
     started = time.monotonic()
     failed: list[str] = []
-    generated = _generate(loop, ctx, split, target, tasks, todo, writer, group_size,
-                          failed) if todo else 0
-    writer.flush()
-    # The budget first: a manifest left incomplete has its failed groups redone
-    # when the phase runs again, while a complete one takes them as final.
     try:
+        with tallying(rewards):
+            generated = _generate(loop, ctx, split, target, tasks, todo, writer, group_size,
+                                  failed) if todo else 0
+        writer.flush()
+        # The budget first: a manifest left incomplete has its failed groups redone
+        # when the phase runs again, while a complete one takes them as final.
         check_failures(writer.manifest.failed_samples, samples=len(tasks) * group_size,
                        fraction=s.rollout.max_failed_fraction, where=split.value,
                        first=failed[0] if failed else "")
     except BudgetError as exc:
+        writer.flush()  # the groups done are kept; those with failed samples are redone
         raise ActionError(f"rank {ctx.rank}: {exc}; a rerun of the phase redoes every "
                           "failed sample") from exc
     manifest = writer.finalize()
@@ -174,26 +189,42 @@ def _generate(loop: Loop, ctx: StepContext, split: Split, iteration: int,
     """The groups still to do, from the agent (built-in sampling unless rollout.agent
     names a plugin); each group is checkpointed in task order as soon as it and
     those before it are done (the writer publishes every K groups or S seconds).
-    Returns the samples generated; each failed one is listed in `failed`."""
+    Returns the samples generated; each failed one is listed in `failed`.  Once the
+    failed samples (those kept from a completed manifest and the new ones) exceed
+    what the budget allows for the whole shard: BudgetError, the rest not done."""
     s = loop.s
-    policy = loop.model(ctx, PolicyChoice.read(ctx).policy, where_phase=0)
-    loop.engines.ensure(ctx, policy)
+    kept_failed = writer.manifest.failed_samples  # final: of a manifest once complete
+    name = PolicyChoice.read(ctx).policy
+    loop.engines.ensure(ctx, loop.model(ctx, name, where_phase=0), version=policy_version(name))
     generated = 0
     started = last_report = time.monotonic()
     groups = run_groups(_agent(loop, iteration, split), todo, loop.engines.endpoint(),
                         group_size=group_size,
                         concurrency=requests_in_flight(s.rollout, s.engine),
                         timeout_s=s.rollout.episode_timeout_s, check_cancel=ctx.check_cancel)
-    for done, (_task, samples) in enumerate(groups, start=1):
-        failed += [x.error.splitlines()[0] for x in samples if x.failed]  # each names its task
-        writer.add_group(samples)
-        generated += len(samples)
-        now = time.monotonic()
-        if now - last_report >= s.rollout.progress_interval_s or done == len(todo):
-            log.info("rank %d iteration %d %s rollout: %d/%d tasks, %.1f samples/s, %d failed",
-                     ctx.rank, iteration, split.value, len(tasks) - len(todo) + done, len(tasks),
-                     generated / max(now - started, 1e-9), len(failed))
-            last_report = now
+    try:
+        for done, (_task, samples) in enumerate(groups, start=1):
+            failed += [x.error.splitlines()[0] for x in samples if x.failed]  # each names its task
+            writer.add_group(samples)
+            generated += len(samples)
+            now = time.monotonic()
+            if now - last_report >= s.rollout.progress_interval_s or done == len(todo):
+                log.info("rank %d iteration %d %s rollout: %d/%d tasks, %.1f samples/s, %d "
+                         "failed", ctx.rank, iteration, split.value,
+                         len(tasks) - len(todo) + done, len(tasks),
+                         generated / max(now - started, 1e-9), len(failed))
+                last_report = now
+            check_failures_so_far(kept_failed + len(failed),
+                                  seen=(len(tasks) - len(todo) + done) * group_size,
+                                  planned=len(tasks) * group_size,
+                                  fraction=s.rollout.max_failed_fraction, where=split.value,
+                                  first=failed[0] if failed else "")
+    finally:
+        # Now, not whenever the generator is collected: built-in sampling cancels its
+        # requests in flight, the episode runner starts no more episodes.
+        close = getattr(groups, "close", None)
+        if close is not None:
+            close()
     return generated
 
 

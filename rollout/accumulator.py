@@ -55,6 +55,10 @@ class AggregateMetrics:
     staleness_max: int = 0
     staleness_mean: float = 0.0
     stale_groups_dropped: int = 0  # groups of too old a policy, generated again
+    # Calls of a reward with a time limit (the math reward) over the ranks' tries,
+    # and those that ran out of it and scored 0 (rollout/reward_tally.py).
+    reward_calls: int = 0
+    reward_timeouts: int = 0
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -20,11 +20,14 @@ returns something that is not a trainable Episode, or runs past
 traceback's tail for an exception): never dropped, and counted against
 rollout.max_failed_fraction by the caller.  A timed-out episode's thread
 cannot be killed: it is abandoned (a daemon thread) and stops counting
-against the concurrency limit.
+against the concurrency limit.  Each episode's thread runs in a copy of the
+caller's context (contextvars), so what the rollout counts there, such as its
+reward calls (rollout/reward_tally.py), counts the episode's too.
 """
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import inspect
 import logging
@@ -182,7 +185,8 @@ class EpisodeRunner:
                 self._wake.notify_all()
 
         job.started = self.clock()
-        job.thread = threading.Thread(target=work, daemon=True,
+        context = contextvars.copy_context()  # one per thread: a context runs in one at a time
+        job.thread = threading.Thread(target=context.run, args=(work,), daemon=True,
                                       name=f"episode {task.task_id}#{job.episode}")
         job.thread.start()
 

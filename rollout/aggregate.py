@@ -8,6 +8,8 @@
             --> every group exactly group_size samples, indices 0..n-1
         --> metrics accumulated; which samples to keep decided from the
             per-sample tensors; the chunk's token tensors kept, still mapped
+        as soon as the failed samples summed so far exceed what the budget
+        allows for all the ranks' samples: BudgetError, the rest not read
     the merged result held to the budget (rollout/budget.py): failed samples,
         the batch's size
     lay out the batch file (per-sample arrays now, token arrays reserved)
@@ -41,7 +43,7 @@ import torch
 from coordinator.errors import MalformedRecordError
 from coordinator.store import read_document
 from rollout.accumulator import Accumulator, AggregateMetrics
-from rollout.budget import check_batch, check_failures
+from rollout.budget import check_batch, check_failures, check_failures_so_far
 from rollout.chunk_format import Chunk, read_verified_chunk
 from rollout.errors import AggregationError
 from rollout.manifest import MANIFEST_NAME, RankManifest, read_manifest
@@ -194,7 +196,9 @@ def _merge(
     frozen: Mapping[int, Path],
     oldest_version: int = 0,
     pinned: Mapping[int, str] | None = None,
-) -> tuple[Accumulator, dict[int, float], Versions]:
+    max_failed_fraction: float = 1.0,
+    where: str = "",
+) -> tuple[Accumulator, dict[int, float], ManifestTotals]:
     if type(group_size) is not int or group_size < 1:
         raise ValueError(f"group_size={group_size!r} is below 1: give the samples per task")
     if set(rank_dirs) != set(assignments):
@@ -214,7 +218,8 @@ def _merge(
             f"(`coordinator recover --iteration {iteration}`)", rank=unpinned[0])
     acc = Accumulator(group_size, collect)
     speeds: dict[int, float] = {}
-    versions = Versions()
+    totals = ManifestTotals()
+    planned = sum(len(ids) for ids in assignments.values()) * group_size
     for rank in sorted(rank_dirs):
         directory = Path(rank_dirs[rank])
         manifest = _check_manifest(rank, directory, assignments[rank], iteration,
@@ -225,7 +230,7 @@ def _merge(
                 f"rank {rank}'s {', '.join(stale)} in {directory} come from a policy older than "
                 f"version {oldest_version} (run.max_off_policy_steps): the rank should have "
                 "dropped and regenerated them; rerun the rollout", rank=rank, path=directory)
-        versions.add(manifest)
+        totals.add(manifest)
         for entry in manifest.chunks:
             try:
                 chunk = read_verified_chunk(directory / entry.file, entry)
@@ -241,6 +246,9 @@ def _merge(
             acc.add(chunk, rank=rank, path=directory / entry.file)
             # Released now unless its token tensors wait, mapped, for pass 2.
             del chunk
+            check_failures_so_far(acc.failed, seen=acc.samples, planned=planned,
+                                  fraction=max_failed_fraction, where=where,
+                                  first=acc.first_error)
         if manifest.rollout_seconds > 0:
             speeds[rank] = manifest.num_samples / manifest.rollout_seconds
         logger.info(
@@ -250,26 +258,38 @@ def _merge(
             len(assignments[rank]),
             len(manifest.chunks),
         )
-    return acc, speeds, versions
+    return acc, speeds, totals
 
 
 @dataclass
-class Versions:
-    """Samples per policy version over the merged ranks, and the stale groups they dropped."""
+class ManifestTotals:
+    """What the merged ranks' manifests count beside their chunks: samples per policy
+    version, the stale groups they dropped, their reward calls and timeouts."""
 
     samples: Counter[int] = field(default_factory=Counter)
     stale_groups_dropped: int = 0
+    reward_calls: int = 0
+    reward_timeouts: int = 0
 
     def add(self, manifest: RankManifest) -> None:
         self.samples.update(manifest.policy_versions)
         self.stale_groups_dropped += manifest.stale_groups_dropped
+        self.reward_calls += manifest.reward_calls
+        self.reward_timeouts += manifest.reward_timeouts
+
+    def rewards(self, metrics: AggregateMetrics) -> AggregateMetrics:
+        """`metrics` with the reward calls that had a time limit, and those that ran out."""
+        return replace(metrics, reward_calls=self.reward_calls,
+                       reward_timeouts=self.reward_timeouts)
 
     def into(self, metrics: AggregateMetrics, iteration: int) -> AggregateMetrics:
-        """`metrics` with each batch's staleness: iteration minus the sample's version."""
+        """`metrics` with each batch's staleness (iteration minus the sample's version)
+        and the reward counts."""
         total = sum(self.samples.values())
         lag = {v: max(0, iteration - v) for v in self.samples}
         return replace(
-            metrics, policy_versions={v: n for v, n in sorted(self.samples.items())},
+            self.rewards(metrics),
+            policy_versions={v: n for v, n in sorted(self.samples.items())},
             staleness_max=max(lag.values(), default=0),
             staleness_mean=sum(lag[v] * n for v, n in self.samples.items()) / total
             if total else 0.0,
@@ -301,9 +321,10 @@ def aggregate_iteration(
     batch of at least `min_batch_fraction` of the samples (never an empty one);
     otherwise BudgetError.  A chunk of a policy older than `oldest_version`
     (asynchronous runs) is refused: AggregationError."""
-    acc, speeds, versions = _merge(
+    acc, speeds, totals = _merge(
         rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=True,
         frozen=frozen or {}, oldest_version=oldest_version, pinned=manifest_sha256,
+        max_failed_fraction=max_failed_fraction, where="train (all ranks)",
     )
     check_failures(acc.failed, samples=acc.samples, fraction=max_failed_fraction,
                    where="train (all ranks)", first=acc.first_error)
@@ -325,7 +346,7 @@ def aggregate_iteration(
         acc.kept_samples,
         len(acc.group_task_ids),
     )
-    return versions.into(acc.metrics(iteration, speeds), iteration)
+    return totals.into(acc.metrics(iteration, speeds), iteration)
 
 
 def merge_eval_metrics(
@@ -338,10 +359,10 @@ def merge_eval_metrics(
     max_failed_fraction: float = 1.0,
 ) -> AggregateMetrics:
     """The same checks as aggregate_iteration, for eval: metrics only, no batch."""
-    acc, speeds, _versions = _merge(
+    acc, speeds, totals = _merge(
         rank_dirs, assignments, iteration=iteration, group_size=group_size, collect=False,
-        frozen=frozen or {},
+        frozen=frozen or {}, max_failed_fraction=max_failed_fraction, where="eval (all ranks)",
     )
     check_failures(acc.failed, samples=acc.samples, fraction=max_failed_fraction,
                    where="eval (all ranks)", first=acc.first_error)
-    return acc.metrics(iteration, speeds)
+    return totals.rewards(acc.metrics(iteration, speeds))

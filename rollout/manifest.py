@@ -91,10 +91,19 @@ class RankManifest(Record):
     # Groups dropped because their policy was older than the batch allows
     # (run.max_off_policy_steps), and generated again: counted over the rank's tries.
     stale_groups_dropped: int = 0
+    # Calls of a reward with a time limit (the math reward), and those of them
+    # that ran out of it and scored 0 (rollout/reward_tally.py): over the rank's tries.
+    reward_calls: int = 0
+    reward_timeouts: int = 0
 
     def __post_init__(self) -> None:
         _int(self.rank, "rank")
         _int(self.stale_groups_dropped, "stale_groups_dropped")
+        _int(self.reward_calls, "reward_calls")
+        _int(self.reward_timeouts, "reward_timeouts")
+        if self.reward_timeouts > self.reward_calls:
+            raise ValueError(f"reward_timeouts {self.reward_timeouts} exceed reward_calls "
+                             f"{self.reward_calls}")
         _int(self.iteration, "iteration")
         if not isinstance(self.complete, bool):
             raise ValueError(f"complete is {self.complete!r}: expected true or false")

@@ -31,6 +31,7 @@ from typing import Final
 
 from rollout.errors import UnknownRewardError
 from rollout.guarded_call import CallTimedOut, GuardedWorker
+from rollout.reward_tally import count_call
 from rollout.tasks import REVERSE_SOURCE
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,10 @@ class MathVerifyReward:
 
     Computed in a worker process: a call that takes longer than three times
     `timeout_seconds` (two parses and a comparison) is killed and scores 0,
-    on any thread, whatever sympy is doing.
+    on any thread, whatever sympy is doing; each such call is counted
+    (rollout/reward_tally.py: reward_timeouts in the iteration's metrics).  A
+    worker that dies during a call (killed, out of memory, a crash) gives no
+    score: WorkerDied is raised, and the sample fails naming it.
     """
 
     timeout_seconds: int = DEFAULT_MATH_TIMEOUT_SECONDS
@@ -102,9 +106,11 @@ class MathVerifyReward:
             value = _MATH_WORKER.call(response, ground_truth, self.timeout_seconds,
                                       seconds=3 * self.timeout_seconds + 1)
         except CallTimedOut:
+            count_call(timed_out=True)
             logger.info("math reward: no verdict within %ss; scoring 0",
                         3 * self.timeout_seconds + 1)
             return 0.0
+        count_call(timed_out=False)
         return float(value)
 
 

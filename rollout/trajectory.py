@@ -54,6 +54,7 @@ from rollout.manifest import (
     chunk_file_name,
     read_manifest,
 )
+from rollout.reward_tally import RewardTally
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class RankCheckpointWriter:
         iteration: int,
         every_s: float | None = None,
         policy_version: int = 0,
+        rewards: RewardTally | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if type(every_k_groups) is not int or every_k_groups < 1:
@@ -94,6 +96,10 @@ class RankCheckpointWriter:
         self._last_flush = clock()
         ensure_dir(self.directory)
         self._manifest = self._open_manifest()
+        # Every manifest published adds what `rewards` has counted so far to the
+        # counts of the earlier tries.
+        self._rewards = rewards
+        self._rewards_before = (self._manifest.reward_calls, self._manifest.reward_timeouts)
         self._session_start = clock()
         self._pending: list[tuple[TrajectorySample, ...]] = []
         self._done: set[str] = set(self._manifest.task_ids())
@@ -242,6 +248,10 @@ class RankCheckpointWriter:
             complete=complete,
             rollout_seconds=self._manifest.rollout_seconds + max(0.0, now - self._session_start),
         )
+        if self._rewards is not None:
+            calls, timeouts = self._rewards.counts()
+            manifest = replace(manifest, reward_calls=self._rewards_before[0] + calls,
+                               reward_timeouts=self._rewards_before[1] + timeouts)
         publish_bytes(self.directory / MANIFEST_NAME, manifest.to_bytes())
         self._manifest = manifest
         self._session_start = now

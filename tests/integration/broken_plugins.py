@@ -5,6 +5,7 @@ by tests/support/plugins.py)."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from rollout.agents import EngineEndpoint
@@ -34,3 +35,15 @@ class FlakyAgent:
         conv = engine.conversation([{"role": "user", "content": str(task.prompt)}])
         turn = conv.generate(max_tokens=4)
         return Episode(tuple(conv.turns), float(turn.text.strip() == task.ground_truth))
+
+
+class NeverReturningAgent:
+    """Every episode blocks for good (a tool that hangs): each ends only by
+    rollout.episode_timeout_s.  Writes a line per episode started to the file
+    NEVER_RETURNING_AGENT_LOG names, so a test can count what the rollout started."""
+
+    def run(self, task: Task, engine: EngineEndpoint) -> Episode:
+        with open(os.environ["NEVER_RETURNING_AGENT_LOG"], "a") as log:
+            log.write(f"{task.task_id}\n")
+        threading.Event().wait()  # never set: the episode thread is abandoned
+        raise AssertionError("unreachable")

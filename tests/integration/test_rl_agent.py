@@ -192,3 +192,45 @@ def test_a_node_started_without_the_agent_stops_the_run_naming_it(
     assert f"different agents (ranks 0, 1: {AGENT}; ranks 2: builtin): rollout.agent is " \
         "node-local" in c.output(0), c.output(0)[-3000:]
     assert codes[1] != 0 and codes[2] != 0
+
+
+def test_an_agent_that_never_returns_fails_the_phase_at_the_budget_not_at_the_end(
+        tmp_path: Path, tiny_model: Path) -> None:
+    """Issue 32, finding 14: one node, an agent whose every episode hangs, episodes
+    abandoned after 5 s, 64 at once.  The phase plans 1,024 episodes (the tiny
+    model's 128 tasks x 8) and rollout.max_failed_fraction=0.1 allows 102 to fail:
+    it stops at the group that passes 102 instead of timing out all 1,024."""
+    import os
+    import re
+    import shutil
+
+    from tests.integration.usage import ROOT, run_nodes
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(tiny_model, run / "model-init")  # the model the master would build
+    started = tmp_path / "episodes.log"
+    agent = "tests.integration.broken_plugins:NeverReturningAgent"
+    command = ["coordinator", "run", "--master", "--num-nodes", "1", "--rank-weights", "1",
+               "--log-path", str(run), "--iterations", "1", "--on-failure", "exit",
+               "--set", f"rollout.agent={agent}", "--set", "rollout.episode_timeout_s=5",
+               "--set", "rollout.concurrency=64",
+               "--set", "coordination.heartbeat_interval_s=0.5",
+               "--set", "coordination.lease_s=4"]
+    # Engine start (seconds) and two rounds of 64 episodes timing out (10 s), on a
+    # loaded 2-core machine; rolling out all 1,024 would take 80 s of timeouts.
+    done = run_nodes([command], cwd=tmp_path, timeout_s=120,
+                     env={"NEVER_RETURNING_AGENT_LOG": str(started),
+                          "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    log = done.logs[0]
+    assert done.codes == {0: 4}, log[-3000:]
+    episodes = started.read_text().split()
+    # Stopped at the first group past the budget (102 allowed): within the second
+    # round of 64 episodes timing out, while the third has started; far below the
+    # 1,024 planned.
+    assert 103 <= len(episodes) <= 3 * 64, len(episodes)
+    assert re.search(r"rank 0: 1\d\d of the first \d+ train samples failed: "
+                     r"rollout.max_failed_fraction=0.1 allows 102 of the phase's 1024, so it "
+                     r"stops now instead of going through the other \d+; first: task \S+: "
+                     r"the episode ran past rollout.episode_timeout_s=5 s", log), log[-3000:]
+    assert done.seconds < 120

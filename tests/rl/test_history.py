@@ -21,9 +21,10 @@ def write(run: Path, iteration: int, name: str, **fields: Any) -> None:
 def iteration(run: Path, it: int, *, samples: int = 1024, kept: int = 1024, failed: int = 0,
               trained: int | None = None, eval_failed: int | None = None) -> None:
     write(run, it, "rollout", num_samples=samples, num_train_samples=kept, num_failed=failed,
-          reward_mean=0.25)
+          reward_mean=0.25, reward_calls=samples, reward_timeouts=4)
     if eval_failed is not None:
-        write(run, it, "eval", num_samples=128, num_failed=eval_failed, accuracy=0.5)
+        write(run, it, "eval", num_samples=128, num_failed=eval_failed, accuracy=0.5,
+              reward_calls=128, reward_timeouts=1)
     write(run, it, "train", samples=kept if trained is None else trained, loss=0.1)
 
 
@@ -41,7 +42,7 @@ def test_a_run_that_trained_every_iteration_within_the_budget_summarises_and_pas
     rows = history.report(tmp_path, 2)
     assert rows[0] == {"iteration": 0, "train_samples": 1000, "failed_samples": 5,
                        "rollout_samples": 1024, "reward_mean": 0.25, "eval_accuracy": 0.5,
-                       "staleness_max": None}
+                       "staleness_max": None, "reward_timeouts": 5}
 
 
 def test_an_iteration_that_learned_nothing_or_past_the_budget_fails_the_run(

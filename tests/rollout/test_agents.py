@@ -91,3 +91,22 @@ def test_agents_load_by_name_as_a_class_or_a_function() -> None:
 
 def episode_agent(t: Task, engine: EngineEndpoint) -> Episode:
     return episode()
+
+
+def test_episode_threads_count_their_reward_calls_in_the_rollouts_tally() -> None:
+    """Each episode runs in a copy of the caller's context: the reward calls an agent
+    makes in its own thread land in the tally of the rollout that started it."""
+    from rollout.reward_tally import RewardTally, count_call, tallying
+
+    class Scoring:
+        def run(self, t: Task, engine: EngineEndpoint) -> Episode:
+            count_call(timed_out=t.task_id == "t/2")
+            return episode()
+
+    runner = EpisodeRunner(Scoring(), ENGINE, concurrency=3, timeout_s=30.0)
+    with tallying(RewardTally()) as tally:
+        groups = list(runner.iter_groups([task(i) for i in range(4)], group_size=2))
+    assert len(groups) == 4
+    assert (tally.calls, tally.timeouts) == (8, 2)
+    list(runner.iter_groups([task(9)], group_size=2))  # outside: counted nowhere
+    assert (tally.calls, tally.timeouts) == (8, 2)

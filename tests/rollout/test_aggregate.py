@@ -492,3 +492,57 @@ def test_phase_4_aggregates_only_the_manifest_whose_digest_phase_3_reported(
         aggregate_iteration(dirs, plan.as_mapping(), iteration=2, group_size=2, out_path=out,
                             manifest_sha256={0: reported[0]})
     assert not out.exists()
+
+
+def test_reward_calls_and_timeouts_add_up_over_tries_and_ranks_into_the_metrics(
+        tmp_path: Path) -> None:
+    from rollout.reward_tally import RewardTally
+
+    dirs = {0: tmp_path / "r0", 1: tmp_path / "r1"}
+    # Rank 0 is killed after one group and restarted: the counts of both tries add up.
+    first = RewardTally()
+    writer = RankCheckpointWriter(dirs[0], 0, 1, iteration=0, rewards=first)
+    for timed_out in (False, True, False):
+        first.count(timed_out=timed_out)
+    writer.add_group(make_group("a"))  # published with the counts so far
+    again = RewardTally()
+    writer = RankCheckpointWriter(dirs[0], 0, 1, iteration=0, rewards=again)
+    assert writer.load_completed_task_ids() == {"a"}
+    for timed_out in (True, False):
+        again.count(timed_out=timed_out)
+    writer.add_group(make_group("b"))
+    writer.finalize()
+    other = RewardTally()
+    writer = RankCheckpointWriter(dirs[1], 1, 1, iteration=0, rewards=other)
+    other.count(timed_out=False)
+    writer.add_group(make_group("c"))
+    writer.finalize()
+    plan = {0: ["a", "b"], 1: ["c"]}
+    metrics = aggregate_iteration(dirs, plan, iteration=0, group_size=2,
+                                  out_path=tmp_path / "b.pt")
+    assert (metrics.reward_calls, metrics.reward_timeouts) == (6, 2)
+    assert json.loads(metrics.to_json())["reward_timeouts"] == 2
+    evaluated = merge_eval_metrics(dirs, plan, iteration=0, group_size=2)
+    assert (evaluated.reward_calls, evaluated.reward_timeouts) == (6, 2)
+
+
+def test_the_merge_stops_as_soon_as_the_ranks_failures_sum_past_the_budget(
+        tmp_path: Path) -> None:
+    # 4 ranks x 4 samples at 25 %: 4 may fail.  Ranks 0 and 1 bring 5; rank 3's
+    # output is missing, and never looked at.
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a", 4, failed=[0, 1])]])
+    write_raw_rank(tmp_path / "r1", 1, [[make_group("b", 4, failed=[0, 1, 2])]])
+    write_raw_rank(tmp_path / "r2", 2, [[make_group("c", 4)]])
+    dirs = {r: tmp_path / f"r{r}" for r in range(4)}
+    plan = {0: ["a"], 1: ["b"], 2: ["c"], 3: ["d"]}
+    for merge in (
+            lambda: aggregate_iteration(dirs, plan, iteration=0, group_size=4,
+                                        out_path=tmp_path / "b.pt", max_failed_fraction=0.25),
+            lambda: merge_eval_metrics(dirs, plan, iteration=0, group_size=4,
+                                       max_failed_fraction=0.25)):
+        with pytest.raises(BudgetError, match=(
+                r"5 of the first 8 (train|eval) \(all ranks\) samples failed: "
+                r"rollout.max_failed_fraction=0.25 allows 4 of the phase's 16, so it stops "
+                r"now instead of going through the other 8; first: timeout")):
+            merge()
+    assert not (tmp_path / "b.pt").exists()

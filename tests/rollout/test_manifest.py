@@ -41,7 +41,7 @@ def test_the_manifest_keeps_its_on_disk_json_and_round_trips(tmp_path: Path) -> 
             {"file": "chunk-000002.pt", "sha256": SHA, "size": 10, "num_samples": 2,
              "task_ids": ["gsm8k/train/5"], "failed_samples": 0, "policy_version": 0},
         ],
-        "stale_groups_dropped": 0,
+        "stale_groups_dropped": 0, "reward_calls": 0, "reward_timeouts": 0,
     }  # fmt: skip
     assert read_manifest(tmp_path) == manifest()
     assert manifest().num_samples == 6

@@ -2,20 +2,24 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rollout.errors import UnknownRewardError
+from rollout.guarded_call import GuardedWorker
+from rollout.reward_tally import RewardTally, tallying
 from rollout.rewards import (
     MathVerifyReward,
     default_reward_for,
     exact_match,
     get_reward,
+    math_score,
     register_reward,
     reward_names,
 )
-from rollout.tasks import REVERSE_SOURCE
+from rollout.tasks import REVERSE_SOURCE, Task
 
 
 def test_exact_match_ignores_surrounding_whitespace_only() -> None:
@@ -137,3 +141,104 @@ def test_a_reward_that_raises_fails_its_sample_not_the_rollout() -> None:
     assert [s.failed for s in out] == [False, True, True] and out[0].reward == 1.0
     assert out[1].error == "task t/1: the reward 'picky' raised KeyError: 'no such field'"
     assert "gave nan, not a finite number" in out[2].error
+
+
+ANSWERS = [("So the answer is \\boxed{72}.", "72"), ("48/2 = 24 clips. #### 72", "72"),
+           ("half of it: \\boxed{0.5}", "\\frac{1}{2}"), ("\\boxed{\\frac{2}{4}}", "1/2"),
+           ("I think it is \\boxed{73}", "72"), ("\\boxed{3^2}", "9")]
+
+
+class MathAgent:
+    """An agent plugin scoring a fixed answer per task with the math reward, in its
+    episode's own thread, as a real multi-turn agent would at its end."""
+
+    def run(self, task: Task, engine: object) -> object:
+        from rollout.episode import Episode, Turn
+
+        reward = get_reward("math")(str(task.prompt), task.ground_truth)
+        return Episode((Turn((1, 2), (5,), (-0.5,), "x"),), reward)
+
+
+def test_a_multi_threaded_agent_on_the_math_reward_scores_as_in_process_scoring() -> None:
+    """Issue 32, finding 2: the reward worker was SIGKILLed whenever the episode thread
+    that had started it ended, and the call in flight scored 0.0."""
+    from rollout.agents import EngineEndpoint, EpisodeRunner
+    from rollout.client import CompletionClient
+
+    tasks = [Task(task_id=f"math/{i}", prompt=answer, ground_truth=truth, data_source="gsm8k",
+                  split="train") for i, (answer, truth) in enumerate(ANSWERS)]
+    engine = EngineEndpoint("http://127.0.0.1:9", "k", "policy",
+                            CompletionClient("http://127.0.0.1:9", "k", model="policy"))
+    runner = EpisodeRunner(MathAgent(), engine, concurrency=4,  # type: ignore[arg-type]
+                           timeout_s=120.0)
+    with tallying(RewardTally()) as tally:
+        groups = list(runner.iter_groups(tasks, group_size=3))
+    got = {t.task_id: [s.reward for s in samples] for t, samples in groups}
+    expected = {t.task_id: [math_score(str(t.prompt), t.ground_truth, 5)] * 3 for t in tasks}
+    assert got == expected
+    assert {r for scores in expected.values() for r in scores} == {0.0, 1.0}  # tells them apart
+    assert all(not s.failed for _, samples in groups for s in samples)
+    assert (tally.calls, tally.timeouts) == (18, 0)
+
+
+def stalled_score(response: str, ground_truth: str, timeout_seconds: int) -> float:
+    """math_score's place in the worker: sleeps `response` seconds, then scores 1."""
+    time.sleep(float(response))
+    return 1.0
+
+
+@pytest.fixture
+def stalled_math(monkeypatch: pytest.MonkeyPatch) -> Iterator[GuardedWorker]:
+    """The math reward's worker computing stalled_score instead: calls that overrun
+    or die on cue, whatever sympy does on this machine."""
+    from rollout import rewards
+
+    worker = GuardedWorker("tests.rollout.test_rewards:stalled_score")
+    monkeypatch.setattr(rewards, "_MATH_WORKER", worker)
+    yield worker
+    worker.close()
+
+
+def test_a_math_reward_call_that_runs_out_of_time_scores_zero_and_is_counted(
+        stalled_math: GuardedWorker) -> None:
+    reward = MathVerifyReward(timeout_seconds=1)
+    with tallying(RewardTally()) as tally:
+        assert reward("0", "4") == 1.0
+        start = time.monotonic()
+        assert reward("600", "4") == 0.0  # killed at 3 x 1 + 1 s
+        assert time.monotonic() - start < 30
+        assert reward("0", "4") == 1.0  # a new worker scores the next one
+    # The zero is counted (the iteration's reward_timeouts), not passed off as a verdict.
+    assert (tally.calls, tally.timeouts) == (3, 1)
+
+
+def test_a_reward_whose_worker_dies_fails_its_sample_naming_the_cause_never_scores(
+        stalled_math: GuardedWorker) -> None:
+    import os
+    import signal
+
+    from rollout.sampling_agent import samples_of
+    from rollout.wire import GroupResult, Sample
+
+    reward = MathVerifyReward(timeout_seconds=5)
+    assert reward("0", "4") == 1.0  # the worker is up
+    pid = stalled_math.pid
+    assert pid is not None
+    task = Task(task_id="t/1", prompt="p", ground_truth="5", data_source="gsm8k", split="train")
+    group = GroupResult(index=0, prompt="p", samples=(Sample(
+        text="60", token_ids=(1,), logprobs=(-0.1,), prompt_token_ids=(5,),
+        finish_reason="stop"),))
+    # Killed mid-call, as the kernel's OOM killer would (the call's deadline is 16 s).
+    killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    try:
+        with tallying(RewardTally()) as tally:
+            out = samples_of(task, group, 1, reward, reward_name="math")
+    finally:
+        killer.cancel()
+    assert out[0].failed and out[0].reward == 0.0
+    assert out[0].error.startswith(
+        "task t/1: the reward 'math' raised WorkerDied: tests.rollout.test_rewards:stalled_score:"
+        f" the worker process (pid {pid}) died during the call: killed by SIGKILL (-9)"
+    ), out[0].error
+    assert (tally.calls, tally.timeouts) == (0, 0)  # neither a score nor a timeout
