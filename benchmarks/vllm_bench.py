@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE.parent))
 from rollout.client import CompletionClient  # noqa: E402
 from rollout.engines.engine import EngineConfig, EngineKind, make_engine  # noqa: E402
 from rollout.tasks import BuiltinReverseTasks  # noqa: E402
+from trainer.config import WARMSTART_STEPS  # noqa: E402
 from trainer.warmstart import build_initial_model  # noqa: E402
 
 ENGINES = ("hf", "vllm")
@@ -106,7 +107,7 @@ def main() -> None:
         work = Path(tmp)
         models = [work / "a", work / "b"]
         for seed, path in enumerate(models):
-            build_initial_model(path, seed=seed, warmstart_steps=65)
+            build_initial_model(path, seed=seed, warmstart_steps=WARMSTART_STEPS)
         tasks = BuiltinReverseTasks(seed=0).tasks("train")[: args.tasks]
         prompts = [str(t.prompt) for t in tasks]
         results = {}

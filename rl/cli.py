@@ -28,6 +28,7 @@ from rl.cli_args import (
 )
 from rl.cli_flags import with_config_flags
 from rl.layout import INITIAL_MODEL
+from trainer.config import WARMSTART_STEPS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Drive a multi-node LLM RL loop through a shared filesystem.")
@@ -278,7 +279,7 @@ def recover(
 def init_model(
     out: Annotated[Path, typer.Option(help="Directory to create (must not exist).")],
     seed: Annotated[int, typer.Option(help="Weights seed.")] = 0,
-    warmstart_steps: Annotated[int, typer.Option(help="Supervised warm-up steps on the built-in task (0: none).")] = 65,
+    warmstart_steps: Annotated[int, typer.Option(help="Supervised warm-up steps on the built-in task (0: none).")] = WARMSTART_STEPS,
 ) -> None:
     """Create the tiny demo model (Hugging Face format, safetensors, tokenizer) locally."""
     from trainer.warmstart import build_initial_model as build
@@ -318,7 +319,7 @@ def demo(
     model = path / INITIAL_MODEL
     if not (model / "manifest.json").exists():
         typer.echo(f"building the tiny model in {model} (random init + short warm start)...")
-        report = build_demo_model(model, seed=0, warmstart_steps=65)
+        report = build_demo_model(model, seed=0, warmstart_steps=WARMSTART_STEPS)
         typer.echo(f"  done: {report}")
     try:
         demo_mod.demo_config()

@@ -92,8 +92,8 @@ class Unreadable:
     error: str
 
 
-def read_json(path: Path, *, retry_s: float = STATUS_READ_S,
-              sleep: Callable[[float], None] = time.sleep) -> dict[str, Any] | Unreadable | None:
+def read_checked(path: Path, *, retry_s: float = STATUS_READ_S,
+                 sleep: Callable[[float], None] = time.sleep) -> dict[str, Any] | Unreadable | None:
     """A JSON object another node published; None when absent, Unreadable when
     it could not be read or is not an object after read_document's retries of a
     torn, stale or failed read (for `retry_s`)."""
@@ -107,11 +107,17 @@ def read_json(path: Path, *, retry_s: float = STATUS_READ_S,
     return Unreadable(path, f"holds a JSON {type(data).__name__}, not an object")
 
 
-def read_metrics(run_dir: Path, iteration: int, name: str, *, retry_s: float = STATUS_READ_S,
-                 sleep: Callable[[float], None] = time.sleep
-                 ) -> dict[str, Any] | Unreadable | None:
-    """An iteration's metrics file ("rollout", "eval" or "train"); None when absent."""
-    return read_json(layout.metrics(run_dir, iteration, name), retry_s=retry_s, sleep=sleep)
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object another node published, for display: None when absent or
+    unreadable within STATUS_READ_S."""
+    data = read_checked(path)
+    return None if isinstance(data, Unreadable) else data
+
+
+def read_metrics(run_dir: Path, iteration: int, name: str) -> dict[str, Any] | None:
+    """An iteration's metrics file ("rollout", "eval" or "train"), for display;
+    None when absent or unreadable."""
+    return read_json(layout.metrics(run_dir, iteration, name))
 
 
 def _number(data: Mapping[str, Any] | None, key: str) -> float | None:
@@ -141,7 +147,8 @@ class _Reader:
     def __call__(self, run_dir: Path, iteration: int, name: str
                  ) -> dict[str, Any] | Unreadable | None:
         left = min(self.per_file_s, max(0.0, self.until - self.clock()))
-        return read_metrics(run_dir, iteration, name, retry_s=left, sleep=self.sleep)
+        return read_checked(layout.metrics(run_dir, iteration, name), retry_s=left,
+                            sleep=self.sleep)
 
 
 def record(run_dir: Path, iteration: int, *, reader: _Reader | None = None) -> IterationRecord:

@@ -34,10 +34,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's model: warm-started, so rewards vary and training moves the weights."""
+    from trainer.config import WARMSTART_STEPS
     from trainer.warmstart import build_initial_model as init_model
 
     out = tmp_path_factory.mktemp("model") / "warm"
-    init_model(out, seed=0, warmstart_steps=65)
+    init_model(out, seed=0, warmstart_steps=WARMSTART_STEPS)
     return out
 
 

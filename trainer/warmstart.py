@@ -35,6 +35,7 @@ from trainer.checkpoint import (
     tmp_sibling,
     write_model_files,
 )
+from trainer.config import WARMSTART_STEPS
 
 # Far from the demo's seeds (small integers), so warm-up and demo prompts are
 # independent draws.
@@ -43,11 +44,7 @@ WARM_TRAIN_SIZE: Final = 4096
 EVAL_SIZE: Final = 256
 BATCH_SIZE: Final = 64
 LR: Final = 5e-4
-# Tuned on the default TinyModelSpec: 65 steps give a sampled accuracy of
-# 8-14% over model seeds 0-4 (60 give 5-10%, 70 give 12-18%): low enough
-# that RL can double it within 8 iterations, high enough that most groups of
-# 16 samples hold a right answer to learn from.
-DEFAULT_STEPS: Final = 65
+DEFAULT_STEPS: Final = WARMSTART_STEPS  # tuned on the default TinyModelSpec: trainer/config.py
 _RENAME_EXCHANGE: Final = 2  # from <linux/fs.h>
 _AT_FDCWD: Final = -100
 
