@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator import fsio, layout, membership, netaddr, regroup
+from coordinator import finished, fsio, layout, membership, netaddr, regroup
 from coordinator.actions import Actions, StepContext, completed_run, kind
 from coordinator.barrier import Barrier, Membership
 from coordinator.decisions import abort_of
@@ -110,10 +110,12 @@ class Daemon:
     def run(self) -> ExitCode:
         install_signal_handlers()
         try:
-            self._start()
             try:
+                self._start()
                 self._run_sessions()
-            except RunCompleted as exc:  # while this rank waited to be taken back
+            except RunCompleted as exc:
+                # Complete before this start (the master's journal), or while this
+                # rank waited to join or to be taken back.
                 log.info("rank %d: %s", self.rank, exc)
             summary = self._summary()
             self._finish(NodeState.FINISHED, None)
@@ -290,6 +292,11 @@ class Daemon:
         self.runtime.on_last_words(lambda e: self._final_heartbeat(NodeState.FAILED, str(e)))
         log.info("rank %d joined run %s generation %d as pid %d on %s (%s)", self.rank, run_id,
                  generation, os.getpid(), self.host, self.address)
+        if self.is_master and finished.complete(self.journal.resume_iteration,
+                                                self.config.run.iterations):
+            # Before any wait: workers started again on it would never come
+            # (coordinator/finished.py), and a requeue would hold every node.
+            raise RunCompleted(finished.master_message(run_id, self.config.run.iterations))
         self.group = GroupForming(
             store=self.store, manifest=self.manifest, coord=self.coord, rank=self.rank,
             token=self.token, host=self.host, log_path=self.plan.log_path,

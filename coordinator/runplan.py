@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from coordinator import fsio, layout, membership, routing
+from coordinator import finished, fsio, layout, membership, routing
 from coordinator.actions import kind, node_local_keys, resolve_config
 from coordinator.config import (
     OPERATIONAL_KEYS,
@@ -217,12 +217,15 @@ def _plan_worker(req: RunRequest) -> RunPlan:
     # wait: a mistyped key or a bad value exits 2 now, not once the master is up.
     resolve_config(raw)
     local = from_mapping(CoordinationConfig, raw.get("coordination", {}), "coordination")
+    store = FsStore(req.log_path)
     info = membership.wait_for_master(
-        FsStore(req.log_path), log_path=routing.display(req.log_path), join_timeout_s=local.join_timeout_s,
+        store, log_path=routing.display(req.log_path), join_timeout_s=local.join_timeout_s,
         backoff=Backoff(initial_s=local.poll_initial_s, factor=local.poll_factor,
                         ceiling_s=local.poll_ceiling_s),
         progress_interval_s=local.progress_interval_s, retry_s=local.read_retry_s,
         probe_timeout_s=local.probe_timeout_s,
+        # A finished run's master may never come: exit 0 (RunCompleted) instead.
+        check=finished.watch_worker(store, rank=req.rank, retry_s=local.read_retry_s),
     )
     manifest = info.manifest
     if req.rank >= manifest.num_nodes:

@@ -52,6 +52,9 @@ def report(exc: CoordinatorError) -> typer.Exit:
     """Print an expected failure with its fix and turn it into its exit code."""
     if isinstance(exc, UsageError):
         return fail_usage(str(exc))
+    if exc.exit_code is ExitCode.OK:  # nothing to do (a finished run): no error
+        logging.getLogger("coordinator").info("%s", exc)
+        return typer.Exit(0)
     message = str(exc)
     if isinstance(exc, MalformedRecordError):
         message += (" (this file is corrupt or was not written by coordinator: look at it, "
