@@ -27,7 +27,9 @@ failed: exit codes 3 and 4) does not exit:
 
 The group resumes at the lowest iteration any member's journal has not
 completed, replaying its barriers; actions the journals mark done are not
-redone.  No generation bump is needed: a replaced rank's old incarnation is
+redone.  After a shrink, "member" means of the last session (start_iteration),
+and a rank left out that is back waits for the end of an iteration the others
+worked on without it (rejoin_later).  No generation bump is needed: a replaced rank's old incarnation is
 fenced by its claim (membership.py), and old-session records by the session id.
 """
 
