@@ -6,7 +6,10 @@ manifest (a tampered file is refused, naming it), then served from the local
 copy by the engine's own verb (rollout/engines/serving.py: kept, reloaded in place
 into the sleeping engine, started, restarted; a failed reload restarts), and
 the served weights are checked against the checkpoint's probes
-(served_weights.py).  `release()` (phase 7) parks the engine (rollout/
+(served_weights.py).  `serve_chosen` (phase 1) is the same with the probes
+checked even for a kept engine, after refusing a policy older than the one
+the engine serves: phase 0's choice is then not the newest, and loading it
+would train on another policy's samples as on-policy.  `release()` (phase 7) parks the engine (rollout/
 serving.py: asleep, or stopped); either way the GPU is free for training.
 The engine's process is registered with the daemon's runtime, so a lost peer
 or a failure kills it at once.
@@ -45,6 +48,7 @@ class EngineHost:
         self.run_dir = run_dir
         self._engine: Engine | None = None
         self._serving: Path | None = None
+        self._version: int | None = None  # the policy version of _serving (rl/contracts.py)
         self._registered: int | None = None
         self._probes: ProbeSet | None = None  # of the checkpoint served before
 
@@ -70,9 +74,24 @@ class EngineHost:
             except CheckpointError as exc:
                 raise ActionError(f"refusing checkpoint {model_dir}: {exc}") from exc
 
-    def ensure(self, ctx: StepContext, model_dir: Path) -> dict[str, Any]:
-        """Serve `model_dir` (rollout/engines/serving.py decides how: kept, reloaded in place,
-        started, restarted); then check the served weights against its probes."""
+    def serve_chosen(self, ctx: StepContext, model_dir: Path, *, version: int) -> dict[str, Any]:
+        """Phase 1: serve phase 0's choice, policy `version`, its probes checked even when
+        the engine kept it; a policy older than the engine serves is refused, naming both."""
+        if self._version is not None and self._version > version:
+            assert self._serving is not None
+            raise ActionError(
+                f"rank {self.rank} on host {ctx.host}: phase 0 chose policy version {version} "
+                f"({model_dir.name}), but this node's engine serves version {self._version} "
+                f"({self._serving.name}), a newer one: an older policy is never served in place "
+                "of the newest published one; check the checkpoints directory and run "
+                f"`coordinator recover --iteration {ctx.iteration}`")
+        return self.ensure(ctx, model_dir, version=version, recheck=True)
+
+    def ensure(self, ctx: StepContext, model_dir: Path, *, version: int,
+               recheck: bool = False) -> dict[str, Any]:
+        """Serve `model_dir`, policy `version` (rollout/engines/serving.py decides how: kept,
+        reloaded in place, started, restarted); then check the served weights against its
+        probes (a kept engine's only with `recheck`)."""
         local = self.local_copy(ctx, model_dir)
         if self._engine is None:
             self._engine = make_engine(
@@ -85,17 +104,20 @@ class EngineHost:
         try:
             how = serving.serve(engine, local, serving=self._serving)
         except EngineError as exc:
-            self._serving = None
+            self._serving, self._version = None, None
             raise ActionError(f"rank {self.rank} on host {ctx.host}: the {self.s.engine.kind.value}"
                               f" inference engine could not serve {local}: {exc}") from exc
         finally:
             self._register(ctx, before=pid)
-        if how is Served.KEPT:  # verified when it was loaded; nothing moved since
+        if how is Served.KEPT and not recheck:  # verified when it was loaded
             return {"engine": how.value, "engine_pid": engine.pid}
-        verdict = verify_served_weights(engine.control(), self.s.engine, local, rank=self.rank,
-                                        host=ctx.host, previous=self._probes)
+        # Unknown until the probes say what it serves: a failed check is loaded again.
+        self._serving, self._version = None, None
+        verdict = verify_served_weights(
+            engine.control(), self.s.engine, local, rank=self.rank, host=ctx.host,
+            previous=None if how is Served.KEPT else self._probes)
         self._probes = checkpoint_probes(local)
-        self._serving = local
+        self._serving, self._version = local, version
         self._prune_cache(local, self.cache_root(ctx.run_id))
         return {"engine": how.value, "engine_pid": engine.pid, **verdict.payload()}
 
@@ -118,7 +140,7 @@ class EngineHost:
             return {}
         if parked is Parked.STOPPED:
             self._register(ctx, before=None)
-            self._serving = None
+            self._serving, self._version = None, None
             return {"engine": parked.value}
         assert self._engine is not None
         return {"engine": parked.value, "engine_pid": self._engine.pid}

@@ -1,4 +1,9 @@
-"""Phases 7 and 12: the node's inference engine around training.
+"""Phases 1, 7 and 12: the node's inference engine around training.
+
+    1   all   (first, on a node that rolls out) serve the policy phase 0 chose:
+              its probes checked even when the engine kept it, and a policy older
+              than the one the engine serves refused, naming both: phase 0 then
+              did not choose the newest, in any placement or weight-update mode
 
     7   all   put the engine to sleep (engine.weight_update "reload") or stop it;
               either way its accelerator memory is released before training
@@ -24,8 +29,18 @@ from typing import Any
 
 from coordinator.actions import StepContext
 from coordinator.phases import Phase
-from rl.contracts import CheckpointAnnouncement, PolicyChoice, announced
+from rl.contracts import CheckpointAnnouncement, PolicyChoice, announced, policy_version
 from rl.loop import Loop
+
+
+def serve_chosen_policy(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
+    """Phase 1, before the rollout: this node's engine serves phase 0's choice, checked."""
+    if not loop.rolls_out:
+        return {}
+    name = PolicyChoice.read(ctx).policy
+    how = loop.engines.serve_chosen(ctx, loop.model(ctx, name, where_phase=int(Phase.SYNC)),
+                                    version=policy_version(name))
+    return {"serving": name, **how}
 
 
 def stop_engine(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
@@ -45,5 +60,6 @@ def serve_new_policy(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         name, phase = checkpoint.checkpoint, Phase.PUBLISH_CHECKPOINT
     else:
         name, phase = PolicyChoice.read(ctx).policy, Phase.SYNC
-    how = loop.engines.ensure(ctx, loop.model(ctx, name, where_phase=int(phase)))
+    how = loop.engines.ensure(ctx, loop.model(ctx, name, where_phase=int(phase)),
+                              version=policy_version(name))
     return {"serving": name, **how}

@@ -4,7 +4,8 @@
                  --model given), check the settings against the model and the tasks
                  (rl/preflight.py, once per daemon);
                  pick each split's tasks for this iteration and publish the shard plans
-        decide   the policy this iteration samples from (PolicyChoice)
+        decide   the policy this iteration samples from (PolicyChoice): the newest
+                 published checkpoint, or the phase fails (rl/newest_policy.py)
     13  master   remove the previous iteration's rank files, the checkpoints beyond
                  checkpoint.keep and the training states older than the newest
 """
@@ -24,7 +25,7 @@ from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.records import Arrival
 from coordinator.store import read_document
-from rl import layout, node_local
+from rl import layout, newest_policy, node_local
 from rl.contracts import INITIAL_POLICY, PolicyChoice
 from rl.layout import Split
 from rl.loop import Loop
@@ -91,20 +92,17 @@ def publish_plan(loop: Loop, ctx: StepContext, split: Split, iteration: int,
 
 def choose_policy(loop: Loop, ctx: StepContext,
                   arrivals: Mapping[int, Arrival]) -> Mapping[str, Any]:
-    """Phase 0's decision: the newest published checkpoint before this iteration;
+    """Phase 0's decision: the newest published checkpoint before this iteration, or
+    the phase fails naming it (rl/newest_policy.py: never an older one in its place);
     in a group that went on without some ranks, their unfinished tasks shared
     out among the others (rl/takeover.py)."""
-    from trainer.checkpoint import CheckpointError, read_manifest
-
-    rerun = take_over_lost_tasks(loop, ctx)
-    for k in range(ctx.iteration - 1, -1, -1):
-        try:
-            read_manifest(layout.checkpoint(loop.run_dir, k))
-        except (CheckpointError, OSError):
-            continue
-        return PolicyChoice(policy=loop.relative(layout.checkpoint(loop.run_dir, k))).fields() \
-            | rerun
-    return PolicyChoice(policy=INITIAL_POLICY).fields() | rerun
+    budget = newest_policy.READ_SHARE * ctx.config.coordination.phase_timeouts_s.sync
+    k = newest_policy.newest_published(
+        ctx.iteration, lambda k: newest_policy.look(loop.run_dir, k, budget_s=budget),
+        lambda k: layout.checkpoint(loop.run_dir, k))
+    policy = INITIAL_POLICY if k is None else loop.relative(layout.checkpoint(loop.run_dir, k))
+    log.info("iteration %d samples from %s", ctx.iteration, policy)
+    return PolicyChoice(policy=policy).fields() | take_over_lost_tasks(loop, ctx)
 
 
 def shard_plan(loop: Loop, iteration: int, split: Split) -> ShardPlan:
