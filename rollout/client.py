@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 # Statuses a healthy server can return under load or while restarting.
 _TRANSIENT_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
 _MAX_ERROR_BODY: Final = 2000
+# While a group is awaited, the caller's cancel check runs this often: well within the
+# daemon's grace for its main thread to stop after a failure elsewhere (seconds).
+_CANCEL_CHECK_S: Final = 0.2
 
 
 class CompletionClient:
@@ -203,9 +206,12 @@ class CompletionClient:
         seed: int | None = None,
         seeds: Sequence[int] | None = None,
         stop: Sequence[str] | None = None,
+        check_cancel: Callable[[], None] = lambda: None,
     ) -> Generator[GroupResult, None, None]:
         """GroupResults in prompt order, each as soon as it and those before it are done,
-        with up to `concurrency` requests in flight.
+        with up to `concurrency` requests in flight.  `check_cancel` is called while
+        waiting for a group: what it raises (the group stopping: a peer failed) ends
+        the iteration at once instead of after the group in flight.
 
         `seeds` gives each group its own seed (a group redone after a restart then
         samples the same way whatever else is redone with it); a single `seed`
@@ -238,7 +244,8 @@ class CompletionClient:
                     while i not in done:
                         if not runner.is_alive() and i not in done:
                             raise ClientError("the completions loop stopped unexpectedly")
-                        ready.wait(0.5)
+                        check_cancel()
+                        ready.wait(_CANCEL_CHECK_S)
                     result = done.pop(i)
                 yield result
         finally:

@@ -45,7 +45,7 @@ class SingleTurnSampler:
         prompts: list[Prompt] = [t.messages() or str(t.prompt) for t in tasks]
         results = engine.client.iter_groups(
             prompts, n=group_size, max_tokens=self.max_tokens, temperature=self.temperature,
-            top_p=self.top_p, seeds=[self.seed_of(t) for t in tasks])
+            top_p=self.top_p, seeds=[self.seed_of(t) for t in tasks], check_cancel=check_cancel)
         try:
             for task, group in zip(tasks, results, strict=True):
                 check_cancel()

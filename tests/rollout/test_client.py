@@ -338,3 +338,23 @@ def test_malformed_chat_answers_are_rejected(change: dict[str, Any], rule: str) 
 
     with pytest.raises(ProtocolError, match=rule):
         parse_samples({**GOOD_CHAT, **change}, 1, CHAT)
+
+
+def test_a_cancel_while_a_group_is_awaited_ends_the_iteration_at_once(
+        server: FakeServer) -> None:
+    """A peer failing while this rank waits for a slow group: the daemon gives its main
+    thread seconds to stop, so the wait must see the cancel, not the answer."""
+    server.delay_s = 30.0
+    cancelled = threading.Event()
+
+    def check_cancel() -> None:
+        if cancelled.is_set():
+            raise InterruptedError("the group is stopping")
+
+    groups = _client(server).iter_groups(["ok:0"], n=1, max_tokens=1,
+                                         check_cancel=check_cancel)
+    threading.Timer(0.3, cancelled.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(InterruptedError, match="the group is stopping"):
+        next(groups)
+    assert time.monotonic() - t0 < 5.0  # not the 30 s answer
