@@ -83,6 +83,7 @@ def test_a_multi_turn_agent_trains_three_iterations_on_its_exact_tokens(
     for it in range(ITERATIONS):
         rollout = json.loads((run / f"iterations/{it:06d}/metrics/rollout.json").read_text())
         assert rollout["num_samples"] == 24 and rollout["num_failed"] == 0, rollout
+        assert rollout["reward_timeouts"] == 0, rollout  # counted (exact match has no limit)
         train = json.loads((run / f"iterations/{it:06d}/metrics/train.json").read_text())
         assert train["samples"] > 0, train
         batch = load_train_batch(run / f"iterations/{it:06d}/batch.pt")
