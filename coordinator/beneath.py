@@ -278,12 +278,13 @@ def remove_tree(path: Path | str) -> bool:
     """rm -r that never follows a symlink (a symlink is removed, not its target)."""
     try:
         with parent_dir(path, create=False) as (fd, name):
-            return _remove_at(fd, name)
+            return remove_at(fd, name)
     except FileNotFoundError:
         return False
 
 
-def _remove_at(dir_fd: int, name: str) -> bool:
+def remove_at(dir_fd: int, name: str) -> bool:
+    """rm -r of `name` in the directory `dir_fd`; a symlink is removed, never followed."""
     try:
         st = os.lstat(name, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -297,7 +298,7 @@ def _remove_at(dir_fd: int, name: str) -> bool:
         with os.scandir(fd) as entries:
             names = [e.name for e in entries]
         for child in names:
-            _remove_at(fd, child)
+            remove_at(fd, child)
     finally:
         os.close(fd)
     with contextlib.suppress(FileNotFoundError):

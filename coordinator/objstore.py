@@ -10,7 +10,7 @@ What the protocol needs from storage, and how a bucket gives it:
 
 No publish needs a rename: `rename` (a copy then a delete, not atomic) is
 used only by the master's `--new-run` archive and a stale claim's set-aside,
-never to publish.  A bucket run directory has a node-local root (`local_root`):
+never to publish.  A bucket run directory has a node-local root (`local_dir`):
 coordinator/fsio.py and trees.py send every path beneath it here
 (`routing.mount`), so every reader and writer of the run directory (records,
 documents, chunks, checkpoints) talks to the bucket, and a file opened for
@@ -44,9 +44,10 @@ from obstore.exceptions import (
 )
 from obstore.store import AzureStore, S3Store
 
-from coordinator import beneath, bucket_url, fsio, routing
+from coordinator import beneath, bucket_url, fsio, private_dir, routing
 from coordinator.bucket_url import BucketURL, Scheme
 from coordinator.errors import BucketError, UnsafeFileError
+from coordinator.private_dir import PrivateDir
 
 log = logging.getLogger(__name__)
 # obstore's own retries of a failed request stay well inside a lease (15 s by
@@ -271,10 +272,14 @@ class ObjectStore:
             raise
 
 
-def local_root(url: BucketURL) -> Path:
+def local_dir(url: BucketURL) -> PrivateDir:
     """This node's directory for a bucket run: where fetched files are opened from,
-    and what the code above fsio takes as the run directory's path."""
-    return Path(tempfile.gettempdir()) / f"coordinator-bucket-{os.getuid()}" / url.digest
+    and what the code above fsio takes as the run directory's path.  This user's
+    alone, mode 0700, like its parent (coordinator/private_dir.py): the URL's hash
+    is no secret, and another user of the node must not be able to make it theirs,
+    or a symlink to a directory the run would then fill and empty."""
+    return PrivateDir(Path(tempfile.gettempdir()), (f"coordinator-bucket-{os.getuid()}",
+                                                    url.digest))
 
 
 def attach(text: str, env: Mapping[str, str] | None = None) -> Path:
@@ -285,9 +290,7 @@ def attach(text: str, env: Mapping[str, str] | None = None) -> Path:
     url = bucket_url.parse(text)
     store = ObjectStore(url, env)
     store.check()
-    root = local_root(url)
-    root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's, like node_local's
-    beneath.make_dirs(root)
+    root = private_dir.make(local_dir(url))  # PrivateDirError (exit 2) when not ours alone
     routing.mount(root, store, label=str(url))
     os.environ[URL_ENV], os.environ[ROOT_ENV] = str(url), str(root)
     return root

@@ -37,15 +37,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 # the job inherited (docs/PROTOCOL.md, rule 7): no group or world write.
 PROTOCOL_UMASK = 0o022
 
-def setup_logging(verbose: bool, rank: int | None = None) -> None:
+def setup_logging(verbose: bool, rank: int | None = None) -> str:
+    """Log to stderr; the format, for a daemon's log file too (coordinator/daemon_log.py)."""
     level = logging.DEBUG if verbose else logging.INFO
     who = f"rank {rank} " if rank is not None else ""
-    logging.basicConfig(
-        level=level, stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s",
-    )
+    form = f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
+    logging.basicConfig(level=level, stream=sys.stderr, format=form)
     for noisy in ("watchdog", "urllib3", "filelock", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    return form
 
 
 def report(exc: CoordinatorError) -> typer.Exit:
@@ -83,7 +83,7 @@ def run(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Run this node's daemon until every iteration is done (or something fails)."""
-    from coordinator import beneath, netaddr, routing
+    from coordinator import beneath, daemon_log, netaddr, routing
     from coordinator.daemon import Daemon
     from coordinator.runplan import RunRequest, make_plan
     from coordinator.storage_check import check_run_directory
@@ -108,7 +108,7 @@ def run(
         # refused here (exit 9), not by a master's traceback workers would wait on.
         check_run_directory(path)
         beneath.confine(path)
-        setup_logging(verbose, rank)
+        daemon_log.attach(path, rank, setup_logging(verbose, rank))  # ranks/<R>/logs/ too
         plan = make_plan(RunRequest(
             log_path=path, rank=rank, num_nodes=num_nodes, weights=weights, config_file=config,
             overrides=overrides, new_run=new_run, address=address))
@@ -121,11 +121,16 @@ def run(
     # last daemon of the run on the node removes it.
     checkpoint = plan.config.sections.get("checkpoint", {})
     try:
-        if routing.routed(path) is not None:
-            node_local.hold(path)  # what was fetched from the bucket goes with the run
+        if log_path is not None and routing.routed(path) is not None:
+            from coordinator import bucket_url, objstore
+
+            # What was fetched from the bucket goes with the run.
+            node_local.hold(objstore.local_dir(bucket_url.parse(log_path)))
         node_local.adopt(plan.manifest.run_id, str(checkpoint.get("local_cache", "")))
     except CoordinatorError as exc:
         raise report(exc) from None
+    except OSError as exc:  # a full or read-only local disk
+        raise report(node_local.local_disk_error(exc, Path(exc.filename or "TMPDIR"))) from None
     try:
         code = Daemon(plan).run()
     finally:

@@ -3,7 +3,7 @@
     $TMPDIR/coordinator-<uid>/<run id>/     (or <checkpoint.local_cache>/<run id>/)
         <checkpoint>-<digest>/              verified copies of published checkpoints:
                                             the one served; older ones pruned (phase 12)
-        .locks/<name>.lock                  locks between this node's daemons of the run:
+        .locks/<name>.lock                  flocks between this node's daemons of the run:
                                             one copies a checkpoint or builds the demo
                                             model, the others wait, then reuse it
         .holders/<pid>-<start time>         one per daemon of the run on this node
@@ -13,73 +13,128 @@
                                             goes with the directory
 
 Per user, under the temporary directory the job was given (TMPDIR, as Slurm
-jobs expect): a second user's run on a shared node never meets directories
-the first user owns, and the base directory is created 0700 and refused when
-someone else owns it.  Every daemon that uses the directory registers as a
-holder; the last one to leave (its daemon exiting, however it exits short of
-SIGKILL) removes the whole directory, unless checkpoint.keep_local_cache.
-A holder whose process is gone (SIGKILL, a lost node coming back) does not
-count: the next daemon to leave cleans up after it.
+jobs expect): every directory here is this user's, mode 0700, and one found
+otherwise (another user's, open to others, a symlink) is refused by name
+(coordinator/private_dir.py).  A bucket run directory's local root
+(coordinator/objstore.py) is held and removed the same way.
+
+Every daemon that uses the directory registers as a holder; the last one to
+leave (its daemon exiting, however it exits short of SIGKILL) removes the
+whole directory, unless checkpoint.keep_local_cache.  A holder whose process
+is gone (SIGKILL, a lost node coming back) does not count: the next daemon to
+leave cleans up after it.  Registering and leaving hold a lock on the
+directory itself (flock of its descriptor), so a daemon registering while the
+last one leaves finds either the directory it registered in kept, or a new
+one made after the old one went:
+
+    hold:  open (make) dir -> flock -> still the dir at its path? -- no --> again
+                                              | yes
+                                              v
+                                    .holders/<me> made, unlock
+    leave: open dir -> flock -> .holders/<me> removed -> live holders? -- yes --> unlock
+                                                              | no
+                                                              v
+                                    contents removed, dir removed, unlock
+
+A directory that vanishes under a daemon that holds it (a TMPDIR cleaner,
+`rm`) is named with that cause and made again at its next use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import logging
 import os
-import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Final
 
-import filelock
 import psutil
 
-from coordinator.errors import ActionError, UsageError
+from coordinator import private_dir
+from coordinator.errors import ActionError
+from coordinator.private_dir import PrivateDir
 from coordinator.records import check_run_id
 
 log = logging.getLogger(__name__)
 
-HOLDERS = ".holders"
-LOCKS = ".locks"
-CHILD_TMP = ".tmp"
-_joined: set[Path] = set()  # the run directories this process holds
-_base: list[Path] = []  # node_base, fixed at its first use (TMPDIR later points inside)
+HOLDERS: Final = ".holders"
+LOCKS: Final = ".locks"
+CHILD_TMP: Final = ".tmp"
+# Leaving removes this node's copies of the run's checkpoints (a few GB of local
+# disk: seconds); a registration waits for that, and no longer.
+DIR_LOCK_TIMEOUT_S: Final = 120.0
+_LOCK_POLL_S: Final = 0.02
+_ATTEMPTS: Final = 5  # times a registration may find its directory removed under it
+_joined: dict[Path, PrivateDir] = {}  # the directories this process holds
+_anchor: list[Path] = []  # TMPDIR as this process found it (adopt points TMPDIR inside)
+_adopted: list[Path] = []  # the run directory whose .tmp is this process's TMPDIR
 
 
-def _base_path() -> Path:
-    if not _base:
-        _base.append(Path(tempfile.gettempdir()) / f"coordinator-{os.getuid()}")
-    return _base[0]
+def _tmp_anchor() -> Path:
+    if not _anchor:
+        _anchor.append(Path(tempfile.gettempdir()))
+    return _anchor[0]
+
+
+def _base_name() -> str:
+    return f"coordinator-{os.getuid()}"
 
 
 def node_base() -> Path:
     """This user's directory in the node's temporary directory (TMPDIR honoured, as
-    this process found it)."""
-    base = _base_path()
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    owner = base.stat().st_uid
-    if owner != os.getuid():
-        raise UsageError(f"{base} belongs to uid {owner}, not to this user ({os.getuid()}): "
-                         "something else made it; remove it, or point TMPDIR elsewhere")
-    return base
+    this process found it): made 0700, refused when it is not this user's alone."""
+    return private_dir.make(PrivateDir(_tmp_anchor(), (_base_name(),)))
+
+
+def run_place(run_id: str, local_cache: str = "") -> PrivateDir:
+    """Where the run's directory on this node is."""
+    check_run_id(run_id)  # it becomes a path
+    if local_cache:
+        return PrivateDir(Path(local_cache), (run_id,))
+    return PrivateDir(_tmp_anchor(), (_base_name(), run_id))
 
 
 def run_root(run_id: str, local_cache: str = "") -> Path:
     """The run's directory on this node, with this process registered as a holder."""
-    check_run_id(run_id)  # it becomes a path
-    return hold((Path(local_cache) if local_cache else node_base()) / run_id)
+    return hold(run_place(run_id, local_cache))
 
 
-def hold(root: Path) -> Path:
+def hold(place: PrivateDir) -> Path:
     """Register this process as a holder of a node-local directory of the run (its
     cache, or a bucket run directory's local root: coordinator/objstore.py); the
     last holder to leave removes it (leave_all)."""
-    holder = root / HOLDERS / _me()
-    if root not in _joined or not holder.exists():
-        (root / HOLDERS).mkdir(mode=0o700, parents=True, exist_ok=True)
-        holder.touch()
-        _joined.add(root)
+    root = place.path
+    known = root in _joined
+    if known and (root / HOLDERS / _me()).is_file():
+        return root
+    for _ in range(_ATTEMPTS):
+        with private_dir.opened(place, create=True) as fd:
+            _lock(fd, root, "registering")
+            if not private_dir.same_directory(fd, root):
+                continue  # the last holder removed it after we opened it: make it again
+            holders = private_dir.open_child(fd, HOLDERS, root / HOLDERS, create=True)
+            try:
+                os.close(os.open(_me(), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o600, dir_fd=holders))
+            finally:
+                os.close(holders)
+            if root in _adopted:
+                os.close(private_dir.open_child(fd, CHILD_TMP, root / CHILD_TMP, create=True))
+            break
+    else:
+        raise ActionError(f"{root} was removed {_ATTEMPTS} times while this daemon registered "
+                          "in it: what keeps removing it? (a TMPDIR cleaner, a script)")
+    if known:
+        log.warning("this node's directory of the run %s vanished while this daemon held it "
+                    "(its daemons remove it only once none holds it: a TMPDIR cleaner such as "
+                    "systemd-tmpfiles or tmpwatch, or someone, removed it): made again; keep "
+                    "cleaners away from coordinator-* or set checkpoint.local_cache", root)
+    _joined[root] = place
     return root
 
 
@@ -90,74 +145,154 @@ def adopt(run_id: str, local_cache: str = "") -> Path:
     leave (torch's compile caches, torchrun's log directories) go with it.
     Changes this process's environment: call it from a daemon's entry point,
     never from a library or a test's process."""
-    _base_path()  # fixed first: TMPDIR is about to name a directory inside it
+    _tmp_anchor()  # fixed first: TMPDIR is about to name a directory inside it
     root = run_root(run_id, local_cache)
-    tmp = root / CHILD_TMP
-    tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = private_dir.make(_joined[root].child(CHILD_TMP), parents=False)
+    _adopted.append(root)
     os.environ["TMPDIR"] = str(tmp)
     tempfile.tempdir = None  # this process's own temporary files follow
     return root
 
 
 def lock_dir(root: Path) -> Path:
-    path = root / LOCKS
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
+    """The run directory's .locks (made if missing); the run directory must be held."""
+    place = _joined.get(root)
+    if place is None:
+        raise ValueError(f"{root} is not a directory this process holds (run_root first)")
+    try:
+        return private_dir.make(place.child(LOCKS), parents=False)
+    except FileNotFoundError:
+        raise vanished(root) from None
+
+
+def vanished(root: Path) -> ActionError:
+    return ActionError(
+        f"this node's directory of the run {root} vanished while this daemon held it: "
+        "its daemons remove it only once none holds it, so something else removed it (a "
+        "TMPDIR cleaner such as systemd-tmpfiles or tmpwatch, or someone by hand); keep "
+        "cleaners away from coordinator-* directories or set checkpoint.local_cache")
 
 
 @contextlib.contextmanager
 def node_lock(directory: Path, name: str, *, timeout_s: float, what: str) -> Iterator[None]:
     """Hold this node's lock `name` in `directory` (lock_dir of a run) for the block,
     waiting at most `timeout_s`.  Between the daemons of one node only: nothing on
-    the shared run directory depends on a lock (docs/PROTOCOL.md, rule 3)."""
+    the shared run directory depends on a lock (docs/PROTOCOL.md, rule 3).  The lock
+    file is never made anywhere but in that directory (a library's lock would make
+    a vanished directory again, open to others)."""
     path = directory / f"{name}.lock"
     try:
-        with filelock.FileLock(path, timeout=timeout_s):
-            yield
-    except filelock.Timeout:
-        raise ActionError(
-            f"waited {timeout_s:g} s for another process on this node to finish {what} "
-            f"(lock file {path}): is a daemon of this run stuck? If none runs, remove the "
-            "lock file") from None
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise vanished(directory.parent) from None
+    try:
+        fd = os.open(path.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dir_fd)
+    except OSError as exc:
+        raise local_disk_error(exc, path) from None
+    finally:
+        os.close(dir_fd)
+    try:
+        if not _flock(fd, timeout_s):
+            raise ActionError(
+                f"waited {timeout_s:g} s for another process on this node to finish {what} "
+                f"(lock file {path}): is a daemon of this run stuck?")
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def local_disk_error(exc: OSError, path: Path) -> ActionError:
+    """A node-local write that failed, naming the disk and the fix."""
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return ActionError(f"cannot write {path} on this node's disk: {exc.strerror} ({name}): "
+                       "free space there, or point TMPDIR (or checkpoint.local_cache) at a "
+                       "disk with room")
 
 
 def leave_all(*, keep: bool) -> None:
     """At daemon exit: stop holding every run directory; the last holder removes it.
     A shutdown path: logs what fails, never raises."""
-    for root in sorted(_joined):
+    for root, place in sorted(_joined.items()):
         try:
-            leave(root, keep=keep)
-        except Exception:
-            log.exception("removing this node's directory of the run %s failed", root)
+            leave(place, keep=keep)
+        except OSError as exc:
+            log.error("could not remove this node's directory of the run %s: %s", root, exc)
+        except Exception as exc:
+            log.error("did not remove this node's directory of the run %s: %s", root, exc)
     _joined.clear()
+    _adopted.clear()
 
 
-def leave(root: Path, *, keep: bool) -> None:
-    """Stop holding `root`; remove it when no live daemon holds it any more."""
-    with contextlib.suppress(FileNotFoundError):
-        (root / HOLDERS / _me()).unlink()
-    if keep or not root.is_dir():
+def leave(place: PrivateDir, *, keep: bool) -> None:
+    """Stop holding `place`; remove it when no live daemon holds it any more.  Never
+    through a symlink: one found there is refused (PrivateDirError), not followed."""
+    root = place.path
+    try:
+        fd = private_dir.open_dir(place, create=False)
+    except FileNotFoundError:
+        log.warning("this node's directory of the run %s had vanished when this daemon left "
+                    "(removed by something other than its daemons: a TMPDIR cleaner?)", root)
         return
-    with node_lock(lock_dir(root), "cache", timeout_s=60.0, what="cleaning the node cache"):
-        if _live_holders(root):
+    try:
+        _lock(fd, root, "leaving")
+        if not private_dir.same_directory(fd, root):
             return
-        for child in root.iterdir():
-            if child.name == LOCKS:
-                continue
-            if child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
-    # Outside the lock, whose file goes with it.  A daemon of this run starting
-    # here at this instant recreates what it needs (run_root, lock_dir); at
-    # worst two of its copies could then race, which verify-then-rename makes
-    # harmless (trainer/checkpoint.py).
-    shutil.rmtree(root / LOCKS, ignore_errors=True)
-    with contextlib.suppress(OSError):  # a holder arrived meanwhile: it stays
-        root.rmdir()
-        if _base and root.parent == _base[0]:
-            root.parent.rmdir()  # this user's last run on the node: nothing left
-    log.info("removed this node's cache of the run: %s", root)
+        try:
+            holders = private_dir.open_child(fd, HOLDERS, root / HOLDERS, create=False)
+        except FileNotFoundError:
+            holders = None
+        if holders is not None:
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(_me(), dir_fd=holders)
+                if keep or _live_holders(holders):
+                    return
+            finally:
+                os.close(holders)
+        elif keep:
+            return
+        private_dir.empty(fd)
+        parent = place.parent
+        with private_dir.opened(parent, create=False) if parent else \
+                _anchor_fd(place.anchor) as parent_fd:
+            os.rmdir(place.names[-1], dir_fd=parent_fd)  # still locked: a holder waits
+    finally:
+        os.close(fd)
+    if parent is not None:
+        private_dir.remove_if_empty(parent)  # this user's last run on the node
+    log.info("removed this node's directory of the run: %s", root)
+
+
+@contextlib.contextmanager
+def _anchor_fd(anchor: Path) -> Iterator[int]:
+    fd = os.open(anchor, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _lock(fd: int, root: Path, doing: str) -> None:
+    """flock the directory `fd` (released when it is closed), waiting a bounded time."""
+    if not _flock(fd, DIR_LOCK_TIMEOUT_S):
+        raise ActionError(
+            f"waited {DIR_LOCK_TIMEOUT_S:g} s to lock {root} for {doing}: another daemon of "
+            "this run on this node holds it (registering, or removing the directory as the "
+            "last to leave); is one stuck?")
+
+
+def _flock(fd: int, timeout_s: float) -> bool:
+    """An exclusive flock of `fd` within `timeout_s`; False when it stayed held."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_LOCK_POLL_S)
 
 
 def _me() -> str:
@@ -165,16 +300,18 @@ def _me() -> str:
     return f"{me.pid}-{int(me.create_time() * 1000)}"
 
 
-def _live_holders(root: Path) -> list[str]:
+def _live_holders(holders: int) -> list[str]:
+    """The live holders registered in the directory `holders`; stale ones removed."""
     live = []
-    for holder in (root / HOLDERS).glob("*"):
-        pid, _, started = holder.name.partition("-")
+    for name in os.listdir(holders):
+        pid, _, started = name.partition("-")
         try:
             alive = int(started) == int(psutil.Process(int(pid)).create_time() * 1000)
         except (ValueError, psutil.NoSuchProcess, psutil.AccessDenied):
             alive = False
         if alive:
-            live.append(holder.name)
+            live.append(name)
         else:
-            holder.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # another leaver removed it first
+                os.unlink(name, dir_fd=holders)
     return live

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from coordinator import layout, routing
+from coordinator import daemon_log, layout, routing
 from coordinator.actions import kind
 from coordinator.errors import MalformedRecordError, UsageError
 from coordinator.liveness import describe_phase
@@ -97,7 +97,9 @@ class StatusReport:
             "num_nodes": self.manifest.num_nodes if self.manifest else None,
             "session": dataclasses.asdict(self.session) if self.session else None,
             "ranks": [
-                {**dataclasses.asdict(r), "state": r.state.value} for r in self.ranks
+                {**dataclasses.asdict(r), "state": r.state.value,
+                 "log": routing.display(daemon_log.path(self.log_path, r.rank))}
+                for r in self.ranks
             ],
             "last_error": self.last_error,
             "problems": [str(p) for p in self.problems],
@@ -259,6 +261,8 @@ def render(report: StatusReport) -> str:
         )))
     console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(table)
+    console.print(plain(f"each rank's log: {routing.display(report.log_path)}/ranks/<R>/logs/"
+                        f"{daemon_log.NAME} (its engine's and trainer's beside it)"))
     if report.iterations:
         console.print(_iterations_table(report.iterations))
     if report.recoveries:

@@ -9,9 +9,12 @@ the objects in the bucket.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from coordinator import bucket_url
 from coordinator.phases import Phase
 from tests.support.buckets import Bucket, Server
 from tests.support.cluster import LocalCluster, write_config
+from tests.support.users import other_user
 
 pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 90.0  # a 2-iteration scripted run takes ~5 s; room for a loaded machine
@@ -93,6 +97,11 @@ def test_three_ranks_run_every_phase_through_the_bucket_and_the_tools_read_it(
         log = c.output(rank)
         assert f"wake-ups: none in a bucket ({bucket.url})" in log
         assert "Traceback" not in log
+        # Each daemon's log, its own lines only, reached the bucket as it exited.
+        own = (bucket.read(f"ranks/{rank}/logs/daemon.log") or b"").decode()
+        assert f"rank {rank} finished 2 iterations of run {manifest['run_id']}" in own
+        records = [line for line in own.splitlines() if line[:2] == "20"]  # timestamped
+        assert records and all(f" rank {rank} " in line for line in records), own[-2000:]
     assert f"new run {manifest['run_id']} in {bucket.url}:" in c.output(0)
     # No credential reached run.json, a record or a log line.
     for secret in bucket_url.secrets_in(bucket.env):
@@ -102,6 +111,7 @@ def test_three_ranks_run_every_phase_through_the_bucket_and_the_tools_read_it(
     status = cli(bucket, tmp_path, "status")
     assert status.returncode == 0, status.stderr
     assert f"in {bucket.url}" in status.stdout and status.stdout.count("finished") == 3
+    assert f"each rank's log: {bucket.url}/ranks/<R>/logs/daemon.log" in status.stdout
     timeline = cli(bucket, tmp_path, "timeline")
     assert timeline.returncode == 0 and "3 ranks, 2 iterations" in timeline.stdout
     recover = cli(bucket, tmp_path, "recover", "--iteration", "1")
@@ -240,3 +250,41 @@ def test_doctor_checks_a_bucket_as_it_checks_a_directory(server: Server, tmp_pat
         assert re.search(rf"OK   {kind} +rank 2 .*publish-to-visible ~\d+ ms", master), master
     assert "INFO mount   rank 1 (" in master and f"bucket {bucket.url}" in master
     assert "verdict: the directory can carry a run" in outs[1]
+
+
+def test_another_local_user_cannot_make_a_bucket_run_fill_or_empty_their_symlink_target(
+        azurite: Server, tmp_path: Path) -> None:
+    """Finding 11's attack, as a second user of the node: in the /tmp both share, they
+    make `coordinator-bucket-<our uid>` (open to all) and in it a symlink named by
+    the hash of our URL (no secret: the URL is on `ps`) to a directory of ours.
+    Our run refuses to start (exit 2), naming the directory; nothing of ours is
+    written there, and nothing is removed."""
+    if os.geteuid() != 0:
+        pytest.fail("this test acts as a second user of the machine: run the suite as root")
+    attacker = other_user()
+    shared = Path(tempfile.mkdtemp(prefix="coordinator-shared-tmp-", dir="/tmp"))
+    try:
+        shared.chmod(0o1777)  # a node's /tmp
+        ours = shared / "our-results"  # a directory of this user's the attacker names
+        ours.mkdir()
+        (ours / "eval.csv").write_text("0.91")
+        bucket = azurite.bucket("attacked")
+        trap = shared / f"coordinator-bucket-{os.getuid()}"
+        digest = bucket_url.parse(bucket.url).digest
+        planted = subprocess.run(
+            ["runuser", "-u", attacker.pw_name, "--", "sh", "-c",
+             f"mkdir -m 0777 {trap} && ln -s {ours} {trap / digest}"],
+            capture_output=True, text=True, timeout=30)
+        assert planted.returncode == 0, planted.stderr
+        config = write_config(tmp_path / "c.toml", iterations=1)
+        done = subprocess.run(
+            [sys.executable, "-m", "rl", "run", "--master", "--num-nodes", "1", "--config",
+             str(config), "--log-path", bucket.url], capture_output=True, text=True,
+            timeout=RUN_TIMEOUT_S, env={**bucket.node_env(tmp_path, "m"), "TMPDIR": str(shared)})
+        assert done.returncode == 2, done.stdout + done.stderr[-3000:]
+        assert f"{trap} belongs to uid {attacker.pw_uid}, not to this user" in done.stderr
+        assert "Traceback" not in done.stderr
+        assert sorted(p.name for p in ours.iterdir()) == ["eval.csv"]
+        assert (ours / "eval.csv").read_text() == "0.91"
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -102,7 +102,11 @@ def test_every_daemon_exits_8_naming_the_path_and_recover_completes_the_run(
 ) -> None:
     config = write_config(tmp_path / "c.toml", iterations=4, lease=LEASE,
                           scripted='sleep_s = 0.1')
-    c = LocalCluster(tmpfs / "run", tmp_path, num_nodes=3, config=config)
+    # The three daemons share one node's directory of the run (rl/node_local.py).
+    node_tmp = tmp_path / "node-tmp"
+    node_tmp.mkdir()
+    c = LocalCluster(tmpfs / "run", tmp_path, num_nodes=3, config=config,
+                     env={"TMPDIR": str(node_tmp)})
     filler = None
     try:
         c.start_all()
@@ -120,6 +124,14 @@ def test_every_daemon_exits_8_naming_the_path_and_recover_completes_the_run(
             words = "No space left on device (ENOSPC)" if fault == "ENOSPC" else \
                 "Read-only file system (EROFS)"
             assert f"cannot write {c.log_path}/" in out and words in out, out[-2000:]
+            # Leaving at once, none met the directory half-removed by another (finding
+            # 13: FileNotFoundError on .locks/cache.lock), and each one's own log stopped
+            # with one line naming the error.
+            assert "Traceback" not in out, out[-3000:]
+            assert out.count("could not write this daemon's log") <= 1, out[-3000:]
+            assert f"rank {rank} joined run" in (c.log_path / f"ranks/{rank}/logs/daemon.log"
+                                                 ).read_text()
+        assert list(node_tmp.iterdir()) == []  # the last to leave removed it, then the base
         assert _all_json_parses(c.log_path) == []
         if filler is not None:
             filler.unlink()

@@ -160,3 +160,11 @@ def test_scontrol_requeue_resumes_the_same_job_and_completes(
     assert "resuming run" in out
     assert_trained_every_iteration(run_dir)
     assert list((tmp_path / "tmp-requeued").iterdir()) == []
+    # The job's output holds every node's lines; each rank's log in the run directory
+    # holds its own, both starts of the job appended.
+    for r in range(3):
+        own = (run_dir / f"ranks/{r}/logs/daemon.log").read_text()
+        records = [line for line in own.splitlines() if line[:2] == "20"]  # timestamped
+        assert records and all(f" rank {r} " in line for line in records), own[-2000:]
+        assert own.count("this log is also in") == 2 and "interrupted by signal 15" in own
+        assert f"rank {r} finished {ITERATIONS} iterations" in own, own[-2000:]

@@ -3,21 +3,25 @@ TMPDIR, removed by the last daemon of the run on the node."""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import os
-import pwd
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from coordinator.errors import UsageError
+from coordinator import bucket_url, objstore
+from coordinator.errors import ActionError, UsageError
+from coordinator.private_dir import PrivateDirError
 from rl import node_local
+from tests.support.users import OTHER_USER, as_other_user, other_user
 
-ROOT = Path(__file__).resolve().parents[2]
 RUN_ID = "0123456789ab"
 
 
@@ -25,8 +29,9 @@ RUN_ID = "0123456789ab"
 def own_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
-    monkeypatch.setattr(node_local, "_base", [])
-    monkeypatch.setattr(node_local, "_joined", set())
+    monkeypatch.setattr(node_local, "_anchor", [])
+    monkeypatch.setattr(node_local, "_joined", {})
+    monkeypatch.setattr(node_local, "_adopted", [])
     return tmp_path
 
 
@@ -36,7 +41,11 @@ def test_the_run_directory_is_per_user_under_tmpdir_and_the_last_holder_removes_
     assert root == own_tmpdir / f"coordinator-{os.getuid()}" / RUN_ID
     assert (own_tmpdir / f"coordinator-{os.getuid()}").stat().st_mode & 0o777 == 0o700
     (root / "iter-000001-abc").mkdir()
-    with node_local.node_lock(node_local.lock_dir(root), "cache", timeout_s=5, what="x"):
+    with node_local.node_lock(node_local.lock_dir(root), "cache", timeout_s=5, what="x"), \
+            pytest.raises(ActionError, match=r"waited 0.1 s for another process on this node "
+                          r"to finish copying a checkpoint \(lock file .*/\.locks/cache\.lock\)"), \
+            node_local.node_lock(root / node_local.LOCKS, "cache", timeout_s=0.1,
+                                 what="copying a checkpoint"):
         pass
     # Another daemon of the run on this node still holds it: it stays.
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -68,49 +77,55 @@ def test_a_base_directory_another_user_owns_is_refused_naming_it(own_tmpdir: Pat
     base = own_tmpdir / f"coordinator-{os.getuid()}"
     base.mkdir()
     os.chown(base, 12345, 12345)
-    with pytest.raises(UsageError, match=r"belongs to uid 12345.*point TMPDIR elsewhere"):
+    with pytest.raises(UsageError, match=r"belongs to uid 12345, not to this user.*remove it, or point TMPDIR"):
         node_local.node_base()
 
 
-OTHER_USER = "coordinator-test"
+def test_a_directory_removed_under_its_daemon_is_named_with_the_cause_and_made_again(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Not a traceback such as FileNotFoundError: .../.locks/cache.lock (finding 13)."""
+    root = node_local.run_root(RUN_ID)
+    locks = node_local.lock_dir(root)
+    shutil.rmtree(root)  # a TMPDIR cleaner, or someone by hand
+    cause = rf"{root} vanished while this daemon held it: .*a TMPDIR cleaner such as "
+    with pytest.raises(ActionError, match=cause), \
+            node_local.node_lock(locks, "cache", timeout_s=5, what="copying a checkpoint"):
+        pass
+    with pytest.raises(ActionError, match=cause):
+        node_local.lock_dir(root)
+    # Its next use makes it again, registered, saying why it had to.
+    with caplog.at_level(logging.WARNING, logger=node_local.__name__):
+        assert node_local.run_root(RUN_ID) == root
+    assert f"{root} vanished while this daemon held it" in caplog.text
+    assert (root / node_local.HOLDERS / node_local._me()).is_file()
+    with node_local.node_lock(node_local.lock_dir(root), "cache", timeout_s=5, what="x"):
+        pass
+    node_local.leave_all(keep=False)
+    assert not root.parent.exists()
 
 
-def other_user() -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam(OTHER_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/bin/sh",
-                        OTHER_USER], check=True, capture_output=True, timeout=60)
-        return pwd.getpwnam(OTHER_USER)
-
-
-def as_other_user(user: str, cmd: list[str], *, hide: Path) -> list[str]:
-    """`cmd` run as `user`.  The interpreter, the virtual environment or this checkout
-    may lie under a directory only root can enter (pyenv under /root, a CI
-    workspace): then, in a mount namespace of the command's own, each such
-    directory is a world-readable tmpfs holding just what the run needs."""
-    needed = sorted({Path(p).resolve() for p in (sys.base_prefix, sys.prefix, ROOT)})
-    steps: list[str] = []
-    covered: set[Path] = set()
-    for i, path in enumerate(needed):
-        blocked = next((d for d in reversed(path.parents) if d != Path("/") and
-                        not d.stat().st_mode & 0o001), None)
-        if blocked is None:
-            continue
-        keep = hide / str(i)
-        keep.mkdir(parents=True, exist_ok=True)
-        steps.append(f"mount --bind {path} {keep}")
-        covered.add(blocked)
-    if not steps:
-        return ["runuser", "-u", user, "--", *cmd]
-    for blocked in sorted(covered, key=lambda d: len(d.parts)):
-        steps.append(f"mount -t tmpfs -o mode=755 tmpfs {blocked}")
-    for i, path in enumerate(needed):
-        if (hide / str(i)).exists():
-            steps.append(f"mkdir -p {path} && mount --bind {hide / str(i)} {path}")
-    script = " && ".join(["mount --make-rprivate /", *steps,
-                          f'exec runuser -u {user} -- "$@"'])
-    return ["unshare", "-m", "sh", "-c", script, "sh", *cmd]
+def test_a_planted_symlink_is_refused_and_leaving_never_empties_its_target(
+        own_tmpdir: Path) -> None:
+    """Finding 11 as the issue reproduced it: hold() and leave_all() on a symlink where
+    a bucket's local root belongs.  Both refuse it, and the directory it points to
+    keeps every file; so does a root swapped for a symlink while it was held."""
+    victim = own_tmpdir / "victim"
+    victim.mkdir()
+    (victim / "results.csv").write_text("1,2,3")
+    place = objstore.local_dir(bucket_url.parse("az://runs/exp1"))
+    place.path.parent.mkdir(mode=0o700)
+    place.path.symlink_to(victim)
+    with pytest.raises(PrivateDirError, match=f"{place.path} is a symlink"):
+        node_local.hold(place)
+    node_local.leave_all(keep=False)
+    place.path.unlink()
+    root = node_local.hold(place)
+    (root / "fetched.json").write_text("{}")
+    root.rename(own_tmpdir / "aside")
+    root.symlink_to(victim)
+    node_local.leave_all(keep=False)
+    assert sorted(p.name for p in victim.iterdir()) == ["results.csv"]
+    assert root.is_symlink()
 
 
 def one_node_run(run_dir: Path, tmpdir: Path, *, user: str | None, keep: bool) -> None:
@@ -164,3 +179,114 @@ def test_two_users_runs_on_one_node_each_leave_nothing_behind(world_tmp: Path,
     # left went with each run's directory (its .tmp was their TMPDIR).
     assert {p.name for p in shared_tmp.iterdir()} == {mine.name}
     assert mine.stat().st_uid == os.getuid()
+
+
+# --- Daemons of one run on one node, registering and leaving at once -----------------
+
+FORK = multiprocessing.get_context("fork")
+CHILD_TIMEOUT_S = 60.0  # a forked child does milliseconds of work; room for a loaded machine
+# How long the leaving daemon waits, between its count of live holders and its removal,
+# for the other one to register: long enough for a registration nothing keeps out
+# (milliseconds), short enough for the test.
+PAUSE_S = 1.5
+
+
+def _quiet_or_fail() -> list[logging.LogRecord]:
+    """The warnings and errors node_local logs in this (child) process."""
+    caught: list[logging.LogRecord] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            caught.append(record)
+
+    logger = logging.getLogger(node_local.__name__)
+    logger.addHandler(Catch(level=logging.WARNING))
+    logger.setLevel(logging.INFO)
+    return caught
+
+
+def _leave_after_pausing(checked: Any, registered: Any) -> None:
+    node_local.run_root(RUN_ID)
+    count = node_local._live_holders
+
+    def paused(*args: Any) -> Any:
+        live = count(*args)
+        checked.set()
+        registered.wait(PAUSE_S)
+        return live
+
+    node_local._live_holders = paused  # type: ignore[assignment]
+    caught = _quiet_or_fail()
+    node_local.leave_all(keep=False)
+    os._exit(1 if caught else 0)
+
+
+def _join_then_leave(checked: Any, registered: Any, report: Path, go: Any) -> None:
+    checked.wait(CHILD_TIMEOUT_S)
+    root = node_local.run_root(RUN_ID)
+    report.write_text(str(root / node_local.HOLDERS / node_local._me()))
+    registered.set()
+    go.wait(CHILD_TIMEOUT_S)
+    caught = _quiet_or_fail()
+    node_local.leave_all(keep=False)
+    os._exit(1 if caught else 0)
+
+
+def _finish(proc: Any) -> int:
+    proc.join(CHILD_TIMEOUT_S)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"a child did not finish within {CHILD_TIMEOUT_S} s")
+    return int(proc.exitcode)
+
+
+def test_a_daemon_registering_while_the_last_holder_leaves_keeps_the_directory(
+        own_tmpdir: Path) -> None:
+    """The interleaving of finding 13, forced: the leaving daemon has counted no live
+    holder and is about to remove the directory when another daemon of the run on
+    this node registers.  That one must find its directory (and its registration)
+    there afterwards, and remove it when it leaves in turn."""
+    checked, registered, go = FORK.Event(), FORK.Event(), FORK.Event()
+    report = own_tmpdir / "joiner-holder"
+    leaver = FORK.Process(target=_leave_after_pausing, args=(checked, registered))
+    joiner = FORK.Process(target=_join_then_leave, args=(checked, registered, report, go))
+    leaver.start()
+    joiner.start()
+    try:
+        assert _finish(leaver) == 0, "the leaving daemon logged a warning or an error"
+        assert registered.wait(CHILD_TIMEOUT_S), "the second daemon never registered"
+        holder = Path(report.read_text())
+        assert holder.is_file(), f"{holder}: the registration of a live daemon was removed"
+        assert holder.parent.parent.stat().st_mode & 0o777 == 0o700
+    finally:
+        go.set()
+        code = _finish(joiner)
+    assert code == 0, "the second daemon logged a warning or an error when it left"
+    assert not (own_tmpdir / f"coordinator-{os.getuid()}").exists()
+
+
+def _hold_then_leave(barrier: Any) -> None:
+    node_local.run_root(RUN_ID)
+    caught = _quiet_or_fail()
+    barrier.wait(CHILD_TIMEOUT_S)
+    node_local.leave_all(keep=False)
+    os._exit(1 if caught else 0)
+
+
+def test_daemons_leaving_at_once_remove_the_directory_once_and_quietly(
+        own_tmpdir: Path) -> None:
+    """Every rank of a run on one node failing at once (a full disk) leaves at once:
+    the directory goes, and no daemon meets it half-removed (finding 13:
+    FileNotFoundError on .locks/cache.lock)."""
+    for _ in range(ROUNDS):
+        barrier = FORK.Barrier(3)
+        procs = [FORK.Process(target=_hold_then_leave, args=(barrier,)) for _ in range(3)]
+        for proc in procs:
+            proc.start()
+        codes = [_finish(proc) for proc in procs]
+        assert codes == [0, 0, 0], "a daemon logged a warning or an error while leaving"
+        assert not (own_tmpdir / f"coordinator-{os.getuid()}").exists()
+
+
+ROUNDS = 10  # the race hit old code in most rounds on the 2-core machine
