@@ -57,5 +57,5 @@ def test_the_usage_line_as_the_readme_writes_it_trains_every_iteration_and_learn
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     rows = json.loads(status.stdout)["iterations"]
-    assert [(r["iteration"], r["train_samples"], r["failed_samples"], r["recoveries"])
-            for r in rows] == [(0, 1024, 0, 0), (1, 1024, 0, 0)]
+    assert [(r["iteration"], r["train_samples"], r["failed_samples"], r["recoveries"],
+             r["reward_timeouts"]) for r in rows] == [(0, 1024, 0, 0, 0), (1, 1024, 0, 0, 0)]
