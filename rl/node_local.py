@@ -53,6 +53,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
+import filelock
 import psutil
 
 from coordinator import private_dir
@@ -177,29 +178,37 @@ def vanished(root: Path) -> ActionError:
 def node_lock(directory: Path, name: str, *, timeout_s: float, what: str) -> Iterator[None]:
     """Hold this node's lock `name` in `directory` (lock_dir of a run) for the block,
     waiting at most `timeout_s`.  Between the daemons of one node only: nothing on
-    the shared run directory depends on a lock (docs/PROTOCOL.md, rule 3).  The lock
-    file is never made anywhere but in that directory (a library's lock would make
-    a vanished directory again, open to others)."""
+    the shared run directory depends on a lock (docs/PROTOCOL.md, rule 3).
+
+    filelock makes a missing parent directory again (with the umask's mode): a
+    directory that vanished between our look and the lock is told apart by its
+    inode, what filelock made is removed, and the vanishing is named."""
     path = directory / f"{name}.lock"
     try:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        before = os.stat(directory, follow_symlinks=False)
     except FileNotFoundError:
         raise vanished(directory.parent) from None
+    lock = filelock.FileLock(path, mode=0o600, timeout=timeout_s)
     try:
-        fd = os.open(path.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=dir_fd)
+        lock.acquire()
+    except filelock.Timeout:
+        raise ActionError(
+            f"waited {timeout_s:g} s for another process on this node to finish {what} "
+            f"(lock file {path}): is a daemon of this run stuck?") from None
     except OSError as exc:
         raise local_disk_error(exc, path) from None
-    finally:
-        os.close(dir_fd)
     try:
-        if not _flock(fd, timeout_s):
-            raise ActionError(
-                f"waited {timeout_s:g} s for another process on this node to finish {what} "
-                f"(lock file {path}): is a daemon of this run stuck?")
+        after = os.stat(directory, follow_symlinks=False)
+        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+            lock.release()
+            # Only filelock's lock file can be in a directory made a moment ago.
+            with contextlib.suppress(OSError):
+                path.unlink()
+                directory.rmdir()
+            raise vanished(directory.parent)
         yield
     finally:
-        os.close(fd)  # and with it the lock
+        lock.release()
 
 
 def local_disk_error(exc: OSError, path: Path) -> ActionError:

@@ -104,6 +104,30 @@ def test_a_directory_removed_under_its_daemon_is_named_with_the_cause_and_made_a
     assert not root.parent.exists()
 
 
+def test_a_lock_directory_that_vanishes_as_the_lock_is_taken_is_named_not_made_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """filelock makes a missing parent again (mode 0755 under the umask): the node
+    lock tells a directory removed between its look and the lock by its inode,
+    removes what filelock made and names the vanishing."""
+    import filelock
+
+    root = node_local.run_root(RUN_ID)
+    locks = node_local.lock_dir(root)
+    acquire = filelock.FileLock.acquire
+
+    def cleaner_first(self: Any, *args: Any, **kwargs: Any) -> Any:
+        shutil.rmtree(root)  # the cleaner strikes between the look and the lock
+        return acquire(self, *args, **kwargs)
+
+    monkeypatch.setattr(filelock.FileLock, "acquire", cleaner_first)
+    with pytest.raises(ActionError, match=rf"{root} vanished while this daemon held it"), \
+            node_local.node_lock(locks, "cache", timeout_s=5, what="copying a checkpoint"):
+        pass
+    assert not locks.exists()  # nothing left that is open to others
+    monkeypatch.undo()
+    node_local.leave_all(keep=False)
+
+
 def test_a_planted_symlink_is_refused_and_leaving_never_empties_its_target(
         own_tmpdir: Path) -> None:
     """Finding 11 as the issue reproduced it: hold() and leave_all() on a symlink where
