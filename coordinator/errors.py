@@ -36,7 +36,9 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "every iteration completed (or the run was already complete, or it completed "
                  "while this rank waited to be taken back into a shrunk group)",
     ExitCode.INTERNAL: "an unexpected error; the message and traceback say where",
-    ExitCode.USAGE: "a bad flag or config value, or the rank is already held by a live daemon",
+    ExitCode.USAGE: "a bad flag or config value (on a worker waiting for its master, the "
+                    "master's: it refused them at start), or the rank is already held by a live "
+                    "daemon",
     ExitCode.PEER_LOST: "a rank was lost (lease expired), left, or was restarted under us",
     ExitCode.PHASE_FAILED: "an action failed on some rank, or the master aborted the iteration",
     ExitCode.TIMEOUT: "a wait passed its deadline",

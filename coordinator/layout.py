@@ -21,6 +21,9 @@ ITERATIONS: Final = "iterations"
 _ITERATION_NAME: Final = re.compile(r"\d{6}")  # iterations/<NNNNNN>
 CHECKPOINTS: Final = "checkpoints"
 ARCHIVE: Final = "archive"
+# Published by a master that refused its own settings at start, removed by the next
+# one that starts (coordinator/refusal.py).
+MASTER_REFUSAL: Final = "master-refusal.json"
 
 
 def rank_dir(rank: int) -> str:

@@ -75,7 +75,7 @@ def wait_for_master(
     store: Store, *, log_path: str, join_timeout_s: float, backoff: Backoff,
     progress_interval_s: float, retry_s: float, probe_timeout_s: float,
     clock: Clock | None = None, check: Callable[[], None] | None = None,
-    gave_up_token: str | None = None,
+    gave_up_token: str | None = None, note: Callable[[], str] | None = None,
 ) -> MasterInfo:
     """Worker: wait until a live master announces a run, then check it is reachable.
 
@@ -83,7 +83,8 @@ def wait_for_master(
     saying `failed` means it stopped for good (an error it does not recover
     from, or coordination.max_recoveries used up): raised at once as that
     master's failure.  Gone without a word, or `left`, it may be restarted:
-    waited for.
+    waited for.  `note`: added to what the wait says it waits for (the master's
+    last start, refused: coordinator/refusal.py).
     """
     clock = clock or Clock()
     state = {"why": f"the master: no run manifest at {log_path}/run.json yet (start "
@@ -117,7 +118,8 @@ def wait_for_master(
 
     info = Wait(
         deadline_s=join_timeout_s, backoff=backoff, progress_interval_s=progress_interval_s,
-        describe=lambda: state["why"], clock=clock, check=check,
+        describe=lambda: state["why"] + (note() if note is not None else ""), clock=clock,
+        check=check,
     ).until(probe)
     address, port = info.claim.address, info.claim.probe_port
     if port is not None:
@@ -262,6 +264,13 @@ def wait_for_session(
         hb = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
         now = clock.now()
         if hb is not None and hb.token == master_token:
+            if hb.state is NodeState.FINISHED and hb.session is None:
+                # It finished without ever forming a group: restarted on a run its
+                # journal had completed (coordinator/finished.py), it exited at once.
+                raise RunCompleted(
+                    f"run {run_id} was already complete: the master (pid {hb.pid} on "
+                    f"{hb.host}), started again, found every iteration done, so rank {rank} "
+                    "has nothing to do")
             if hb.state is NodeState.FINISHED:
                 raise RunCompleted(
                     f"the master (pid {hb.pid} on {hb.host}) completed run {run_id} without "

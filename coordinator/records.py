@@ -304,6 +304,33 @@ class Heartbeat(Record):
             raise ValueError(f"counter {self.counter} is negative")
 
 
+# A refusal's message, as its master keeps it: a usage error is a line or
+# two; the bound keeps a hostile or runaway one from filling a worker's terminal.
+MAX_REFUSAL_CHARS: Final = 4000
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Refusal(Record):
+    """A master refused its own command line at start (coordinator/refusal.py)."""
+
+    SCHEMA: ClassVar[str] = "coordinator/refusal"
+    token: str  # random, new at every refusal: a worker tells a new one from the one it saw
+    host: str
+    pid: int
+    wall_time: float  # the master's wall clock when it refused
+    message: str
+
+    def __post_init__(self) -> None:
+        check_pid(self.pid)
+        if not 0 < len(self.token) <= 64:
+            raise ValueError(f"token of {len(self.token)} characters is not 1..64")
+        if len(self.host) > 255:
+            raise ValueError(f"host of {len(self.host)} characters is above 255")
+        if len(self.message) > MAX_REFUSAL_CHARS:
+            raise ValueError(f"message of {len(self.message)} characters is above "
+                             f"{MAX_REFUSAL_CHARS}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Session(Record):
     SCHEMA: ClassVar[str] = "coordinator/session"

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from coordinator import finished, fsio, layout, membership, routing
+from coordinator import finished, fsio, layout, membership, refusal, routing
 from coordinator.actions import kind, node_local_keys, resolve_config
 from coordinator.config import (
     OPERATIONAL_KEYS,
@@ -74,7 +74,13 @@ def _raw_config(req: RunRequest) -> dict[str, Any]:
 
 
 def make_plan(req: RunRequest) -> RunPlan:
-    return _plan_master(req) if req.rank == 0 else _plan_worker(req)
+    if req.rank != 0:
+        return _plan_worker(req)
+    plan = _plan_master(req)
+    # Accepted: a refusal of an earlier start no longer stands (coordinator/refusal.py;
+    # a refused master publishes one from rl/cli.py).
+    refusal.clear(FsStore(req.log_path), req.log_path)
+    return plan
 
 
 def _plan_master(req: RunRequest) -> RunPlan:
@@ -218,14 +224,21 @@ def _plan_worker(req: RunRequest) -> RunPlan:
     resolve_config(raw)
     local = from_mapping(CoordinationConfig, raw.get("coordination", {}), "coordination")
     store = FsStore(req.log_path)
+    # A master that refused its settings will not come: exit 2 with its message.
+    refused = refusal.watch_worker(store)
+    # A finished run's master may never come: exit 0 (RunCompleted) instead.
+    done = finished.watch_worker(store, rank=req.rank, retry_s=local.read_retry_s)
+
+    def check() -> None:
+        refused.check()
+        done()
+
     info = membership.wait_for_master(
         store, log_path=routing.display(req.log_path), join_timeout_s=local.join_timeout_s,
         backoff=Backoff(initial_s=local.poll_initial_s, factor=local.poll_factor,
                         ceiling_s=local.poll_ceiling_s),
         progress_interval_s=local.progress_interval_s, retry_s=local.read_retry_s,
-        probe_timeout_s=local.probe_timeout_s,
-        # A finished run's master may never come: exit 0 (RunCompleted) instead.
-        check=finished.watch_worker(store, rank=req.rank, retry_s=local.read_retry_s),
+        probe_timeout_s=local.probe_timeout_s, check=check, note=refused.note,
     )
     manifest = info.manifest
     if req.rank >= manifest.num_nodes:

@@ -83,14 +83,22 @@ def run(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Run this node's daemon until every iteration is done (or something fails)."""
-    from coordinator import beneath, daemon_log, netaddr, routing
+    from coordinator import beneath, daemon_log, netaddr, refusal, routing
     from coordinator.daemon import Daemon
     from coordinator.runplan import RunRequest, make_plan
     from coordinator.storage_check import check_run_directory
 
+    rank: int | None = None
+    usable: Path | None = None  # the run directory, once proven usable
     try:
         path = log_path_arg(log_path)
         rank = resolve_rank(master, worker)
+        check_log_path(path)
+        # Every node by itself, before anything is written: an object-store mount is
+        # refused here (exit 9), not by a master's traceback workers would wait on.
+        check_run_directory(path)
+        beneath.confine(path)
+        usable = path  # from here on a master's refusal is published there for its workers
         num_nodes = check_num_nodes(num_nodes)
         if num_nodes is not None and rank >= num_nodes:
             raise UsageError(
@@ -100,19 +108,18 @@ def run(
         if rank == 0 and weights is not None and num_nodes is None and isinstance(weights, tuple):
             num_nodes = check_num_nodes(len(weights))
         overrides = cli_flags.overrides(set_, flags or {})
-        # Checked before anything is written: a wrong address must not leave a
+        # Checked before run.json is written: a wrong address must not leave a
         # run.json behind that workers would then wait on.
         address = netaddr.choose_address(node_ip=node_ip, ifname=ifname)
-        check_log_path(path)
-        # Every node by itself, before anything is written: an object-store mount is
-        # refused here (exit 9), not by a master's traceback workers would wait on.
-        check_run_directory(path)
-        beneath.confine(path)
         daemon_log.attach(path, rank, setup_logging(verbose, rank))  # ranks/<R>/logs/ too
         plan = make_plan(RunRequest(
             log_path=path, rank=rank, num_nodes=num_nodes, weights=weights, config_file=config,
             overrides=overrides, new_run=new_run, address=address))
     except CoordinatorError as exc:
+        if rank == 0 and usable is not None and isinstance(exc, UsageError):
+            # Workers started with only --worker R --log-path P would wait for this
+            # master until their join timeout: they exit 2 with its message instead.
+            refusal.refuse(usable, str(exc))
         raise report(exc) from None
     except KeyboardInterrupt:
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None

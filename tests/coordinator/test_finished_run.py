@@ -4,13 +4,19 @@ on it with the same settings exits 0 at once, saying so, and a raised
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+from coordinator import layout
+from coordinator.errors import RunCompleted
 from coordinator.finished import Verdict, WorkerWatch
+from coordinator.membership import wait_for_session
 from coordinator.phases import Phase
+from coordinator.polling import Backoff
 from coordinator.records import Heartbeat, NodeState
+from coordinator.store import MemoryStore, publish_record
 from tests.support.cluster import LocalCluster, scripted_log, write_config
 
 LEASE = 3.0
@@ -56,6 +62,25 @@ def test_a_worker_keeps_waiting_while_the_run_is_not_finished_or_rank_0_beats() 
         watch, verdict = judge(watch, master("b", t, NodeState.RUNNING), float(t))
         assert verdict is Verdict.WAIT
     assert judge(watch, master("b", 9, NodeState.RUNNING), 9.0 + LEASE)[1] is Verdict.FINISHED
+
+
+@pytest.mark.parametrize(("session", "message"), [
+    # Restarted on a complete run, the master exits before forming any group.
+    (None, "run r was already complete: the master (pid 1 on h), started again, found every "
+           "iteration done, so rank 1 has nothing to do"),
+    # It formed a group without this rank (left out of a shrunk group) and completed it.
+    ("s1", "the master (pid 1 on h) completed run r without rank 1"),
+])
+def test_a_worker_that_joined_a_finishing_master_says_why_there_is_nothing_to_do(
+        session: str | None, message: str) -> None:
+    store = MemoryStore()
+    hb = master("a", 5, NodeState.FINISHED)
+    publish_record(store, layout.heartbeat(0), Heartbeat(**{**vars(hb), "session": session}))
+    with pytest.raises(RunCompleted, match=re.escape(message)):
+        wait_for_session(store, rank=1, token="w", run_id="r", generation=0, master_token="a",
+                         join_timeout_s=5, backoff=Backoff(initial_s=0.01, factor=1.0,
+                                                           ceiling_s=0.01),
+                         progress_interval_s=5, retry_s=0, lease_s=LEASE)
 
 
 @pytest.mark.slow
