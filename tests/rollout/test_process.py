@@ -111,17 +111,26 @@ def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path: Path, reap:
     assert time.monotonic() - t0 < 5.0
 
 
-def test_server_dies_when_the_daemon_that_started_it_is_sigkilled(
-    tmp_path: Path, reap: list[int]
-) -> None:
+def _daemon_with_server(tmp_path: Path, reap: list[int], *, from_thread: bool
+                        ) -> tuple[subprocess.Popen[bytes], int]:
+    """A daemon process that starts a server (a sleeping child) through ManagedProcess,
+    from its main thread or from a thread that then ends; the daemon and the server's pid."""
     child_file = tmp_path / "child.json"
     daemon_code = textwrap.dedent(f"""
-        import json, os, sys, time
+        import json, os, sys, threading, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
         from rollout.engines.process import ManagedProcess
-        mp = ManagedProcess([sys.executable, "-c", "import time; time.sleep(60)"],
-                            log_path={str(tmp_path / "c.log")!r}, env=os.environ)
-        open({str(child_file)!r}, "w").write(json.dumps(mp.pid))
+        started = []
+        def start():
+            started.append(ManagedProcess([sys.executable, "-c", "import time; time.sleep(60)"],
+                                          log_path={str(tmp_path / "c.log")!r}, env=os.environ))
+        if {from_thread!r}:
+            thread = threading.Thread(target=start)
+            thread.start()
+            thread.join()
+        else:
+            start()
+        open({str(child_file)!r}, "w").write(json.dumps(started[0].pid))
         time.sleep(60)
     """)
     daemon = subprocess.Popen([PY, "-c", daemon_code])
@@ -129,6 +138,13 @@ def test_server_dies_when_the_daemon_that_started_it_is_sigkilled(
     assert _wait_for(child_file.exists)
     child = json.loads(child_file.read_text())
     reap.append(child)
+    return daemon, child
+
+
+def test_server_dies_when_the_daemon_that_started_it_is_sigkilled(
+    tmp_path: Path, reap: list[int]
+) -> None:
+    daemon, child = _daemon_with_server(tmp_path, reap, from_thread=False)
     assert not _gone(child)
 
     daemon.kill()
@@ -142,26 +158,7 @@ def test_a_server_started_from_a_thread_that_ends_lives_until_its_daemon_dies(
 ) -> None:
     """PR_SET_PDEATHSIG fires when the forking *thread* ends: the rollout ahead of
     training (rl/ahead.py) may start the engine from a thread that then returns."""
-    child_file = tmp_path / "child.json"
-    daemon_code = textwrap.dedent(f"""
-        import json, os, sys, threading, time
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
-        from rollout.engines.process import ManagedProcess
-        started = []
-        def start():
-            started.append(ManagedProcess([sys.executable, "-c", "import time; time.sleep(60)"],
-                                          log_path={str(tmp_path / "c.log")!r}, env=os.environ))
-        thread = threading.Thread(target=start)
-        thread.start()
-        thread.join()
-        open({str(child_file)!r}, "w").write(json.dumps(started[0].pid))
-        time.sleep(60)
-    """)
-    daemon = subprocess.Popen([PY, "-c", daemon_code])
-    reap.append(daemon.pid)
-    assert _wait_for(child_file.exists)
-    child = json.loads(child_file.read_text())
-    reap.append(child)
+    daemon, child = _daemon_with_server(tmp_path, reap, from_thread=True)
     # The signal, were it tied to the thread, comes as the thread exits: well
     # within a second even on a loaded machine.
     time.sleep(1.0)
