@@ -221,7 +221,10 @@ def _plan_worker(req: RunRequest) -> RunPlan:
     raw = _raw_config(req)
     # What this worker was given, checked as the master checks its own before the
     # wait: a mistyped key or a bad value exits 2 now, not once the master is up.
-    resolve_config(raw)
+    # A bare worker (--worker R --log-path P) has nothing to check, and resolving
+    # would import the default action kind's package (seconds: torch) for nothing.
+    if raw:
+        resolve_config(raw)
     local = from_mapping(CoordinationConfig, raw.get("coordination", {}), "coordination")
     store = FsStore(req.log_path)
     # A master that refused its settings will not come: exit 2 with its message.

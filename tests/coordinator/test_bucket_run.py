@@ -228,7 +228,11 @@ def test_an_action_kind_not_declared_for_buckets_is_refused_before_anything_is_w
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"run.actions='plain' cannot run in a bucket run directory ({bucket.url})" \
         in done.stderr
-    assert bucket.store.listdir("") == []
+    # Only the refusal the workers waiting for this master read (coordinator/refusal.py):
+    # nothing of a run, nothing the refused kind would have written by other means.
+    assert bucket.store.listdir("") == ["master-refusal.json"]
+    refusal = json.loads(bucket.store.read("master-refusal.json") or b"{}")
+    assert "cannot run in a bucket run directory" in refusal["message"]
 
 
 def test_doctor_checks_a_bucket_as_it_checks_a_directory(server: Server, tmp_path: Path
