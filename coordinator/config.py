@@ -1,185 +1,156 @@
 """Run configuration: one file (TOML or YAML), defaults that run the demo.
 
-The configuration is a tree of frozen, keyword-only dataclasses, each
-validated in `__post_init__`.  `from_mapping` builds one from a parsed file
+The configuration is a tree of frozen, keyword-only dataclasses whose fields
+are declared once (coordinator/settings.py: type, default, bounds, unit, help)
+and checked on construction.  `from_mapping` builds one from a parsed file
 strictly: an unknown key or a mistyped value is an error naming the key, the
-value and the fix (for a key, the closest setting: "did you mean ...?").  The master writes the resolved tree (every default filled
-in) into the run manifest; workers read it from there.
+value and the fix (for a key, the closest setting: "did you mean ...?").  The
+master writes the resolved tree (every default filled in) into the run
+manifest; workers read it from there.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import hashlib
 import json
-import math
 import sys
-import types
-import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, TypeVar, Union
+from typing import Any, ClassVar, Final
 
+from coordinator import on_failure
 from coordinator.errors import UsageError
 from coordinator.on_failure import OnFailure
 from coordinator.phases import TimeoutKey
 from coordinator.placement import Placement
 from coordinator.records import MAX_RANKS
+from coordinator.settings import (  # noqa: F401  (re-exported: the names config users import)
+    CLOSE_ENOUGH,
+    Section,
+    SettingError,
+    UnknownSettingError,
+    closest_name,
+    from_mapping,
+    setting,
+    subsection,
+    unknown_setting,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-T = TypeVar("T")
 # recoveries.json keeps every recovery of a run: this bounds its size.
 MAX_RECOVERIES: Final = 1000
-# How alike (difflib's ratio) a mistyped name and a setting must be to offer
-# the setting: 0.6 catches a letter dropped, doubled or swapped (lrr -> lr,
-# leese_s -> lease_s) without offering an unrelated name.
-CLOSE_ENOUGH: Final = 0.6
-
-
-class UnknownSettingError(UsageError):
-    """A config file or --set names a key no section has (exit 2 at start)."""
-
-    def __init__(self, message: str, *, key: str, suggestion: str | None) -> None:
-        super().__init__(message)
-        self.key = key  # dotted, as given: train.lrr
-        self.suggestion = suggestion  # dotted, the closest setting: train.lr
-
-
-def closest_name(name: str, known: Collection[str]) -> str | None:
-    """The name of `known` most like `name`, if any is close enough to be a typo of it."""
-    found = difflib.get_close_matches(name, list(known), n=1, cutoff=CLOSE_ENOUGH)
-    return found[0] if found else None
-
-
-def unknown_setting(key: str, section: str, known: Collection[str],
-                    suggestion: str | None = None) -> UnknownSettingError:
-    """The error for dotted `key`, which names no setting of `section` (whose settings
-    are `known`): the closest setting (`suggestion`, or the closest of `known`),
-    else the list of `known`."""
-    if suggestion is None:
-        near = closest_name(key.rpartition(".")[2], known)
-        suggestion = f"{section}.{near}" if near else None
-    if suggestion:
-        return UnknownSettingError(f"{key}: no such setting; did you mean {suggestion}?",
-                                   key=key, suggestion=suggestion)
-    return UnknownSettingError(
-        f"{key}: no such setting; the settings of [{section}] are {', '.join(sorted(known))}",
-        key=key, suggestion=None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PhaseTimeouts:
+class PhaseTimeouts(Section):
     """Barrier deadlines per kind of phase, in seconds (see PROTOCOL.md)."""
 
-    sync: float = 600.0
-    rollout: float = 21600.0
-    aggregate: float = 3600.0
-    engine: float = 1800.0
-    train: float = 43200.0
+    SECTION: ClassVar[str] = "coordination.phase_timeouts_s"
 
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _positive(f"coordination.phase_timeouts_s.{f.name}", getattr(self, f.name))
+    sync: float = setting(600.0, "Barrier deadline of phases 0, 3, 5, 9, 13.", unit="s", gt=0)
+    rollout: float = setting(21600.0, "Phases 1, 2, 6 (a whole rollout).", unit="s", gt=0)
+    aggregate: float = setting(3600.0, "Phases 4, 8, 11.", unit="s", gt=0)
+    engine: float = setting(1800.0, "Phases 7, 12 (engine stop / start).", unit="s", gt=0)
+    train: float = setting(43200.0, "Phase 10.", unit="s", gt=0)
 
     def of(self, key: TimeoutKey) -> float:
         return float(getattr(self, key.value))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CoordinationConfig:
+class CoordinationConfig(Section):
     """Heartbeats, leases, polling and deadlines (all operational)."""
 
-    heartbeat_interval_s: float = 2.0
-    lease_s: float = 15.0
-    poll_initial_s: float = 0.002
-    poll_factor: float = 1.5
-    poll_ceiling_s: float = 1.0
-    progress_interval_s: float = 10.0
-    join_timeout_s: float = 1800.0
-    cancel_grace_s: float = 2.0
-    read_retry_s: float = 5.0
-    probe_timeout_s: float = 5.0
-    # inotify wake-ups on a local filesystem (a hint: NFS never delivers them).
-    wakeups: bool = True
-    on_failure: OnFailure = OnFailure.WAIT  # coordinator/on_failure.py: the policies
-    max_recoveries: int = 10  # per run, counted in recoveries.json
-    # A step (one phase of one iteration) that fails the same way this many
-    # times stops the run with exit 4 under every on_failure: a retry that met
-    # the same cause again will meet it again.  Lost ranks are not counted.
-    max_attempts: int = 2
-    rejoin_timeout_s: float = 1800.0
-    # on_failure "shrink": how long to wait for a missing worker before going on
-    # without it, and the fewest nodes (the master included) to go on with.
-    shrink_after_s: float = 300.0
-    min_nodes: int = 1
-    phase_timeouts_s: PhaseTimeouts = dataclasses.field(default_factory=PhaseTimeouts)
+    SECTION: ClassVar[str] = "coordination"
 
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "lease_s", "poll_initial_s", "poll_ceiling_s",
-                     "progress_interval_s", "join_timeout_s", "cancel_grace_s",
-                     "read_retry_s", "probe_timeout_s", "rejoin_timeout_s", "shrink_after_s"):
-            _positive(f"coordination.{name}", getattr(self, name))
-        if not 0 <= self.max_recoveries <= MAX_RECOVERIES:
-            raise UsageError(
-                f"coordination.max_recoveries={self.max_recoveries} is outside "
-                f"0..{MAX_RECOVERIES}: give how many automatic recoveries a run may make "
-                "before every node exits, e.g. --max-recoveries 10")
-        if not 1 <= self.max_attempts <= MAX_RECOVERIES:
-            raise UsageError(
-                f"coordination.max_attempts={self.max_attempts} is outside "
-                f"1..{MAX_RECOVERIES}: give how many times one step may fail the same way "
-                "before the run stops, e.g. 2 (1: never retry a failed step)")
-        if not 1 <= self.min_nodes <= MAX_RANKS:
-            raise UsageError(
-                f"coordination.min_nodes={self.min_nodes} is outside 1..{MAX_RANKS}: give the "
-                "fewest nodes, the master included, a shrunk group may go on with, e.g. "
-                "--min-nodes 2")
+    heartbeat_interval_s: float = setting(
+        2.0, "Between two heartbeat publishes.", unit="s", gt=0, flag="--heartbeat-interval")
+    lease_s: float = setting(
+        15.0, "A rank whose heartbeat has not advanced this long is lost.", unit="s", gt=0,
+        flag="--lease")
+    poll_initial_s: float = setting(0.002, "First poll interval of a wait.", unit="s", gt=0)
+    poll_factor: float = setting(1.5, "Growth of the poll interval.", ge=1,
+                                 fix="polls would speed up forever; use 1.5")
+    poll_ceiling_s: float = setting(1.0, "Largest poll interval.", unit="s", gt=0)
+    progress_interval_s: float = setting(
+        10.0, "A waiting daemon logs what it waits for at most this often.", unit="s", gt=0)
+    join_timeout_s: float = setting(
+        1800.0, "Waiting for the master, for every rank to join, for the session.", unit="s",
+        gt=0)
+    cancel_grace_s: float = setting(
+        2.0, "A cancelled action gets this long before the daemon exits anyway.", unit="s",
+        gt=0)
+    read_retry_s: float = setting(
+        5.0, "Retrying a torn, stale (ESTALE) or unreadable record, and every other shared "
+        "file the daemon's process reads (rank manifests, shard plans, chunks, checkpoints).",
+        unit="s", gt=0)
+    probe_timeout_s: float = setting(
+        5.0, "One TCP connect to the master's probe port.", unit="s", gt=0)
+    # inotify wake-ups on a local filesystem (a hint: NFS never delivers them).
+    wakeups: bool = setting(
+        True, "Let inotify events cut a local poll short (never needed for correctness).")
+    on_failure: OnFailure = setting(OnFailure.WAIT, on_failure.cli_help(), flag="--on-failure")
+    max_recoveries: int = setting(
+        10, "Automatic recoveries per run (recoveries.json) before every daemon exits as "
+        "with `exit`.", ge=0, le=MAX_RECOVERIES, flag="--max-recoveries")
+    # A step that fails the same way again will meet the same cause again.
+    max_attempts: int = setting(
+        2, "One step (a phase of an iteration) failing the same way this many times stops "
+        "the run with exit 4, under every `on_failure` (lost ranks do not count).",
+        ge=1, le=MAX_RECOVERIES)
+    rejoin_timeout_s: float = setting(
+        1800.0, "How long a regrouping group waits for a missing rank (or a restarted "
+        "master).", unit="s", gt=0)
+    shrink_after_s: float = setting(
+        300.0, "With `shrink`: how long the master waits for a missing worker before going "
+        "on without it.", unit="s", gt=0)
+    min_nodes: int = setting(
+        1, "With `shrink`: the fewest nodes, the master included, a group may go on with; "
+        "fewer and every daemon exits 3.", ge=1, le=MAX_RANKS, flag="--min-nodes")
+    phase_timeouts_s: PhaseTimeouts = subsection(
+        PhaseTimeouts, "Barrier deadlines per kind of phase.")
+
+    def check(self) -> None:
         if self.heartbeat_interval_s >= self.lease_s:
-            raise UsageError(
+            raise SettingError(
                 f"coordination.heartbeat_interval_s={self.heartbeat_interval_s} must be below "
                 f"coordination.lease_s={self.lease_s}: a peer must get several heartbeats into "
-                "one lease; e.g. heartbeat 2 s, lease 15 s"
-            )
-        if self.poll_factor < 1.0:
-            raise UsageError(
-                f"coordination.poll_factor={self.poll_factor} is below 1: polls would speed up "
-                "forever; use 1.5"
-            )
+                "one lease; e.g. heartbeat 2 s, lease 15 s", key="coordination.lease_s",
+                value=self.lease_s)
         if self.poll_initial_s > self.poll_ceiling_s:
-            raise UsageError(
+            raise SettingError(
                 f"coordination.poll_initial_s={self.poll_initial_s} exceeds "
-                f"poll_ceiling_s={self.poll_ceiling_s}: the first poll cannot be the slowest"
-            )
+                f"poll_ceiling_s={self.poll_ceiling_s}: the first poll cannot be the slowest",
+                key="coordination.poll_initial_s", value=self.poll_initial_s)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RunSection:
+class RunSection(Section):
     """What the run does; `iterations` and `progress` are operational."""
 
-    iterations: int = 8
-    seed: int = 0
-    actions: str = "rl"
-    progress: bool = True
-    # Placement and asynchrony (coordinator/placement.py): which nodes roll out
-    # and which train ("" and "": every node does both), and how many policy
-    # versions a sample may lag (0: the synchronous loop).  A single node may be
-    # given as a number (--set run.train_nodes=0).
-    rollout_nodes: str | int = ""
-    train_nodes: str | int = ""
-    max_off_policy_steps: int = 0
+    SECTION: ClassVar[str] = "run"
 
-    def __post_init__(self) -> None:
-        if not 1 <= self.iterations < 1_000_000:
-            raise UsageError(
-                f"run.iterations={self.iterations} is outside 1..999999: give the number of "
-                "RL iterations to run, e.g. --iterations 8"
-            )
+    iterations: int = setting(8, "RL iterations to run.", ge=1, le=999_999,
+                              flag="--iterations")
+    seed: int = setting(0, "Run seed.", ge=0, flag="--seed")
+    actions: str = setting(
+        "rl", "The action kind (an entry point of coordinator.actions): rl, or scripted "
+        "(no ML; a smoke test of the shared filesystem).", flag="--actions")
+    progress: bool = setting(True, "Read by nothing: kept so that configs that give it still parse.")
+    # Placement and asynchrony (coordinator/placement.py).  A single node may be
+    # given as a number (--set run.train_nodes=0).
+    rollout_nodes: str | int = setting(
+        "", "Ranks that roll out, e.g. '1-3' ('': every node; coordinator/placement.py).")
+    train_nodes: str | int = setting(
+        "", "Ranks that train, e.g. '0' ('': every node).")
+    max_off_policy_steps: int = setting(
+        0, "How many policy versions a sample may lag (0: the synchronous loop).", ge=0)
 
     def placement(self, num_nodes: int) -> Placement:
         """The run's placement, checked against the node count (UsageError)."""
@@ -309,11 +280,6 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
     return out
 
 
-def _positive(name: str, value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise UsageError(f"{name}={value} must be a positive number of seconds")
-
-
 def to_plain(obj: Any) -> Any:
     """A dataclass tree as JSON-ready builtins (enums by value, tuples as lists)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -327,72 +293,3 @@ def to_plain(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return obj
-
-
-def from_mapping(cls: type[T], raw: Any, where: str) -> T:
-    """Build dataclass `cls` from a parsed mapping, strictly."""
-    if isinstance(raw, cls):
-        return raw
-    if not isinstance(raw, Mapping):
-        raise UsageError(f"[{where}] must be a table of keys, got {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise unknown_setting(f"{where}.{unknown[0]}", where, fields)
-    hints = typing.get_type_hints(cls)
-    values = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in raw.items()}
-    try:
-        return cls(**values)
-    except UsageError:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"[{where}]: {exc}") from exc
-
-
-def _coerce(value: Any, hint: Any, name: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None and len(args) < len(typing.get_args(hint)):
-            return None
-        last: Exception | None = None
-        for arg in args:
-            try:
-                return _coerce(value, arg, name)
-            except UsageError as exc:
-                last = exc
-        raise last or UsageError(f"{name}={value!r} has the wrong type")
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return from_mapping(hint, value, name)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            allowed = ", ".join(str(m.value) for m in hint)
-            raise UsageError(f"{name}={value!r} is not one of: {allowed}") from None
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise UsageError(f"{name}={value!r} must be true or false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"{name}={value!r} must be an integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UsageError(f"{name}={value!r} must be a number")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise UsageError(f"{name}={value!r} must be a string")
-        return value
-    if hint is Path:
-        if not isinstance(value, (str, Path)):
-            raise UsageError(f"{name}={value!r} must be a path string")
-        return Path(value)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise UsageError(f"{name}={value!r} must be a list")
-        item = typing.get_args(hint)[0]
-        return tuple(_coerce(v, item, name) for v in value)
-    return value
