@@ -12,6 +12,11 @@
         check(...)  -> every broken rule at once, as a UsageError (exit 2 on every
                        node) naming the setting, its limit and the fix
 
+    check_setup(config, num_nodes=N), anywhere, without a run: the same checks
+    (and the placement's GPU ranges) that need no weights, no GPU and no run
+    directory, every problem listed: a recipe tried on its model's config.json
+    and tokenizer before the weights are downloaded
+
 A wrong value here would otherwise surface as thousands of refused requests,
 a recovery that cannot help, or a batch too small to train on.  The message
 says what to change, and that a changed setting starts with --new-run: run.json
@@ -32,21 +37,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from coordinator.config import RunSection
+from coordinator.config import RunConfig, RunSection
 from coordinator.errors import UsageError
 from coordinator.phases import Phase
-from rl.config import RlSections
+from rl.config import RlSections, parse_sections
 from rl.layout import Split
-from rl.loop import Loop
+from rl.loop import Loop, check_gpu_placement
+from rollout.engines.engine import EngineKind
 from rollout.errors import TaskDataError, UnknownRewardError
 from rollout.rewards import default_reward_for, get_reward
-from rollout.tasks import BUILTIN_PREFIX, Task
+from rollout.tasks import BUILTIN_PREFIX, Task, load_task_source
 
 log = logging.getLogger(__name__)
 
 # Where Hugging Face configs keep the context length, by model family.
 CONTEXT_KEYS: Final = ("max_position_embeddings", "n_positions", "max_sequence_length",
                        "seq_length")
+# ... and its attention heads, which vLLM's tensor parallelism must divide.
+HEAD_KEYS: Final = ("num_attention_heads", "n_head")
 # What every message of a refused setting ends with: run.json already holds the
 # settings, so a restart with a changed one is refused as a different setup.
 RESTART_ADVICE: Final = ("then start every node again (the master with --new-run if a "
@@ -66,6 +74,7 @@ TRANSIENT_ERRNOS: Final = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, e
 class ModelFacts:
     path: Path
     context: int | None  # positions the model accepts; None: config.json does not say
+    attention_heads: int | None = None  # None: config.json does not say
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,8 +211,20 @@ def _min_batch(f: Facts) -> str | None:
             "failure budget could still be refused; lower one of them")
 
 
+def _tensor_parallel(f: Facts) -> str | None:
+    engine, heads = f.s.engine, f.model.attention_heads
+    if engine.kind is not EngineKind.VLLM or heads is None \
+            or heads % engine.tensor_parallel_size == 0:
+        return None  # the hf engine runs on one device whatever tensor_parallel_size says
+    divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+    return (f"engine.tensor_parallel_size={engine.tensor_parallel_size} does not divide the "
+            f"{heads} attention heads of the model {f.model.path} (config.json): vLLM refuses "
+            f"to start; give one of {divisors}, with engine.data_parallel_size so that the "
+            "two multiplied are the GPUs a node rolls out on")
+
+
 RULES: Final[Sequence[Rule]] = (_max_model_len, _max_tokens, _train_tasks, _eval_tasks,
-                                _mini_batch, _min_batch)
+                                _mini_batch, _min_batch, _tensor_parallel)
 
 
 def problems(facts: Facts) -> list[str]:
@@ -322,13 +343,20 @@ def model_facts(path: Path) -> ModelFacts:
     except (OSError, ValueError) as exc:
         raise UsageError(f"model.path {path} has no readable config.json ({exc}): give a "
                          "local Hugging Face model directory") from None
-    for key in CONTEXT_KEYS:
+    context, heads = _first_count(config, CONTEXT_KEYS), _first_count(config, HEAD_KEYS)
+    if context is None:
+        log.warning("%s/config.json names no context length (%s): rollout.max_tokens is not "
+                    "checked against it", path, ", ".join(CONTEXT_KEYS))
+    return ModelFacts(path=path, context=context, attention_heads=heads)
+
+
+def _first_count(config: object, keys: Sequence[str]) -> int | None:
+    """The first of `keys` that config.json gives as a positive integer."""
+    for key in keys:
         value = config.get(key) if isinstance(config, dict) else None
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return ModelFacts(path=path, context=value)
-    log.warning("%s/config.json names no context length (%s): rollout.max_tokens is not "
-                "checked against it", path, ", ".join(CONTEXT_KEYS))
-    return ModelFacts(path=path, context=None)
+            return value
+    return None
 
 
 def check_rewards(reward: str, sources: Iterable[str]) -> None:
@@ -341,10 +369,13 @@ def check_rewards(reward: str, sources: Iterable[str]) -> None:
         raise UsageError(f"data.reward={reward!r}: {exc}") from None
 
 
-def longest_prompt(model: Path, tasks: Iterable[Task]) -> tuple[int, str] | None:
+def longest_prompt(model: Path, tasks: Iterable[Task], *,
+                   strict: bool = False) -> tuple[int, str] | None:
     """The longest prompt in tokens as the engine counts it: text with the
     tokenizer's special tokens (as /v1/completions does), chat messages through
-    the model's chat template with the generation prompt."""
+    the model's chat template with the generation prompt.  A chat prompt the
+    template cannot render is logged and None returned (the engine will say so
+    at its first request), or with `strict` a UsageError naming the task."""
     from transformers import AutoTokenizer  # heavy: only on the master, once
 
     try:
@@ -363,6 +394,12 @@ def longest_prompt(model: Path, tasks: Iterable[Task]) -> tuple[int, str] | None
             ids = tokenizer.apply_chat_template(t.messages(), add_generation_prompt=True,
                                                 tokenize=True)
         except Exception as exc:  # no template: the engine will say so at its first request
+            if strict:
+                raise UsageError(f"model.path {model}: its chat template cannot render the "
+                                 f"prompt of task {t.task_id} ({type(exc).__name__}: {exc}): "
+                                 "every chat request would fail; save a chat template with the "
+                                 "tokenizer (chat_template.jinja or tokenizer_config.json)"
+                                 ) from None
             log.warning("cannot render task %s with the chat template of %s (%s): prompt "
                         "lengths are not checked", t.task_id, model, exc)
             return None
@@ -370,3 +407,95 @@ def longest_prompt(model: Path, tasks: Iterable[Task]) -> tuple[int, str] | None
             ids = ids["input_ids"]  # its number of fields (2), not of tokens
         lengths.append((len(ids), t.task_id))
     return max(lengths) if lengths else None
+
+
+# --- a setup checked without a run -----------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetupCheck:
+    problems: tuple[str, ...]  # empty: phase 0 of a run would find nothing to refuse
+    facts: Facts | None  # None where the model directory or the tasks could not be read
+
+
+def check_setup(config: RunConfig, *, num_nodes: int) -> SetupCheck:
+    """What phase 0 checks, and the placement's GPU ranges, on `num_nodes` nodes,
+    from this machine alone and without a run: no run directory, no engine, no
+    GPU and no weights needed.  Every problem is listed rather than the first
+    raised, so a recipe can be tried on its model's config.json and tokenizer
+    before the weights are downloaded (the missing weights are then the one
+    problem).  Reads: config.json (as transformers parses it), the tokenizer,
+    every task, each prompt through the chat template (strictly: a template that
+    fails is a problem here), the rewards the tasks' data sources need."""
+    found: list[str | None] = []
+    s = parse_sections(config.sections)
+    try:
+        check_gpu_placement(s, config.run.placement(num_nodes))
+    except UsageError as exc:
+        found.append(str(exc))
+    model = _model_without_weights(s, found)
+    tasks = _tasks_of(s, found)
+    prompt = None
+    if tasks is not None and not s.rollout.agent:
+        try:
+            check_rewards(s.data.reward, {t.data_source for t in (*tasks[0], *tasks[1])})
+            if model is not None:
+                prompt = longest_prompt(model.path, (*tasks[0], *tasks[1]), strict=True)
+        except UsageError as exc:
+            found.append(str(exc))
+    facts = None
+    if model is not None and tasks is not None:
+        facts = Facts(s=s, run=config.run, model=model, tasks=TaskFacts(
+            source=s.data.path, train=len(tasks[0]), eval=len(tasks[1]),
+            longest_prompt=prompt[0] if prompt else None,
+            longest_task=prompt[1] if prompt else ""))
+        found += problems(facts)
+    return SetupCheck(problems=tuple(p for p in found if p), facts=facts)
+
+
+def _model_without_weights(s: RlSections, found: list[str | None]) -> ModelFacts | None:
+    """model.path's facts, read from its config.json, which transformers must parse
+    (its architecture known); its files' problems (weights first) go to `found`.
+    None for the tiny model, which the master builds at start, and for a directory
+    without a readable config.json."""
+    if not s.model.path:
+        return None
+    path = Path(s.model.path)
+    files = model_files(path)
+    found.append(model_dir_problem(path, files))
+    if files is None or "config.json" not in files:
+        return None
+    from transformers import AutoConfig  # heavy: only when a model is checked
+
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:  # what transformers raises for a bad config
+        found.append(f"model.path {path}: transformers cannot parse its config.json ({exc}): "
+                     "give a model directory of an architecture transformers and vLLM know")
+        return None
+    try:
+        return model_facts(path)
+    except UsageError as exc:
+        found.append(str(exc))
+        return None
+
+
+def _tasks_of(s: RlSections, found: list[str | None]) -> tuple[list[Task], list[Task]] | None:
+    """The train and eval tasks of data.path, loaded as a run loads them (a split a
+    source lacks is empty); its problem goes to `found` and gives None."""
+    problem = data_problem(s.data.path)
+    if problem is not None:
+        found.append(problem)
+        return None
+    try:
+        source = load_task_source(s.data.path, seed=s.data.seed)
+    except TaskDataError as exc:
+        found.append(f"data.path {s.data.path!r}: {exc}")
+        return None
+    splits: list[list[Task]] = []
+    for split in (Split.TRAIN, Split.EVAL):
+        try:
+            splits.append(list(source.tasks(split.value)))
+        except TaskDataError:
+            splits.append([])  # a missing split is empty, as in a run (rl/loop.py Loop.tasks)
+    return splits[0], splits[1]

@@ -5,7 +5,9 @@
 - examples/launch/skypilot.yaml's `run` section runs three times with
   SKYPILOT_NODE_RANK and SKYPILOT_NUM_NODES, as SkyPilot runs it per node,
   and SkyPilot's own parser (sky.Task.from_yaml, in .venv-sky) accepts it;
-- examples/configs/qwen2.5-1.5b-gsm8k.toml and demo.toml load and validate.
+- examples/configs/qwen2.5-1.5b-gsm8k.toml and demo.toml load and validate;
+  qwen2.5-7b-gsm8k.toml does too, with a reason beside each setting a 7 B run
+  needs (its start-up checks run on a model of its shape in tests/rl/test_preflight.py).
 """
 
 from __future__ import annotations
@@ -68,6 +70,61 @@ def test_the_example_model_config_loads_and_validates() -> None:
     assert s.torchrun.nproc_per_node == 8 and s.train.strategy.value == "fsdp2"
     assert s.data.path == "/shared/data/gsm8k" and s.rollout.group_size == 8
     assert config.coordination.lease_s == 30.0
+
+
+# The settings a 7 B run needs, each with a comment saying why (on its line or
+# the lines just above it).
+SEVEN_B_KEYS: tuple[str, ...] = (
+    "engine.dtype", "engine.tensor_parallel_size", "engine.data_parallel_size",
+    "engine.gpu_memory_utilization", "engine.max_model_len", "engine.weight_update",
+    "engine.sleep_level", "engine.ready_timeout_s", "train.strategy", "train.dtype",
+    "train.param_dtype", "train.activation_checkpointing", "train.micro_batch_size",
+    "train.mini_batch_size", "train.offload", "torchrun.nproc_per_node",
+    "torchrun.wall_limit_s", "coordination.lease_s", "coordination.phase_timeouts_s.engine",
+    "coordination.phase_timeouts_s.train")
+
+
+def commented_keys(text: str) -> set[str]:
+    """Dotted keys of a TOML file whose line has a comment or follows one."""
+    found, table, previous = set(), "", ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("["):
+            table = stripped.strip("[]")
+        elif "=" in stripped and not stripped.startswith("#") and (
+                "#" in stripped or previous.startswith("#")):
+            found.add(f"{table}.{stripped.split('=')[0].strip()}")
+        previous = stripped
+    return found
+
+
+def test_the_7b_recipe_gives_each_setting_a_7b_run_needs_with_its_reason() -> None:
+    from coordinator.actions import resolve_config
+    from coordinator.config import load_file
+    from rl.config import parse_sections
+
+    recipe = ROOT / "examples/configs/qwen2.5-7b-gsm8k.toml"
+    raw = load_file(recipe)
+    config = resolve_config(raw)
+    s, timeouts = parse_sections(config.sections), config.coordination.phase_timeouts_s
+    assert s.engine.kind.value == "vllm" and s.engine.dtype == "bfloat16"
+    assert s.train.dtype.value == "bfloat16" and s.train.strategy.value == "fsdp2"
+    assert s.train.activation_checkpointing and s.train.micro_batch_size <= 8
+    # Sleep mode: the engine stays up, asleep while the same GPUs train.
+    assert s.engine.reloads_in_place and s.engine.sleep_level == 2
+    assert s.engine.gpus == s.torchrun.nproc_per_node == 8
+    assert s.engine.gpu_memory_utilization <= 0.7  # room for the offloaded trainer's residue
+    # The component's own limit fires before the barrier's, with its own message.
+    assert timeouts.engine > s.engine.ready_timeout_s >= 1200
+    assert timeouts.train > s.torchrun.wall_limit_s
+    assert s.model.path.startswith("/shared/") and s.data.path.startswith("/shared/")
+    for key in SEVEN_B_KEYS:  # each one set in the file, not left to its default
+        node: object = raw
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, f"{key} is not set in {recipe}"
+            node = node[part]
+    missing = set(SEVEN_B_KEYS) - commented_keys(recipe.read_text())
+    assert not missing, f"no comment saying why beside {sorted(missing)} in {recipe}"
 
 
 def test_the_demo_settings_file_is_the_one_the_demo_runs_with() -> None:

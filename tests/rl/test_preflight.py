@@ -20,11 +20,11 @@ from rl.preflight import Facts, ModelFacts, TaskFacts
 
 def facts(sections: dict[str, Any] | None = None, *, context: int | None = 128,
           train: int = 256, eval_: int = 64, prompt: int | None = 6,
-          run: RunSection | None = None) -> Facts:
+          run: RunSection | None = None, heads: int | None = 4) -> Facts:
     """The tiny model's run on the built-in task, with `sections` changed."""
     raw = with_model_defaults(deep_merge({}, sections or {}))
     return Facts(s=parse_sections(raw), run=run or RunSection(),
-                 model=ModelFacts(path=Path("/m"), context=context),
+                 model=ModelFacts(path=Path("/m"), context=context, attention_heads=heads),
                  tasks=TaskFacts(source="builtin:reverse", train=train, eval=eval_,
                                  longest_prompt=prompt, longest_task="reverse/train/000243"))
 
@@ -71,6 +71,9 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = [
     ("a minimum batch the failure budget cannot meet",
      {"rollout": {"min_batch_fraction": 0.95, "max_failed_fraction": 0.1}}, {},
      ("rollout.min_batch_fraction=0.95", "rollout.max_failed_fraction=0.1")),
+    ("vLLM's tensor parallelism not dividing the heads",
+     {"engine": {"kind": "vllm", "tensor_parallel_size": 3}}, {"heads": 28},
+     ("engine.tensor_parallel_size=3", "28 attention heads", "one of 1, 2, 4, 7, 14, 28")),
 ]
 
 
@@ -238,3 +241,201 @@ def test_a_chat_prompt_of_the_users_data_is_measured_through_the_chat_template(
     assert "--new-run if a setting changed" in str(info.value)
     # The same data run without evaluating, with room for the answer: no objection.
     preflight.check_loop(loop_of(tmp_path, deep_merge(sections, {"rollout": {"max_tokens": 6}})))
+
+
+def test_tensor_parallel_size_binds_only_vllm_and_only_when_the_heads_are_known() -> None:
+    assert preflight.problems(facts({"engine": {"tensor_parallel_size": 3}}, heads=28)) == []
+    vllm = {"engine": {"kind": "vllm", "tensor_parallel_size": 4}}
+    assert preflight.problems(facts(vllm, heads=28)) == []
+    assert preflight.problems(facts(vllm, heads=None)) == []
+
+
+# --- a 7 B recipe checked on its model's config.json and tokenizer, no weights --------
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "examples" / "configs" / "qwen2.5-7b-gsm8k.toml"
+# Qwen2.5-7B-Instruct's config.json, its architecture numbers as published.
+QWEN25_7B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "torch_dtype": "bfloat16",
+    "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+    "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+    "max_position_embeddings": 32768, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "tie_word_embeddings": False, "use_sliding_window": False,
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+# ChatML, as Qwen's template writes it: a default system turn, then each message
+# between <|im_start|>role and <|im_end|>, then the assistant's opening.
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content']"
+    " + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+# GSM8K-style word problems written for this test, with their answers.
+PROBLEMS: list[tuple[str, str]] = [
+    ("A baker fills 12 trays with 9 rolls each and sells all but 15 rolls. How many rolls "
+     "does she sell?", "93"),
+    ("Tom reads 14 pages on Monday and twice as many on Tuesday. How many pages has he read?",
+     "42"),
+    ("A farmer has 3 fields of 40 rows with 25 plants in each row. A storm ruins a fifth of "
+     "the plants of one field. How many plants are left on the farm?", "2800"),
+    ("Maria buys 4 notebooks at $3 each and a pen for $2, paying with a $20 bill. How much "
+     "change does she get?", "6"),
+    ("A train leaves at 9:40 and the trip takes 2 hours 35 minutes. At how many minutes past "
+     "noon does it arrive?", "15"),
+]
+
+
+def qwen_shaped_model(path: Path) -> Path:
+    """A directory with Qwen2.5-7B's config.json and a byte-level BPE tokenizer trained
+    here on the problems' words (ChatML's special tokens, the chat template), and no
+    weights: what a user has before downloading them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path.mkdir(parents=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [text for text, _ in PROBLEMS] + [INSTRUCTION, "You are a helpful assistant."]
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
+                            pad_token="<|endoftext|>", chat_template=CHATML).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(QWEN25_7B))
+    return path
+
+
+def gsm8k_style_data(path: Path) -> Path:
+    """train.parquet and test.parquet in verl's GSM8K layout (examples/data_preprocess/
+    gsm8k.py's columns): the problems above, repeated to a few hundred rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.mkdir(parents=True)
+    for split, rows in (("train", 600), ("test", 40)):
+        pq.write_table(pa.Table.from_pylist([{
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"{PROBLEMS[i % 5][0]} {INSTRUCTION}"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": PROBLEMS[i % 5][1]},
+            "extra_info": {"split": split, "index": i},
+        } for i in range(rows)]), path / f"{split}.parquet")
+    return path
+
+
+def recipe_nodes() -> tuple[int, str]:
+    """--num-nodes and --rank-weights of the master's command in the recipe's header."""
+    import re
+
+    found = re.search(r"coordinator run --master --num-nodes (\d+) --rank-weights ([\d,]+) "
+                      r"--config (\S+)", RECIPE.read_text())
+    assert found is not None, "the recipe's header gives no master command line"
+    assert ROOT / found.group(3) == RECIPE
+    return int(found.group(1)), found.group(2)
+
+
+@pytest.fixture(scope="module")
+def qwen7b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    where = tmp_path_factory.mktemp("qwen7b")
+    return qwen_shaped_model(where / "model"), gsm8k_style_data(where / "gsm8k")
+
+
+def recipe_on(model: Path, data: Path, changed: dict[str, Any] | None = None) -> Any:
+    """The 7 B recipe with model.path and data.path pointing here, `changed` over it."""
+    from coordinator.actions import resolve_config
+    from coordinator.config import load_file
+
+    raw = deep_merge(load_file(RECIPE), {"model": {"path": str(model)},
+                                         "data": {"path": str(data)}})
+    return resolve_config(deep_merge(raw, changed or {}))
+
+
+def test_the_7b_recipe_passes_every_check_on_its_models_config_and_tokenizer_but_weights(
+        qwen7b: tuple[Path, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    from rl.cli_args import parse_weights
+
+    model, data = qwen7b
+    nodes, weights = recipe_nodes()
+    assert len(parse_weights(weights, num_nodes=nodes) or ()) == nodes == 4
+    found = preflight.check_setup(recipe_on(model, data), num_nodes=nodes)
+    # The one problem: the weights, named with what to do.
+    assert len(found.problems) == 1, found.problems
+    assert f"model.path {model} holds no weights (*.safetensors" in found.problems[0]
+    f = found.facts
+    assert f is not None
+    assert (f.model.context, f.model.attention_heads, f.context) == (32768, 28, 2048)
+    assert (f.tasks.train, f.tasks.eval) == (600, 40)
+    # The prompts were measured through the chat template, as the engine will count them.
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    longest = max(PROBLEMS, key=lambda p: len(tokenizer(f"{p[0]} {INSTRUCTION}")["input_ids"]))
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{longest[0]} {INSTRUCTION}"}],
+        add_generation_prompt=True, tokenize=True)
+    rendered = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    assert f.tasks.longest_prompt == len(rendered)
+    assert f.tasks.longest_prompt > len(tokenizer(f"{longest[0]} {INSTRUCTION}")["input_ids"]) + 10
+    # Weights in place, nothing is left to refuse.
+    with_weights = model.parent / "with-weights"
+    with_weights.mkdir()
+    for file in model.iterdir():
+        (with_weights / file.name).write_bytes(file.read_bytes())
+    (with_weights / "model.safetensors").write_bytes(b"")
+    assert preflight.check_setup(recipe_on(with_weights, data), num_nodes=nodes).problems == ()
+
+
+def besides_weights(found: preflight.SetupCheck) -> list[str]:
+    """The problems found other than the missing weights (which must be one of them),
+    each cut to the words the cases below expect of it."""
+    weights = [p for p in found.problems if "holds no weights" in p]
+    assert len(weights) == 1, found.problems
+    return [next((w for w in EXPECTED if w in p), p) for p in found.problems if p not in weights]
+
+
+PROBLEM_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"engine": {"tensor_parallel_size": 8, "data_parallel_size": 1}},
+     "engine.tensor_parallel_size=8 does not divide the 28 attention heads"),
+    ({"rollout": {"max_tokens": 2000}}, "rollout.max_tokens=2000 plus the longest prompt"),
+    ({"run": {"train_nodes": "0:0-3", "rollout_nodes": "0:4-7,1-3"}},
+     "needs 8 GPUs but cuda_visible_devices='4,5,6,7' shows 4"),
+    ({"run": {"train_nodes": "0:0-3", "rollout_nodes": "1-3"}},
+     "node 0 4 GPU(s) to train on, but torchrun.nproc_per_node=8"),
+    ({"rollout": {"tasks_per_iteration": 601}}, "rollout.tasks_per_iteration=601 exceeds the 600"),
+    ({"data": {"reward": "no-such-reward"}}, "data.reward='no-such-reward'"),
+]
+
+
+@pytest.mark.parametrize(("changed", "words"), PROBLEM_CASES,
+                         ids=["tp-vs-heads", "context", "rollout-gpus", "train-gpus",
+                              "train-split", "reward"])
+def test_each_check_catches_its_problem_in_the_7b_recipe_on_that_shape(
+        qwen7b: tuple[Path, Path], changed: dict[str, Any], words: str) -> None:
+    model, data = qwen7b
+    assert besides_weights(preflight.check_setup(recipe_on(model, data, changed), num_nodes=4))\
+        == [words]
+
+
+def test_a_model_directory_whose_template_or_config_cannot_be_used_is_named(
+        qwen7b: tuple[Path, Path], tmp_path: Path) -> None:
+    model, data = qwen7b
+    no_template, unknown = tmp_path / "no-template", tmp_path / "unknown"
+    for copy in (no_template, unknown):
+        copy.mkdir()
+        for file in model.iterdir():
+            if not (copy is no_template and file.name == "chat_template.jinja"):
+                (copy / file.name).write_bytes(file.read_bytes())
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no-such-arch"}))
+    assert besides_weights(preflight.check_setup(recipe_on(no_template, data), num_nodes=4),
+                           ) == ["its chat template cannot render the prompt of task"]
+    assert besides_weights(preflight.check_setup(recipe_on(unknown, data), num_nodes=4)) \
+        == ["transformers cannot parse its config.json"]
+
+
+EXPECTED: tuple[str, ...] = (
+    *(c[1] for c in PROBLEM_CASES), "its chat template cannot render the prompt of task",
+    "transformers cannot parse its config.json")
