@@ -39,7 +39,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from coordinator import fsio, layout
 from coordinator.actions import ActionKind, StepContext
@@ -48,6 +48,7 @@ from coordinator.errors import ActionError, UsageError
 from coordinator.phases import Phase
 from coordinator.placement import Placement
 from coordinator.records import Arrival
+from coordinator.settings import Section, setting
 
 
 def _part(text: str, rule: str) -> int | None:
@@ -92,21 +93,27 @@ class Rule:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScriptedConfig:
-    sleep_s: float = 0.0
-    sleeps: tuple[str, ...] = ()
-    fail: tuple[str, ...] = ()
-    fail_once: tuple[str, ...] = ()
-    hang: tuple[str, ...] = ()
-    outputs: bool = True
-    rollout_s: float = 0.0
-    train_s: float = 0.0
+class ScriptedConfig(Section):
+    """The [scripted] section of `run.actions = "scripted"` (see the module docstring)."""
 
-    def __post_init__(self) -> None:
-        for name in ("sleep_s", "rollout_s", "train_s"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"scripted.{name}={getattr(self, name)} is negative: give "
-                                 "seconds >= 0")
+    SECTION: ClassVar[str] = "scripted"
+
+    sleep_s: float = setting(0.0, "Every action sleeps this long.", unit="s", ge=0)
+    sleeps: tuple[str, ...] = setting(
+        (), "Rules RANK:ITERATION:PHASE:SECONDS ('*' matches any): sleep there, cancellable.")
+    fail: tuple[str, ...] = setting((), "Rules RANK:ITERATION:PHASE: raise there, every time.")
+    fail_once: tuple[str, ...] = setting(
+        (), "Rules RANK:ITERATION:PHASE: raise there the first time it runs only.")
+    hang: tuple[str, ...] = setting(
+        (), "Rules RANK:ITERATION:PHASE:SECONDS: sleep there, ignoring cancellation.")
+    outputs: bool = setting(True, "Write a marker file per executed action.")
+    rollout_s: float = setting(
+        0.0, "A simulated train rollout on each rollout node (phase 1, or phase 10 of the "
+        "iteration before in an asynchronous run).", unit="s", ge=0)
+    train_s: float = setting(0.0, "A simulated training step on each training node (phase 10).",
+                             unit="s", ge=0)
+
+    def check(self) -> None:
         self.rules()  # validate early, at the CLI boundary
 
     def rules(self) -> tuple[list[Rule], list[Rule], list[Rule], list[Rule]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from coordinator.config import (
     CoordinationConfig,
@@ -37,115 +37,107 @@ from coordinator.config import (
     unknown_setting,
 )
 from coordinator.errors import UsageError
+from coordinator.settings import Section, SettingError, iter_settings, setting
 from rl.schedule import ScheduleSection, schedule_of
 from rollout.engines.engine import EngineConfig
-from trainer.config import WARMSTART_STEPS, ConfigError, TrainConfig
+from trainer.config import WARMSTART_STEPS, TrainConfig
 
 SECTIONS: Final = ("schedule", "model", "data", "rollout", "engine", "train", "torchrun",
                    "checkpoint", "metrics")
 
-# Each node's own business, never written to run.json and never taken from it
-# (docs/PROTOCOL.md, node-local keys): what a node executes and with which
-# environment, secrets, and where its local disk is.  Each daemon reads them
-# from its own --config and --set; the run directory cannot make a node run
-# a program or leak a key.
-NODE_LOCAL_KEYS: Final = (
-    "engine.host",
-    "engine.port",
-    "engine.api_key",
-    "engine.extra_args",
-    "engine.env",
-    "engine.cuda_visible_devices",
-    "engine.vllm_executable",
-    "engine.python_executable",
-    "engine.device",
-    "engine.threads",
-    "engine.prewarm",
-    "torchrun.extra_args",
-    "checkpoint.local_cache",
-    "checkpoint.keep_local_cache",
-    # The agent plugin is code each node imports and runs: named by the node's
-    # own config, never by run.json (phase 1 checks every rank ran the same).
-    "rollout.agent",
-)
+@dataclass(frozen=True, kw_only=True)
+class ModelSection(Section):
+    """Which model the run starts from."""
+
+    SECTION: ClassVar[str] = "model"
+
+    path: str = setting(
+        "", "A local Hugging Face causal LM directory; '' builds the tiny demo model (with a "
+        "short supervised warm start) under <log-path>/model-init.", flag="--model")
+    init_seed: int = setting(0, "Weights seed of the tiny demo model.", ge=0)
+    # 12-20% sampled accuracy: room for RL to double it.
+    warmstart_steps: int = setting(
+        WARMSTART_STEPS, "Supervised warm-up steps of the tiny demo model on the built-in "
+        "task.", unit="steps", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelSection:
-    # A local Hugging Face causal LM directory; "" builds the tiny demo model
-    # (with a short supervised warm start) under <log-path>/model-init.
-    path: str = ""
-    init_seed: int = 0
-    warmstart_steps: int = WARMSTART_STEPS  # 12-20% sampled accuracy: room for RL to double it
+class DataSection(Section):
+    """Where tasks come from, and which reward scores them."""
+
+    SECTION: ClassVar[str] = "data"
+
+    path: str = setting(
+        "builtin:reverse", "Tasks: builtin:reverse, or a verl-style parquet / JSONL file or "
+        "a directory holding train.* and test.* (or eval.*).", flag="--data-path")
+    reward: str = setting(
+        "", "A reward registered under the entry-point group coordinator.rewards; '' picks "
+        "the one registered for each task's data_source.")
+    seed: int = setting(0, "Seed of a generated task source (builtin:reverse); files keep "
+                        "their order.", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)
-class DataSection:
-    path: str = "builtin:reverse"  # or a verl-style parquet / JSONL file or directory
-    reward: str = ""  # "" picks the reward registered for the tasks' data_source
-    seed: int = 0
+class RolloutSection(Section):
+    """Sampling, and checkpointing of the rollout.  Defaults for a 1.5-8 B instruct model
+    on GSM8K-like tasks."""
 
+    SECTION: ClassVar[str] = "rollout"
 
-@dataclass(frozen=True, kw_only=True)
-class RolloutSection:
-    """Defaults for a 1.5-8 B instruct model on GSM8K-like tasks; the demo's tiny
-    values (6 tokens, 4 requests in flight) are in rl/demo.py's config."""
-
-    group_size: int = 8  # samples per prompt (GRPO's group)
-    tasks_per_iteration: int = 256  # 0: the whole train split every iteration
-    max_tokens: int = 1024  # a reasoning answer; the engine's max_model_len bounds it too
-    temperature: float = 1.0
-    top_p: float = 1.0
-    eval_tasks: int = 0  # 0: the whole eval split
-    eval_group_size: int = 1
-    eval_temperature: float = 0.0  # greedy: eval accuracy without sampling noise
+    group_size: int = setting(
+        8, "Samples per prompt (GRPO's group).", unit="samples", ge=2,
+        fix="GRPO normalises rewards within a group, so each prompt needs at least 2 samples "
+            "(8 is typical)")
+    tasks_per_iteration: int = setting(
+        256, "Prompts rolled out per iteration; 0: the whole train split every iteration.",
+        unit="prompts", ge=0)
+    max_tokens: int = setting(
+        1024, "Most new tokens of one answer; the engine's max_model_len bounds it too.",
+        unit="tokens", ge=1)
+    temperature: float = setting(1.0, "Sampling temperature of the train rollout.", ge=0)
+    top_p: float = setting(1.0, "Nucleus sampling of the train rollout (1: off).", gt=0, le=1)
+    eval_tasks: int = setting(0, "Prompts per evaluation; 0: the whole eval split.",
+                              unit="prompts", ge=0)
+    eval_group_size: int = setting(1, "Samples per eval prompt.", unit="samples", ge=1)
+    eval_temperature: float = setting(
+        0.0, "Sampling temperature of evaluation; 0: greedy, accuracy without sampling "
+        "noise.", ge=0)
     # A killed rank redoes at most this many groups, or this many seconds of
     # generation, whichever is less.
-    checkpoint_every_groups: int = 32
-    checkpoint_every_s: float = 60.0
-    # Requests in flight; 0 keeps each engine replica's batch full: 64 per
-    # data-parallel replica (engine.data_parallel_size).
-    concurrency: int = 0
-    request_retries: int = 3
-    max_failed_fraction: float = 0.1  # more failed samples than this fail the phase
-    # A train batch with fewer samples than this fraction of those rolled out
-    # (tasks x group_size) fails phase 4 rather than train on scraps; an empty
-    # batch always does.  Failed samples and groups left with too few answers
-    # are what a batch loses.
-    min_batch_fraction: float = 0.5
-    progress_interval_s: float = 5.0
-    keep_rank_files: bool = False  # rank trajectory files are removed once an iteration completes
-    # An agent plugin ("package.module:Name", rollout/agents.py) that turns each
-    # task into an episode; "" for built-in single-turn sampling.
-    agent: str = ""
-    episode_timeout_s: float = 600.0  # an agent's episode running longer fails
+    checkpoint_every_groups: int = setting(
+        32, "A rank saves its rollout so far every this many groups.", unit="groups", ge=1)
+    checkpoint_every_s: float = setting(
+        60.0, "... or every this many seconds of generation, whichever comes first.",
+        unit="s", gt=0)
+    concurrency: int = setting(
+        0, "Requests in flight; 0 keeps each engine replica's batch full: 64 per replica "
+        "(engine.data_parallel_size).", ge=0,
+        fix="give the requests to keep in flight, or 0 for 64 per engine replica")
+    request_retries: int = setting(3, "Retries of a failed request before its group fails.",
+                                   ge=0)
+    max_failed_fraction: float = setting(
+        0.1, "More failed samples than this fraction of a rollout fail the phase.", ge=0, le=1)
+    # Failed samples and groups left with too few answers are what a batch loses.
+    min_batch_fraction: float = setting(
+        0.5, "A train batch with fewer samples than this fraction of those rolled out fails "
+        "phase 4 rather than train on scraps (an empty batch always does).", ge=0, le=1)
+    progress_interval_s: float = setting(
+        5.0, "Between two progress lines of a rollout in the log.", unit="s", gt=0)
+    keep_rank_files: bool = setting(
+        False, "Keep the ranks' trajectory files once an iteration completes.")
+    # Code each node imports and runs: named by the node's own config, never by
+    # run.json (phase 1 checks every rank ran the same).
+    agent: str = setting(
+        "", "An agent plugin 'package.module:Name' (rollout/agents.py) that turns each task "
+        "into an episode; '' for built-in single-turn sampling.", node_local=True)
+    episode_timeout_s: float = setting(600.0, "An agent's episode running longer fails.",
+                                       unit="s", gt=0)
 
-    def __post_init__(self) -> None:
-        for name in ("group_size", "max_tokens", "eval_group_size", "checkpoint_every_groups"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"rollout.{name}={getattr(self, name)} must be >= 1")
-        if self.concurrency < 0:
-            raise UsageError(f"rollout.concurrency={self.concurrency} is negative: give the "
-                             "requests to keep in flight, or 0 for 64 per engine replica")
-        if not self.episode_timeout_s > 0:
-            raise UsageError(f"rollout.episode_timeout_s={self.episode_timeout_s} must be a "
-                             "positive number of seconds")
+    def check(self) -> None:
         if self.agent and ":" not in self.agent:
-            raise UsageError(f"rollout.agent={self.agent!r} must look like "
-                             "'package.module:Name' (a class or a function)")
-        if not self.checkpoint_every_s > 0:
-            raise UsageError(f"rollout.checkpoint_every_s={self.checkpoint_every_s} must be a "
-                             "positive number of seconds")
-        if self.group_size < 2:
-            raise UsageError(
-                f"rollout.group_size={self.group_size} is below 2: GRPO normalises rewards "
-                "within a group, so each prompt needs at least 2 samples (8 is typical)"
-            )
-        if self.tasks_per_iteration < 0 or self.eval_tasks < 0:
-            raise UsageError("rollout.tasks_per_iteration and rollout.eval_tasks must be >= 0")
-        for name in ("max_failed_fraction", "min_batch_fraction"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise UsageError(f"rollout.{name}={getattr(self, name)} must be within 0..1")
+            raise SettingError(f"rollout.agent={self.agent!r} must look like "
+                               "'package.module:Name' (a class or a function)",
+                               key="rollout.agent", value=self.agent)
 
 
 # Requests in flight per engine replica when rollout.concurrency is 0: enough
@@ -158,55 +150,58 @@ def requests_in_flight(rollout: RolloutSection, engine: EngineConfig) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TorchrunSection:
-    nproc_per_node: int = 1
-    wall_limit_s: float = 21600.0  # phase 10 fails after this long
-    extra_args: tuple[str, ...] = ()
-    # One torchrun group per session, kept between iterations (rl/trainer_host.py);
-    # false starts one per iteration and saves the training state every time.
-    resident: bool = True
-    # After a job on a GPU the trainer may keep this much (its CUDA context, the
-    # communicator's buffers) beside the engine; more, within release_timeout_s,
-    # and its group is stopped so the engine has the GPU.
-    offload_residual_mib: int = 3072
-    release_timeout_s: float = 60.0
+class TorchrunSection(Section):
+    """How phase 10 launches the trainer."""
 
-    def __post_init__(self) -> None:
-        if self.nproc_per_node < 1:
-            raise UsageError(f"torchrun.nproc_per_node={self.nproc_per_node} must be >= 1")
-        if self.wall_limit_s <= 0:
-            raise UsageError(f"torchrun.wall_limit_s={self.wall_limit_s} must be positive")
-        if self.offload_residual_mib < 0 or not self.release_timeout_s > 0:
-            raise UsageError("torchrun.offload_residual_mib must be >= 0 and "
-                             "torchrun.release_timeout_s positive")
+    SECTION: ClassVar[str] = "torchrun"
+
+    nproc_per_node: int = setting(1, "Trainer processes per node (one per GPU).", ge=1)
+    wall_limit_s: float = setting(21600.0, "Phase 10 fails after this long.", unit="s", gt=0)
+    extra_args: tuple[str, ...] = setting((), "Appended verbatim to the torchrun command.",
+                                          node_local=True)
+    resident: bool = setting(
+        True, "Keep one torchrun group per session between iterations (rl/trainer_host.py); "
+        "false starts one per iteration and saves the training state every time.")
+    # Its CUDA context and the communicator's buffers.
+    offload_residual_mib: int = setting(
+        3072, "GPU memory a trainer may keep beside the engine after a job; more, past "
+        "release_timeout_s, and its group is stopped so the engine has the GPU.",
+        unit="MiB", ge=0)
+    release_timeout_s: float = setting(60.0, "How long that release is waited for.",
+                                       unit="s", gt=0)
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckpointSection:
-    # Node-local; the run's checkpoints go to <local_cache>/<run id>/, shared by the
-    # daemons of one node under a node-local lock ("" means $TMPDIR/coordinator-<uid>,
-    # rl/node_local.py).  The last daemon of the run on a node removes it as it
-    # exits, unless keep_local_cache.
-    local_cache: str = ""
-    keep_local_cache: bool = False
-    keep: int = 2  # published checkpoints kept (the initial model is never removed)
+class CheckpointSection(Section):
+    """Each node's cache of the run's checkpoints, and how many published ones to keep."""
 
-    def __post_init__(self) -> None:
-        if self.keep < 1:
-            raise UsageError(
-                f"checkpoint.keep={self.keep} is below 1: the newest checkpoint is the policy "
-                "the next iteration samples from"
-            )
+    SECTION: ClassVar[str] = "checkpoint"
+
+    # Shared by the daemons of one node under a node-local lock; the last daemon
+    # of the run on a node removes it as it exits, unless keep_local_cache.
+    local_cache: str = setting(
+        "", "Node-local directory of the run's checkpoint copies, in <local_cache>/<run id>/ "
+        "('': $TMPDIR/coordinator-<uid>, rl/node_local.py).", node_local=True,
+        flag="--local-cache")
+    keep_local_cache: bool = setting(
+        False, "Keep that directory when the node's last daemon of the run exits.",
+        node_local=True)
+    keep: int = setting(
+        2, "Published checkpoints kept (the initial model is never removed).", ge=1,
+        flag="--keep-checkpoints",
+        fix="the newest checkpoint is the policy the next iteration samples from; keep 1 or more")
 
 
 @dataclass(frozen=True, kw_only=True)
-class MetricsSection:
+class MetricsSection(Section):
     """Where the master reports each iteration's metrics besides metrics/*.json."""
 
-    tensorboard: bool = True  # event files in <run dir>/tensorboard/
-    # Weights & Biases (pip install 'coordinator[wandb]'): a project name turns it on.
-    wandb_project: str = ""
-    wandb_entity: str = ""
+    SECTION: ClassVar[str] = "metrics"
+
+    tensorboard: bool = setting(True, "Write TensorBoard event files in <run dir>/tensorboard/.")
+    wandb_project: str = setting(
+        "", "A Weights & Biases project turns W&B on (pip install 'coordinator[wandb]').")
+    wandb_entity: str = setting("", "The W&B entity (team or user); '': the login's default.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,6 +254,15 @@ SECTION_CLASSES: Final[Mapping[str, type]] = {
     "engine": EngineConfig, "train": TrainConfig, "torchrun": TorchrunSection,
     "checkpoint": CheckpointSection, "metrics": MetricsSection,
 }
+
+# Each node's own business, never written to run.json and never taken from it
+# (docs/PROTOCOL.md, node-local keys): what a node executes and with which
+# environment, secrets, and where its local disk is.  Each daemon reads them
+# from its own --config and --set; the run directory cannot make a node run
+# a program or leak a key.  Declared with node_local=True.
+NODE_LOCAL_KEYS: Final = tuple(
+    key for name, cls in SECTION_CLASSES.items()
+    for key, declared, _, _ in iter_settings(cls, name) if declared.node_local)
 
 # What a verl user is likely to write for a setting, where the name is too far
 # from ours for difflib to find it (train.learning_rate is not close to train.lr).
@@ -324,13 +328,12 @@ def check_names(raw: Mapping[str, Any]) -> None:
 
 def parse_sections(raw: Mapping[str, Any]) -> RlSections:
     check_names(raw)
-    try:
-        train = TrainConfig.from_dict(dict(raw.get("train", {})))
-    except ConfigError as exc:
-        raise UsageError(f"[train]: {exc}") from exc
+    train = from_mapping(TrainConfig, raw.get("train", {}), "train")
     try:
         engine = from_mapping(EngineConfig, raw.get("engine", {}), "engine")
-    except ValueError as exc:
+    except UsageError:
+        raise
+    except ValueError as exc:  # a rule of the engine's own code, not of a declaration
         raise UsageError(f"[engine]: {exc}") from exc
     return RlSections(
         schedule=schedule_of(raw),

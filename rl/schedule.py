@@ -18,11 +18,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from coordinator.config import RunConfig, from_mapping
-from coordinator.errors import UsageError
 from coordinator.phases import Phase
+from coordinator.settings import Section, setting
 
 
 class RlPhase(str, enum.Enum):
@@ -50,17 +50,22 @@ class RolloutSplit(str, enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScheduleSection:
-    rl_phase: RlPhase = RlPhase.BOTH
-    rollout_split: RolloutSplit = RolloutSplit.BOTH
-    eval_interval: int = 2
-    eval_before_train: bool = True
+class ScheduleSection(Section):
+    SECTION: ClassVar[str] = "schedule"
 
-    def __post_init__(self) -> None:
-        if self.eval_interval < 0:
-            raise UsageError(
-                f"schedule.eval_interval={self.eval_interval} is negative: use 0 to never "
-                "evaluate, K to evaluate every K-th iteration")
+    rl_phase: RlPhase = setting(
+        RlPhase.BOTH, "Which phases run: both (0-13), rollout (0-6: roll out and evaluate the "
+        "given model only) or update (7-13: train on batches already aggregated).",
+        flag="--rl-phase")
+    rollout_split: RolloutSplit = setting(
+        RolloutSplit.BOTH, "Which task splits the rollout phases cover: both, train-only or "
+        "eval-only (no training at all).", flag="--rollout-split")
+    eval_interval: int = setting(
+        2, "Evaluate every K-th iteration (0: never).", unit="iterations", ge=0,
+        flag="--eval-interval",
+        fix="use 0 to never evaluate, K to evaluate every K-th iteration")
+    eval_before_train: bool = setting(
+        True, "Evaluate the initial model in iteration 0.", flag="--eval-before-train")
 
     @property
     def trains(self) -> bool:

@@ -17,9 +17,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coordinator import on_failure  # noqa: E402
+from coordinator.config import CoordinationConfig, to_plain  # noqa: E402
+from coordinator.settings import iter_settings  # noqa: E402
 
 DOC = ROOT / "docs" / "PROTOCOL.md"
-GENERATED: dict[str, Callable[[], str]] = {"on-failure": on_failure.markdown_table}
+
+
+def timeouts_table() -> str:
+    """Every [coordination] setting with its default and meaning, from its declaration."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{key}` | {to_plain(default)} | {declared.help} |"
+             for key, declared, _, default in iter_settings(CoordinationConfig, "coordination")]
+    return "\n".join(rows)
+
+
+def node_local_table() -> str:
+    """The node-local keys of every registered action kind (declared node_local=True)."""
+    from coordinator.actions import kind, kind_names
+
+    keys = [key for name in kind_names() for key in kind(name).node_local]
+    return "\n".join(["| key |", "|---|", *(f"| `{key}` |" for key in keys)])
+
+
+GENERATED: dict[str, Callable[[], str]] = {"on-failure": on_failure.markdown_table,
+                                           "timeouts": timeouts_table,
+                                           "node-local": node_local_table}
 
 
 def render(text: str) -> str:

@@ -8,11 +8,12 @@ model, which batch, where the results go) is trainer/job.py's `TrainJob`.
 from __future__ import annotations
 
 import enum
-import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
 
-from coordinator.config import unknown_setting
+from coordinator.config import to_plain
+from coordinator.errors import UsageError
+from coordinator.settings import Section, SettingError, from_mapping, setting
 
 # Supervised steps of the tiny model's warm start (trainer/warmstart.py): 70
 # give a sampled accuracy of 12-20 % on the built-in task's eval prompts over
@@ -73,135 +74,82 @@ def check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _finite(name: str, value: float) -> None:
-    check(
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-        f"{name}={value!r} is not a finite number: give a real number",
-    )
-
-
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class TrainConfig(Section):
     """GRPO hyper-parameters.
 
     Defaults suit a 1.5-8 B instruct model on GPUs (the learning rates and
     batch sizes GRPO recipes for such models use); the tiny demo model's own
     values (lr 3e-4, 3 epochs, 48 warm-up steps, batches of 128) are in
-    rl/demo.py's config and tests/trainer/test_rl_reward_rises.py.
+    rl/config.py's TINY_MODEL_DEFAULTS.
     """
 
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.99)
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    # PPO ratio clip: the ratio new/old is kept in [1 - clip_eps, 1 + clip_eps].
-    clip_eps: float = 0.2
-    # Weight of the k3 KL estimate to the reference model; 0 turns it off and
-    # skips loading the reference model altogether.
-    kl_coef: float = 0.0
-    # Asynchronous runs (run.max_off_policy_steps >= 1): each token's loss is
-    # weighted by min(pi_old / pi_behaviour, tis_cap), the truncated importance
-    # ratio between the trainer's recomputed log-probs and the engine's.
-    tis_cap: float = 2.0
-    # Added to the group's reward std so that a group of equal rewards gives
-    # advantages of exactly 0 rather than 0/0.
-    adv_eps: float = 1e-6
-    loss_agg: LossAgg = LossAgg.SEQ_MEAN_TOKEN_MEAN
-    # Samples per forward pass on one rank.
-    micro_batch_size: int = 8
-    # Samples (over all ranks) per optimizer step; 0 means the whole batch, one
-    # step per epoch.  Gradient accumulation is derived from it.
-    mini_batch_size: int = 256
-    # Passes over the batch per iteration; each pass reshuffles.
-    epochs: int = 1
-    max_grad_norm: float = 1.0
-    # Linear lr warm-up over the first optimizer steps of the run (counted
-    # across iterations through the saved optimizer state).  Adam's first
-    # steps move every weight by about lr whatever its gradient, which on a
-    # small model undoes the warm start; ramping lr avoids that shock.
-    warmup_steps: int = 10
-    seed: int = 0
-    device: Device = Device.AUTO
-    dtype: DType = DType.AUTO
-    strategy: Strategy = Strategy.AUTO
-    # Recompute each decoder layer's activations in the backward pass instead of
-    # keeping them: less memory for long responses, about a third more compute.
-    activation_checkpointing: bool = False
-    # The parameters' dtype: float32, or bfloat16 with the optimizer's copies and
-    # moments in float32 (trainer/master_weights.py); the checkpoint holds it too.
-    param_dtype: DType = DType.FLOAT32
-    # The resumable training state (weights, optimizer, step) goes to the run
-    # directory every save_interval iterations and at the run's last one; the
-    # policy checkpoint is published every iteration regardless.  A trainer
-    # lost in between resumes from the last saved state and trains the
-    # iterations since then again from their kept batches (at most
-    # save_interval - 1 of them).  1 saves every iteration.
-    save_interval: int = 5
-    # Between training phases a resident trainer moves its weights, gradients
-    # and optimizer state to CPU memory, so the inference engine has the GPU.
-    offload: Offload = Offload.AUTO
+    SECTION: ClassVar[str] = "train"
 
-    def __post_init__(self) -> None:
-        for name in ("lr", "adam_eps", "weight_decay", "clip_eps", "kl_coef", "adv_eps"):
-            _finite(name, getattr(self, name))
-        check(self.lr > 0, f"lr={self.lr} is not positive: give a learning rate such as 1e-3")
-        check(
-            isinstance(self.betas, tuple)
-            and len(self.betas) == 2
-            and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas),
-            f"betas={self.betas!r} must be two numbers in [0, 1), e.g. (0.9, 0.99)",
-        )
-        check(self.adam_eps > 0, f"adam_eps={self.adam_eps} must be > 0, e.g. 1e-8")
-        check(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
-        check(
-            0 < self.clip_eps < 1,
-            f"clip_eps={self.clip_eps} must be in (0, 1): PPO uses about 0.2",
-        )
-        check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0 (0 turns KL off)")
-        check(math.isfinite(self.tis_cap) and self.tis_cap >= 1,
-              f"tis_cap={self.tis_cap} must be a number >= 1: the most one token's importance "
-              "weight may count, e.g. 2.0")
-        check(self.adv_eps > 0, f"adv_eps={self.adv_eps} must be > 0, e.g. 1e-6")
-        for name, low in (
-            ("micro_batch_size", 1),
-            ("mini_batch_size", 0),
-            ("epochs", 1),
-            ("warmup_steps", 0),
-            ("save_interval", 1),
-        ):
-            value = getattr(self, name)
-            check(
-                isinstance(value, int) and not isinstance(value, bool) and value >= low,
-                f"{name}={value!r} must be an integer >= {low}",
-            )
-        check(
-            isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
-            f"seed={self.seed!r} must be an integer >= 0",
-        )
-        _finite("max_grad_norm", self.max_grad_norm)
-        check(
-            self.max_grad_norm > 0,
-            f"max_grad_norm={self.max_grad_norm} must be > 0, e.g. 1.0",
-        )
-        # Accept the enum values as plain strings too (JSON, CLI), and say
-        # what is allowed when a value is not one of them.
-        for name, kind in (
-            ("device", Device),
-            ("dtype", DType),
-            ("strategy", Strategy),
-            ("loss_agg", LossAgg),
-            ("param_dtype", DType),
-            ("offload", Offload),
-        ):
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, kind(value))
-            except ValueError:
-                allowed = ", ".join(k.value for k in kind)
-                raise ConfigError(f"{name}={value!r} is not one of: {allowed}") from None
-        check(self.param_dtype in (DType.FLOAT32, DType.BFLOAT16),
-               f"param_dtype={self.param_dtype.value!r} is not float32 or bfloat16: give "
-               "param_dtype = 'bfloat16' for bf16 parameters with fp32 optimizer state")
+    lr: float = setting(1e-6, "Peak learning rate of AdamW.", gt=0, aliases=("learning_rate",))
+    betas: tuple[float, float] = setting((0.9, 0.99), "AdamW's beta1 and beta2.", ge=0, lt=1)
+    adam_eps: float = setting(1e-8, "AdamW's epsilon.", gt=0)
+    weight_decay: float = setting(0.0, "AdamW's decoupled weight decay.", ge=0)
+    clip_eps: float = setting(
+        0.2, "PPO ratio clip: the ratio new/old is kept in [1 - clip_eps, 1 + clip_eps].",
+        gt=0, lt=1)
+    # 0 also skips loading the reference model altogether.
+    kl_coef: float = setting(
+        0.0, "Weight of the k3 KL estimate to the reference model in the loss (0: off, and "
+        "no reference model is loaded).", ge=0)
+    tis_cap: float = setting(
+        2.0, "Asynchronous runs: each token's loss is weighted by min(pi_old / pi_behaviour, "
+        "tis_cap), the truncated importance ratio between trainer and engine.", ge=1)
+    # Without it a group of equal rewards would give advantages of 0/0.
+    adv_eps: float = setting(
+        1e-6, "Added to a group's reward std, so equal rewards give advantages of exactly 0.",
+        gt=0)
+    loss_agg: LossAgg = setting(
+        LossAgg.SEQ_MEAN_TOKEN_MEAN, "How per-token losses are averaged over a step: "
+        "token-mean (every token weighs the same, DAPO) or seq-mean-token-mean (every "
+        "response does, the GRPO paper).")
+    micro_batch_size: int = setting(8, "Samples per forward pass on one rank.", unit="samples",
+                                    ge=1)
+    mini_batch_size: int = setting(
+        256, "Samples (over all ranks, not prompts) per optimizer step; 0: the whole batch, "
+        "one step per epoch. Gradient accumulation is derived from it.", unit="samples", ge=0)
+    epochs: int = setting(1, "Passes over the batch per iteration; each pass reshuffles.",
+                          ge=1)
+    max_grad_norm: float = setting(1.0, "Gradient norm clip.", gt=0)
+    # Adam's first steps move every weight by about lr whatever its gradient,
+    # which on a small model undoes the warm start; ramping lr avoids that shock.
+    warmup_steps: int = setting(
+        10, "Linear lr warm-up over the run's first optimizer steps (counted across "
+        "iterations).", unit="steps", ge=0)
+    seed: int = setting(0, "Seed of the trainer's shuffles.", ge=0)
+    device: Device = setting(Device.AUTO, "Where training runs: auto (cuda when available), "
+                             "cpu or cuda.")
+    dtype: DType = setting(DType.AUTO, "Compute dtype: auto (float32 on cpu; bfloat16 "
+                           "compute with fp32 master weights on cuda), float32 or bfloat16.")
+    strategy: Strategy = setting(Strategy.AUTO, "Data parallelism: auto (ddp on cpu with "
+                                 "gloo, fsdp2 on cuda with nccl), ddp or fsdp2.")
+    activation_checkpointing: bool = setting(
+        False, "Recompute each decoder layer's activations in the backward pass: less memory "
+        "for long responses, about a third more compute.")
+    param_dtype: DType = setting(
+        DType.FLOAT32, "The parameters' dtype: float32, or bfloat16 with the optimizer's "
+        "copies and moments in float32 (trainer/master_weights.py).")
+    # A trainer lost in between resumes from the last saved state and trains the
+    # iterations since then again from their kept batches.
+    save_interval: int = setting(
+        5, "Save the resumable training state (weights, optimizer, step) every this many "
+        "iterations and at the last; the policy is published every iteration regardless.",
+        unit="iterations", ge=1)
+    offload: Offload = setting(
+        Offload.AUTO, "Where a resident trainer keeps weights and optimizer between jobs: "
+        "auto (CPU memory when training on a GPU), on, or off (stay on the accelerator).")
+
+    def check(self) -> None:
+        if self.param_dtype not in (DType.FLOAT32, DType.BFLOAT16):
+            raise SettingError(
+                f"train.param_dtype={self.param_dtype.value!r} is not float32 or bfloat16: give "
+                "param_dtype = 'bfloat16' for bf16 parameters with fp32 optimizer state",
+                key="train.param_dtype", value=self.param_dtype.value)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (1-based, counted over the whole run)."""
@@ -210,41 +158,14 @@ class TrainConfig:
         return self.lr * min(1.0, step / self.warmup_steps)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["betas"] = list(self.betas)
-        for name in ("device", "dtype", "strategy", "loss_agg", "param_dtype", "offload"):
-            out[name] = getattr(self, name).value
-        return out
+        return dict(to_plain(self))
 
     @classmethod
     def from_dict(cls, data: Any) -> TrainConfig:
+        """From a train job's JSON (or [train]), strictly: a typo would otherwise train
+        at the default (train.lrr=1e-5 at lr 1e-6)."""
         check(isinstance(data, dict), f"config must be a JSON object, got {type(data).__name__}")
-        names = [f.name for f in fields(cls)]
-        for key in sorted(map(str, set(data) - set(names))):
-            # A typo would otherwise train at the default (train.lrr=1e-5 at lr 1e-6).
-            raise ConfigError(str(unknown_setting(f"train.{key}", "train", names)))
-        kwargs: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name not in data:
-                continue  # missing hyper-parameters take their defaults
-            value = data[f.name]
-            if f.name == "betas":
-                check(
-                    isinstance(value, list) and len(value) == 2,
-                    f"config.betas={value!r} must be a list of two numbers",
-                )
-                value = (float(value[0]), float(value[1]))
-            elif (
-                isinstance(f.default, float)
-                and isinstance(value, int)
-                and not isinstance(value, bool)
-            ):
-                value = float(value)  # JSON writes 1.0 as 1 in some writers
-            elif isinstance(f.default, (int, float)) and not isinstance(f.default, enum.Enum):
-                check(
-                    type(value) is type(f.default),
-                    f"config.{f.name}={value!r} has type {type(value).__name__}: "
-                    f"give a {type(f.default).__name__}",
-                )
-            kwargs[f.name] = value
-        return cls(**kwargs)
+        try:
+            return from_mapping(cls, data, "train")
+        except UsageError as exc:
+            raise ConfigError(str(exc)) from None

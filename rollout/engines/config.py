@@ -12,8 +12,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import ClassVar, Final
 
+from coordinator.settings import Section, SettingError, setting
 from rollout.engines import process as proc_mod
 from rollout.errors import RolloutError
 
@@ -157,145 +158,122 @@ class EngineState(str, enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """One inference engine.  Fields marked (hf)/(vllm) apply to that kind only."""
+class EngineConfig(Section):
+    """One inference engine.  Settings marked (hf)/(vllm) apply to that kind only."""
 
-    kind: EngineKind = EngineKind.HF
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port is picked at each start
-    api_key: str | None = None  # None: a fresh random key at each start
-    served_model_name: str = "policy"  # stable name, so clients never see model paths
-    seed: int = 0
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    extra_args: tuple[str, ...] = ()  # appended verbatim to the server command
-    env: tuple[tuple[str, str], ...] = ()  # extra environment for the server
-    cuda_visible_devices: str | None = None  # None: inherit the daemon's
-    tensor_parallel_size: int = 1  # (vllm) GPUs per engine replica
-    # (vllm) engine replicas behind one server, each on tensor_parallel_size
-    # GPUs: with 8 GPUs and tp 1, dp 8 rolls out on every GPU of the node.
-    data_parallel_size: int = 1
-    # How phase 12 serves new weights: "reload" wakes the sleeping engine and
-    # loads the checkpoint in place; "restart" stops and cold-starts it.
-    weight_update: WeightUpdate = WeightUpdate.RELOAD
-    # Sleep level at phase 7: 1 keeps the weights in CPU memory, 2 drops them
-    # (the reload at phase 12 brings the new ones anyway).
-    sleep_level: int = 2
-    # A sleeping vLLM keeps its CUDA context (and, at level 1, nothing else on
-    # the GPU): more than this per process after /sleep fails the phase.
-    sleep_gpu_residual_mib: int = 4096
-    # Phase 12 compares the served log-probabilities of the checkpoint's probe
-    # sequences with the trainer's; None: a tolerance for the served dtype.
-    verify_weights: bool = True
-    probe_tolerance: float | None = None
-    gpu_memory_utilization: float = 0.9  # (vllm)
-    use_model_generation_config: bool = False  # (vllm) see vllm.py
-    vllm_executable: str = "vllm"  # (vllm)
-    device: str = "cpu"  # (hf)
-    max_batch: int = 64  # (hf) rows (prompts x n) per forward pass
-    threads: int = 0  # (hf) torch threads; 0 = torch's default
-    python_executable: str | None = None  # (hf) None: the daemon's interpreter
-    prewarm: bool = False  # (hf) keep a spare server with imports done: see hf.py
-    ready_timeout_s: float = 1200.0  # a cold vLLM start compiles and captures graphs
-    ready_poll_s: float = 0.5
-    stop_grace_s: float = 10.0
-    kill_timeout_s: float = 10.0
-    gpu_release_timeout_s: float = 60.0
-    request_timeout_s: float = 600.0  # one request: n samples of up to max_tokens
-    log_tail_lines: int = 40
+    SECTION: ClassVar[str] = "engine"
 
-    def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "kind", EngineKind(self.kind))
-        except ValueError:
-            raise ValueError(
-                f"kind={self.kind!r} is not an engine: use one of {[k.value for k in EngineKind]}"
-            ) from None
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port={self.port} is outside 0..65535: use 0 to pick a free port")
+    kind: EngineKind = setting(EngineKind.HF, "Inference engine: hf (built in, CPU or one "
+                               "GPU) or vllm (installed separately).", flag="--engine")
+    host: str = setting("127.0.0.1", "Address the server binds (loopback: the daemon is on "
+                        "the same node).", node_local=True)
+    port: int = setting(0, "Server port; 0 picks a free one at each start.", ge=0, le=65535,
+                        node_local=True, fix="give a TCP port, or 0 to pick a free port")
+    api_key: str | None = setting(None, "Key the server requires; none: a fresh random key "
+                                  "at each start.", node_local=True)
+    # A stable name, so clients never see model paths.
+    served_model_name: str = setting("policy", "The model's name in requests to the server.")
+    seed: int = setting(0, "The server's sampling seed.", ge=0)
+    max_model_len: int | None = setting(
+        None, "Most tokens of prompt and answer together; none: the model's own context.",
+        unit="tokens", ge=1)
+    dtype: str = setting("auto", "The server's compute dtype (vLLM's --dtype choices).",
+                         choices=DTYPES)
+    extra_args: tuple[str, ...] = setting(
+        (), "Appended verbatim to the server command.", node_local=True)
+    env: tuple[tuple[str, str], ...] = setting(
+        (), "Extra environment of the server, as [name, value] pairs.", node_local=True)
+    cuda_visible_devices: str | None = setting(
+        None, "GPUs the server sees, e.g. '0,1'; none: the daemon's own.", node_local=True)
+    tensor_parallel_size: int = setting(1, "(vllm) GPUs per engine replica.", ge=1)
+    # With 8 GPUs and tp 1, dp 8 rolls out on every GPU of the node.
+    data_parallel_size: int = setting(
+        1, "(vllm) Engine replicas behind one server, each on tensor_parallel_size GPUs.", ge=1)
+    weight_update: WeightUpdate = setting(
+        WeightUpdate.RELOAD, "How phase 12 serves new weights: reload (wake the sleeping "
+        "engine and load the checkpoint in place) or restart (stop and cold-start it).")
+    # Level 2 is enough: the reload at phase 12 brings the new weights anyway.
+    sleep_level: int = setting(
+        2, "Sleep level at phase 7: 1 keeps the weights in CPU memory, 2 drops them.",
+        ge=1, le=2, fix="give 1 (keep the weights in CPU memory) or 2 (drop them)")
+    # A sleeping vLLM keeps its CUDA context (and, at level 1, nothing else on the GPU).
+    sleep_gpu_residual_mib: int = setting(
+        4096, "GPU memory a sleeping engine may keep per process; more fails the phase.",
+        unit="MiB", ge=0)
+    verify_weights: bool = setting(
+        True, "Phase 12 compares the served log-probabilities of the checkpoint's probe "
+        "sequences with the trainer's.")
+    probe_tolerance: float | None = setting(
+        None, "Largest difference of those log-probabilities; none: a tolerance for the "
+        "served dtype.", gt=0)
+    gpu_memory_utilization: float = setting(
+        0.9, "(vllm) Fraction of the GPU's memory the engine may take.", gt=0, le=1,
+        fix="it is a fraction of the GPU, e.g. 0.9")
+    use_model_generation_config: bool = setting(
+        False, "(vllm) Let the model's generation_config.json set sampling defaults "
+        "(rollout/engines/vllm.py).")
+    vllm_executable: str = setting("vllm", "(vllm) The `vllm` executable to run.",
+                                   node_local=True)
+    device: str = setting("cpu", "(hf) cpu, cuda or cuda:N.", node_local=True)
+    max_batch: int = setting(64, "(hf) Rows (prompts x n) per forward pass.", ge=1)
+    threads: int = setting(0, "(hf) Torch threads; 0: torch's default.", ge=0,
+                           node_local=True)
+    python_executable: str | None = setting(
+        None, "(hf) Python that runs the server; none: the daemon's interpreter.",
+        node_local=True)
+    prewarm: bool = setting(
+        False, "(hf) Keep a spare server with its imports done (rollout/engines/hf.py).",
+        node_local=True)
+    # A cold vLLM start compiles and captures graphs.
+    ready_timeout_s: float = setting(1200.0, "How long a start may take before it fails.",
+                                     unit="s", gt=0)
+    ready_poll_s: float = setting(0.5, "Between two readiness probes of a starting server.",
+                                  unit="s", gt=0)
+    stop_grace_s: float = setting(10.0, "After SIGTERM, before SIGKILL.", unit="s", gt=0)
+    kill_timeout_s: float = setting(10.0, "After SIGKILL, before the stop fails.", unit="s",
+                                    gt=0)
+    gpu_release_timeout_s: float = setting(
+        60.0, "How long a stopped or sleeping server may take to release GPU memory.",
+        unit="s", gt=0)
+    request_timeout_s: float = setting(
+        600.0, "One request: n samples of up to max_tokens.", unit="s", gt=0)
+    log_tail_lines: int = setting(40, "Lines of the server's log an error shows.", ge=1)
+
+    def check(self) -> None:
         if self.api_key is not None and (
-            not self.api_key or any(c.isspace() for c in self.api_key)
-        ):
-            raise ValueError("api_key is empty or contains whitespace: use None for a random key")
+                not self.api_key or any(c.isspace() for c in self.api_key)):
+            raise SettingError("engine.api_key is empty or contains whitespace: use none for "
+                               "a random key", key="engine.api_key", value="(hidden)")
         if not self.served_model_name or any(c.isspace() for c in self.served_model_name):
-            raise ValueError(f"served_model_name={self.served_model_name!r} is not a usable name")
-        if self.dtype not in DTYPES:
-            raise ValueError(
-                f"dtype={self.dtype!r} is not one of {DTYPES} (vLLM's --dtype choices)"
-            )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} is below 1: use None for the model's own"
-            )
-        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} and data_parallel_size="
-                f"{self.data_parallel_size} must be >= 1: GPUs per replica, replicas per node"
-            )
-        if self.sleep_gpu_residual_mib < 0 or (
-                self.probe_tolerance is not None and not self.probe_tolerance > 0):
-            raise ValueError(f"sleep_gpu_residual_mib={self.sleep_gpu_residual_mib} must be >= 0 "
-                             f"and probe_tolerance={self.probe_tolerance} > 0 (or None: by dtype)")
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level={self.sleep_level} is not 1 (keep the weights in "
-                             "CPU memory) or 2 (drop them)")
-        try:
-            object.__setattr__(self, "weight_update", WeightUpdate(self.weight_update))
-        except ValueError:
-            raise ValueError(f"weight_update={self.weight_update!r} is not 'reload' or "
-                             "'restart'") from None
+            raise SettingError(f"engine.served_model_name={self.served_model_name!r} is not a "
+                               "usable name: give one word, e.g. policy",
+                               key="engine.served_model_name", value=self.served_model_name)
         if self.weight_update is WeightUpdate.RELOAD and not _is_loopback(self.host):
-            raise ValueError(
+            raise SettingError(
                 f"weight_update='reload' with host={self.host!r}: the reload needs vLLM's "
                 "development endpoints (/sleep, /collective_rpc), which vLLM does not guard "
                 "with the API key; bind host='127.0.0.1' (the daemon is on the same node) or "
-                "set weight_update='restart'")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]: "
-                "it is a fraction of the GPU, e.g. 0.9"
-            )
+                "set weight_update='restart'", key="engine.host", value=self.host)
         if self.cuda_visible_devices is not None:
             ids = self.cuda_visible_devices.split(",")
             if not all(ids) or any(c.isspace() for c in self.cuda_visible_devices):
-                raise ValueError(
+                raise SettingError(
                     f"cuda_visible_devices={self.cuda_visible_devices!r} is not a comma-separated "
-                    "list of GPU indices or UUIDs, e.g. '0,1'"
-                )
+                    "list of GPU indices or UUIDs, e.g. '0,1'",
+                    key="engine.cuda_visible_devices", value=self.cuda_visible_devices)
             if self.kind is EngineKind.VLLM and len(ids) < self.gpus:
-                raise ValueError(
+                raise SettingError(
                     f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
                     f"{self.data_parallel_size} needs {self.gpus} GPUs but "
-                    f"cuda_visible_devices={self.cuda_visible_devices!r} shows {len(ids)}"
-                )
-        object.__setattr__(self, "extra_args", tuple(self.extra_args))
-        object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in self.env))
-        self._check_local()
-
-    def _check_local(self) -> None:
-        """The hf engine's device and sizes, the timeouts, the log tail."""
+                    f"cuda_visible_devices={self.cuda_visible_devices!r} shows {len(ids)}",
+                    key="engine.cuda_visible_devices", value=self.cuda_visible_devices)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device={self.device!r} is not cpu, cuda or cuda:N")
-        if self.log_tail_lines < 1:
-            raise ValueError(f"log_tail_lines={self.log_tail_lines} is below 1: show at least one")
-        if self.max_batch < 1 or self.threads < 0:
-            raise ValueError(
-                f"max_batch={self.max_batch} must be >= 1 and threads={self.threads} >= 0"
-            )
-        for name in (
-            "ready_timeout_s",
-            "ready_poll_s",
-            "stop_grace_s",
-            "kill_timeout_s",
-            "gpu_release_timeout_s",
-            "request_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
+            raise SettingError(f"engine.device={self.device!r} is not cpu, cuda or cuda:N",
+                               key="engine.device", value=self.device)
         if self.ready_poll_s >= self.ready_timeout_s:
-            raise ValueError(
-                f"ready_poll_s={self.ready_poll_s} must be below ready_timeout_s={self.ready_timeout_s}"
-            )
+            raise SettingError(
+                f"ready_poll_s={self.ready_poll_s} must be below ready_timeout_s="
+                f"{self.ready_timeout_s}", key="engine.ready_poll_s", value=self.ready_poll_s)
 
     @property
     def reloads_in_place(self) -> bool:

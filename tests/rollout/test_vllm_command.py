@@ -141,9 +141,9 @@ def test_tensor_parallel_size_larger_than_the_visible_gpus_is_rejected() -> None
     [
         ("dtype", "fp8", r"dtype='fp8' is not one of"),
         ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization=1.5 is outside \(0, 1\]"),
-        ("tensor_parallel_size", 0, r"tensor_parallel_size=0 and data_parallel_size=1 must be >= 1"),
+        ("tensor_parallel_size", 0, r"tensor_parallel_size=0 is below 1"),
         ("port", 70000, r"port=70000 is outside 0..65535"),
-        ("kind", "sglang", r"kind='sglang' is not an engine"),
+        ("kind", "sglang", r"kind='sglang' is not one of: hf, vllm"),
     ],
 )
 def test_invalid_configuration_is_rejected_with_value_and_fix(field, value, message) -> None:

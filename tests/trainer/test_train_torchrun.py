@@ -301,7 +301,7 @@ def test_a_job_round_trips_through_json_and_bad_fields_are_named(tmp_path: Path)
     assert TrainJob.from_json(json.dumps(data)) == loaded
     data["config"]["micro_batch_size"] = 2.5
     with pytest.raises(
-        ConfigError, match=r"config\.micro_batch_size=2\.5 has type float: give a int"
+        ConfigError, match=r"train\.micro_batch_size=2\.5 must be an integer"
     ):
         TrainJob.from_json(json.dumps(data))
     data["config"]["micro_batch_size"] = 2
