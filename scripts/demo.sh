@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install everything (scripts/setup.sh) and run the demo: 3 simulated nodes on
-# this machine, the tiny local model, the built-in task, the hf engine.
+# Install what the demo needs (scripts/setup.sh: the project and its runtime
+# dependencies, no test tools) and run it: 3 simulated nodes on this machine,
+# the tiny local model, the built-in task, the hf engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

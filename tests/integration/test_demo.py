@@ -1,5 +1,5 @@
 """`coordinator demo --engine vllm` end to end: 2 simulated nodes, 2 iterations on
-vLLM's CPU build (.venv-vllm, installed by scripts/setup.sh), its table and its PNG.
+vLLM's CPU build (.venv-vllm, installed by scripts/setup_test.sh), its table and its PNG.
 
 This is also the real loop on vLLM: phase 7 puts each engine to sleep (on CPU vLLM
 pauses its scheduler and keeps the weights), phase 12 reloads the new checkpoint
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 def test_the_demo_on_vllm_trains_two_nodes_reloading_in_place_and_draws_its_reward_curve(
     tmp_path: Path,
 ) -> None:
-    assert VLLM.exists(), f"{VLLM} is missing: scripts/setup.sh installs it"
+    assert VLLM.exists(), f"{VLLM} is missing: scripts/setup_test.sh installs it"
     run = tmp_path / "demo"
     before = set(glob.glob(f"{tempfile.gettempdir()}/vllm_dist_*"))
     # Measured 80 s on the 2-core machine, 37 s of it the two engines starting.

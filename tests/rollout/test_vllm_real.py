@@ -54,7 +54,7 @@ def config(**changes: object) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def vllm_executable() -> Path:
-    assert VLLM.exists(), (f"{VLLM} is missing: scripts/setup.sh installs vLLM's CPU build "
+    assert VLLM.exists(), (f"{VLLM} is missing: scripts/setup_test.sh installs vLLM's CPU build "
                            "there (scripts/setup_vllm.sh); the vllm engine's tests need it")
     return VLLM
 

@@ -1,5 +1,5 @@
 """Real object-store servers on loopback for the bucket tests: Azurite (Microsoft's
-Azure Storage emulator, installed by scripts/setup.sh in .tools/azurite) and
+Azure Storage emulator, installed by scripts/setup_test.sh in .tools/azurite) and
 moto's S3 server (the dev extra).
 
 Each server is started once per test session on a free port, with its data in a
@@ -102,7 +102,7 @@ class Bucket:
 
 def start_azurite(work: Path) -> Server:
     if not AZURITE.exists():
-        raise RuntimeError(f"{AZURITE} is missing: scripts/setup.sh installs Azurite")
+        raise RuntimeError(f"{AZURITE} is missing: scripts/setup_test.sh installs Azurite")
     port = free_port()
     log = work / "azurite.log"
     with open(log, "wb") as out:
@@ -126,7 +126,7 @@ def start_moto(work: Path) -> Server:
     log = work / "moto.log"
     server = shutil.which("moto_server", path=str(Path(sys.executable).parent))
     if server is None:
-        raise RuntimeError("moto_server is missing: scripts/setup.sh installs the dev extra")
+        raise RuntimeError("moto_server is missing: scripts/setup_test.sh installs the dev extra")
     with open(log, "wb") as out:
         proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)

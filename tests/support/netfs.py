@@ -21,7 +21,7 @@ caching like an NFS client's:
   rename on another client reads short until the attributes expire, unless
   the reader asks the server again (coordinator/fsio.py `revalidate`).
 
-The setup needs root, /dev/fuse, sshd and sshfs (scripts/setup.sh installs
+The setup needs root, /dev/fuse, sshd and sshfs (scripts/setup_test.sh installs
 them); when it cannot be set up, `NetFsUnavailable` says why, and tests fail
 with that reason rather than skip.
 """
@@ -76,7 +76,7 @@ class NetFs:
             problems.append("fusermount is missing (apt-get install fuse3)")
         if problems:
             raise NetFsUnavailable("network filesystem fixture unavailable: " + "; ".join(problems)
-                                   + " - run scripts/setup.sh as root")
+                                   + " - run scripts/setup_test.sh as root")
 
     def __enter__(self) -> NetFs:
         self.check()

@@ -1,6 +1,6 @@
 """An object-store FUSE mount on this host: `rclone mount` of a local directory.
 
-rclone (Debian's package; scripts/setup.sh installs it) serves a directory
+rclone (Debian's package; scripts/setup_test.sh installs it) serves a directory
 through its VFS layer with `--vfs-cache-mode writes`, as people mount a bucket
 with it: a rename is a copy and a delete, and link(2) fails with EIO.  Needs
 root and /dev/fuse; `RcloneUnavailable` says why it could not be mounted, and
@@ -36,7 +36,7 @@ class RcloneMount:
     def __enter__(self) -> RcloneMount:
         exe = shutil.which("rclone")
         if exe is None:
-            raise RcloneUnavailable("rclone is not installed: run scripts/setup.sh as root")
+            raise RcloneUnavailable("rclone is not installed: run scripts/setup_test.sh as root")
         if not Path("/dev/fuse").exists():
             raise RcloneUnavailable("/dev/fuse is missing: FUSE mounts are impossible here")
         self.source.mkdir(parents=True)

@@ -1,7 +1,7 @@
 """A real Slurm cluster of three nodes on this host, for the launch recipe's tests.
 
 Debian's Slurm (slurmctld, slurmd, the client tools) and munge, installed by
-scripts/setup.sh.  Everything lives under one directory: a munge key and a
+scripts/setup_test.sh.  Everything lives under one directory: a munge key and a
 munged on its own socket, a slurm.conf naming that socket, slurmctld and one
 `slurmd -N nI` per node, each on its own port (several slurmd on one host, as
 Slurm allows for testing), with no cgroups (proctrack/linuxproc).  Nothing
