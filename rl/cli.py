@@ -1,4 +1,4 @@
-"""The `coordinator` command line: run, status, recover, demo, init-model.
+"""The `coordinator` command line: run, status, recover, export, demo, init-model.
 
 Every value is validated here, at the boundary, with a message that names the
 value, the rule and the fix; usage errors exit 2 (docs/PROTOCOL.md lists
@@ -288,6 +288,44 @@ def recover(
     except CoordinatorError as exc:
         raise report(exc) from None
     typer.echo(recover_mod.describe(plan, dry_run=dry_run))
+
+
+@app.command()
+def export(
+    log_path: Annotated[str | None, typer.Option(help="Run directory (or its bucket URL).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Directory to write the Hugging Face model to: new or empty (see --force).")] = None,
+    iteration: Annotated[int | None, typer.Option(help="Export checkpoints/iter-N (default: the newest published checkpoint).")] = None,
+    best: Annotated[str | None, typer.Option(help="Export the checkpoint best by this eval metric, e.g. eval/accuracy (as checkpoint.keep_best).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace what a non-empty --out holds.")] = False,
+) -> None:
+    """Write a published checkpoint as a plain Hugging Face model directory (weights as
+    trained, tokenizer, chat template; no manifest) that transformers and vLLM load.
+    Exit 2: a bad choice or --out; 7: the checkpoint does not match its manifest."""
+    from coordinator import beneath
+    from rl import export as export_mod
+    from rl.keep_best import parse_metric
+    from rollout.errors import CheckpointError
+
+    setup_logging(False)
+    try:
+        if out is None:
+            raise UsageError("--out is required: the directory to write the model to, e.g. "
+                             "--out ./exported")
+        metric = parse_metric(best, what="--best") if best is not None else None
+        path = existing_run_dir(log_path)
+        target = export_mod.check_out(out, force=force, run_dir=path)
+        beneath.confine(path)
+        chosen = export_mod.choose(path, iteration=iteration, best=metric)
+        done = export_mod.export(chosen, target, force=force)
+    except CoordinatorError as exc:
+        raise report(exc) from None
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(int(ExitCode.CORRUPT)) from None
+    except OSError as exc:
+        typer.echo(f"error: cannot write --out {out}: {exc}", err=True)
+        raise typer.Exit(int(ExitCode.STORAGE)) from None
+    typer.echo(done.describe())
 
 
 @app.command("init-model")

@@ -38,6 +38,7 @@ from coordinator.config import (
 )
 from coordinator.errors import UsageError
 from coordinator.settings import Section, SettingError, iter_settings, setting
+from rl.keep_best import Metric, parse_metric
 from rl.schedule import ScheduleSection, schedule_of
 from rollout.engines.engine import EngineConfig
 from trainer.config import WARMSTART_STEPS, TrainConfig
@@ -190,6 +191,18 @@ class CheckpointSection(Section):
         2, "Published checkpoints kept (the initial model is never removed).", ge=1,
         flag="--keep-checkpoints",
         fix="the newest checkpoint is the policy the next iteration samples from; keep 1 or more")
+    keep_best: str = setting(
+        "", "An eval metric, e.g. 'eval/accuracy': the best checkpoint by it is kept beside "
+        "the newest `keep` ones and recorded in checkpoints/best.json (rl/keep_best.py).")
+
+    def check(self) -> None:
+        if self.keep_best:
+            self.best_metric  # noqa: B018  (parsed now: a bad name is a usage error at start)
+
+    @property
+    def best_metric(self) -> Metric:
+        """keep_best parsed (rl/keep_best.py); only when it is set."""
+        return parse_metric(self.keep_best, what="checkpoint.keep_best")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -176,8 +176,13 @@ def records(run_dir: Path, iterations: int, *, reader: _Reader | None = None
 
 
 def report(run_dir: Path, iterations: int) -> list[dict[str, Any]]:
-    """`coordinator status`: a row per iteration that has started to leave metrics."""
-    return [r.row() for r in records(run_dir, iterations)
+    """`coordinator status`: a row per iteration that has started to leave metrics,
+    with whether its checkpoint is there ("kept", or "best (<value>)" for the one
+    checkpoint.keep_best keeps, rl/keep_best.py)."""
+    from rl.keep_best import checkpoint_states
+
+    states = checkpoint_states(run_dir)
+    return [r.row() | {"checkpoint": states.get(r.iteration)} for r in records(run_dir, iterations)
             if any(v is not None for v in (r.rolled_out, r.trained, r.eval_accuracy))]
 
 

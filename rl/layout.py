@@ -12,6 +12,7 @@ pieces by hand.
     iterations/<N>/metrics/{rollout,eval,train}.json
     iterations/<N>/train/job.json                phase 8, master
     checkpoints/iter-<N>/                        phase 10, trainer rank 0
+    checkpoints/best.json                        phase 13, master (checkpoint.keep_best)
     train_state/iter-<N>/shard-<K>.{pt,json}     phase 10, trainer rank K, every
                                                  train.save_interval iterations
     tensorboard/                                 phase 13, master (event files)
@@ -82,6 +83,11 @@ def checkpoint(run_dir: Path, iteration: int) -> Path:
 
 def checkpoints(run_dir: Path) -> Path:
     return run_dir / layout.CHECKPOINTS
+
+
+def best_checkpoint(run_dir: Path) -> Path:
+    """The record of the checkpoint kept as the best (rl/keep_best.py)."""
+    return run_dir / layout.CHECKPOINTS / "best.json"
 
 
 def tensorboard_dir(run_dir: Path) -> Path:

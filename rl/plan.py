@@ -7,7 +7,8 @@
         decide   the policy this iteration samples from (PolicyChoice): the newest
                  published checkpoint, or the phase fails (rl/newest_policy.py)
     13  master   remove the previous iteration's rank files, the checkpoints beyond
-                 checkpoint.keep and the training states older than the newest
+                 checkpoint.keep but the best by checkpoint.keep_best (rl/keep_best.py)
+                 and the training states older than the newest
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.records import Arrival
 from coordinator.store import read_document
-from rl import layout, newest_policy, node_local
+from rl import keep_best, layout, newest_policy, node_local
 from rl.contracts import INITIAL_POLICY, PolicyChoice
 from rl.layout import Split
 from rl.loop import Loop
@@ -181,20 +182,23 @@ def prune_train_states(loop: Loop, iteration: int) -> None:
 
 def prune(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 13 (master): the previous iteration's rank files (unless
-    rollout.keep_rank_files), checkpoints beyond checkpoint.keep, and saved
-    training states older than the newest complete one."""
+    rollout.keep_rank_files), checkpoints beyond checkpoint.keep except the best
+    by checkpoint.keep_best (recorded first), and saved training states older
+    than the newest complete one."""
     if not ctx.is_master:
         return {}
     if ctx.iteration > 0 and not loop.s.rollout.keep_rank_files:
         for split in Split:
             fsio.remove_tree(layout.split_dir(loop.run_dir, ctx.iteration - 1, split))
-    keep = loop.s.checkpoint.keep
-    for k in range(ctx.iteration - keep, -1, -1):
+    keep, best = loop.s.checkpoint.keep, None
+    present = keep_best.present(loop.run_dir)
+    if loop.s.checkpoint.keep_best:
+        chosen = keep_best.record_best(loop.run_dir, ctx.iteration,
+                                       loop.s.checkpoint.best_metric, present=present)
+        best = chosen.iteration if chosen is not None else None
+    for k in keep_best.prunable(present, iteration=ctx.iteration, keep=keep, best=best):
         path = layout.checkpoint(loop.run_dir, k)
-        removed = _remove_unless_busy(path)
-        if removed is False:
-            break  # older ones were pruned before
-        if removed:
+        if _remove_unless_busy(path):
             log.info("pruned %s (checkpoint.keep=%d)", path, keep)
     prune_train_states(loop, ctx.iteration)
     root = layout.checkpoints(loop.run_dir)

@@ -42,7 +42,7 @@ def test_a_run_that_trained_every_iteration_within_the_budget_summarises_and_pas
     rows = history.report(tmp_path, 2)
     assert rows[0] == {"iteration": 0, "train_samples": 1000, "failed_samples": 5,
                        "rollout_samples": 1024, "reward_mean": 0.25, "eval_accuracy": 0.5,
-                       "staleness_max": None, "reward_timeouts": 5}
+                       "staleness_max": None, "reward_timeouts": 5, "checkpoint": None}
 
 
 def test_an_iteration_that_learned_nothing_or_past_the_budget_fails_the_run(
