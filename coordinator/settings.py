@@ -354,6 +354,11 @@ def from_text(text: str, hint: Any, key: str) -> Any:
     if optional and text.strip().lower() in ("none", "null"):
         return None
     if str in options or Path in options:
+        if len(text) >= 2 and text[0] == text[-1] == '"':  # a JSON string: its quotes go
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                pass
         return text
     wrong = SettingError(f"--set {key}={text}: {key} is {type_name(hint)}; give e.g. "
                          f"{key}={_example(hint)}", key=key, value=text)
@@ -377,6 +382,11 @@ def from_text(text: str, hint: Any, key: str) -> Any:
                     raise wrong from None
             return [p.strip() for p in text.split(",") if p.strip()]
         elif isinstance(arg, type) and dataclasses.is_dataclass(arg):
+            if text.lstrip().startswith("{"):
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError:
+                    pass
             raise SettingError(f"--set {key}={text}: {key} is a section: set its keys, e.g. "
                                f"{key}.{dataclasses.fields(arg)[0].name}=...", key=key, value=text)
     raise wrong

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,17 +159,28 @@ def set_dotted(target: dict[str, Any], key: str, value: Any, *, given: str = "")
     node[parts[-1]] = value
 
 
-def parse_set(items: list[str]) -> dict[str, Any]:
+def parse_set(items: list[str],
+              declared: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """--set items as a config tree.  `declared(key)` gives a setting's declared type:
+    its text is read as that type (coordinator/settings.py from_text: a string as it
+    is, so --set model.path=123 is a path); a key without one is read as JSON, else
+    as text (an unknown key is refused later, naming the closest setting)."""
     import json
+
+    from coordinator.settings import from_text
 
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--set {item!r} must look like section.key=value, e.g. train.lr=1e-4")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
+        hint = declared(key) if declared is not None else None
+        if hint is not None:
+            value = from_text(text, hint, key)
+        else:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                value = text
         set_dotted(out, key, value, given=item)
     return out

@@ -1,14 +1,18 @@
-"""The flags of `coordinator run` that set a config key: each declared once, here.
+"""The flags of `coordinator run` and `coordinator config`, and `--set`, from the declarations.
 
-A `ConfigFlag` is the flag's name, the key it sets, its type and its help.
-`with_config_flags` gives a typer command one option per entry (inserted
-after its `config` parameter, so `--help` lists them beside --config) and
-hands the command the values given as `flags`; `overrides` turns them into
-config overrides on top of the `--set` items.  Adding a flag is one entry.
+A setting declared with `flag="--name"` (coordinator/settings.py) is an option:
+its type, help and default (shown in `--help`, never applied: a flag not given
+leaves the config file's value) come from the declaration, so adding a flag is
+one `flag=` in the section.  `with_config_flags` gives a typer command one
+option per flag (inserted after its `config` parameter, so `--help` lists them
+beside --config) and hands the command the values given as `flags`;
+`overrides` turns the `--set` items, each read as its setting's declared type,
+and then the flags given (which win), into config overrides.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import typing
@@ -19,70 +23,71 @@ from typing import Annotated, Any, Final
 
 import typer
 
-from coordinator import on_failure
+from coordinator.config import to_plain
+from coordinator.scripted import ScriptedConfig
+from coordinator.settings import iter_settings
 from rl.cli_args import parse_set, set_dotted
+from rl.config import SECTION_CLASSES
+
+# Every section a `--set` key may name: the rl kind's, and the scripted kind's.
+# A key of any other section is read as JSON (or as text).
+ALL_SECTIONS: Final[Mapping[str, type]] = {**SECTION_CLASSES, "scripted": ScriptedConfig}
+DECLARED: Final[Mapping[str, Any]] = {
+    key: hint for name, cls in ALL_SECTIONS.items() for key, _, hint, _ in iter_settings(cls, name)}
 
 
 @dataclass(frozen=True, kw_only=True)
 class ConfigFlag:
-    name: str  # the flag without dashes, underscores for hyphens: eval_interval
+    flag: str  # --eval-interval
     key: str  # the config key it sets: schedule.eval_interval
-    type: type
+    hint: Any  # the setting's declared type
     help: str
-    switch: str = ""  # booleans: "--flag/--no-flag"
+    default: Any
 
     @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+    def name(self) -> str:
+        """The typer parameter's name: eval_interval."""
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def type(self) -> type:
+        options = [a for a in typing.get_args(self.hint) if a is not type(None)] or [self.hint]
+        first = options[0]
+        # Enums are read as text and checked by the declaration (its message lists them).
+        return str if isinstance(first, type) and issubclass(first, enum.Enum) else first
 
     def parameter(self) -> inspect.Parameter:
-        decls = (self.switch,) if self.switch else ()
-        annotation = Annotated[self.type | None, typer.Option(*decls, help=self.help)]  # type: ignore[name-defined]
+        switch = (f"{self.flag}/--no-{self.flag[2:]}",) if self.type is bool else ()
+        shown = to_plain(self.default)
+        option = typer.Option(*switch, help=self.help,
+                              show_default=repr(shown) if isinstance(shown, str) else str(shown))
+        annotation = Annotated[self.type | None, option]  # type: ignore[name-defined]
         return inspect.Parameter(self.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
                                  annotation=annotation)
 
 
-CONFIG_FLAGS: Final = (
-    ConfigFlag(name="iterations", key="run.iterations", type=int,
-               help="Number of RL iterations."),
-    ConfigFlag(name="eval_interval", key="schedule.eval_interval", type=int,
-               help="Evaluate every K-th iteration (0: never)."),
-    ConfigFlag(name="eval_before_train", key="schedule.eval_before_train", type=bool,
-               switch="--eval-before-train/--no-eval-before-train",
-               help="Evaluate the initial model in iteration 0."),
-    ConfigFlag(name="rollout_split", key="schedule.rollout_split", type=str,
-               help="train-only, eval-only or both."),
-    ConfigFlag(name="rl_phase", key="schedule.rl_phase", type=str,
-               help="both (phases 0-13), rollout (0-6) or update (7-13)."),
-    ConfigFlag(name="actions", key="run.actions", type=str,
-               help="rl (default) or scripted (no ML; smoke test)."),
-    ConfigFlag(name="seed", key="run.seed", type=int, help="Run seed."),
-    ConfigFlag(name="lease", key="coordination.lease_s", type=float,
-               help="Seconds without heartbeat before a node is lost."),
-    ConfigFlag(name="heartbeat_interval", key="coordination.heartbeat_interval_s", type=float,
-               help="Seconds between heartbeats."),
-    ConfigFlag(name="on_failure", key="coordination.on_failure", type=str,
-               help=on_failure.cli_help()),
-    ConfigFlag(name="max_recoveries", key="coordination.max_recoveries", type=int,
-               help="Automatic recoveries per run before every node exits."),
-    ConfigFlag(name="min_nodes", key="coordination.min_nodes", type=int,
-               help="With --on-failure shrink: the fewest nodes (master included) to go on "
-                    "with."),
-    ConfigFlag(name="model", key="model.path", type=Path,
-               help="Hugging Face model directory (default: the tiny demo model)."),
-    ConfigFlag(name="data_path", key="data.path", type=str,
-               help="Task data: builtin:reverse, a parquet or JSONL file or directory."),
-    ConfigFlag(name="engine", key="engine.kind", type=str, help="Inference engine: hf or vllm."),
-    ConfigFlag(name="local_cache", key="checkpoint.local_cache", type=Path,
-               help="Node-local directory for checkpoint copies."),
-    ConfigFlag(name="keep_checkpoints", key="checkpoint.keep", type=int,
-               help="Published checkpoints to keep."),
-)
+def config_flags(sections: Mapping[str, type]) -> tuple[ConfigFlag, ...]:
+    """One flag per setting of `sections` declared with flag=, in section order."""
+    out: list[ConfigFlag] = []
+    for name, cls in sections.items():
+        for key, declared, hint, default in iter_settings(cls, name):
+            if declared.flag:
+                unit = f"; {declared.unit}" if declared.unit else ""
+                out.append(ConfigFlag(flag=declared.flag, key=key, hint=hint, default=default,
+                                      help=f"{declared.help} ({key}{unit})"))
+    twice = sorted({f.flag for f in out if [g.flag for g in out].count(f.flag) > 1})
+    if twice:
+        raise TypeError(f"flags declared by two settings: {', '.join(twice)}")
+    return tuple(out)
+
+
+CONFIG_FLAGS: Final = config_flags(SECTION_CLASSES)
 
 
 def overrides(items: list[str], given: Mapping[str, Any]) -> dict[str, Any]:
-    """Config overrides from --set items, then from the flags given (which win)."""
-    out = parse_set(items)
+    """Config overrides from --set items (each read as its declared type), then from the
+    flags given (which win)."""
+    out = parse_set(items, DECLARED.get)
     for f in CONFIG_FLAGS:
         value = given.get(f.name)
         if value is not None:

@@ -90,7 +90,7 @@ def test_a_declaration_needs_one_line_of_help_and_a_dashed_flag() -> None:
 
 @pytest.mark.parametrize(("key", "text", "value"), [
     ("count", "3", 3), ("fraction", "0.5", 0.5), ("mode", "slow", "slow"),
-    ("dtype", "123", "123"), ("args", "--a,--b", ["--a", "--b"]),
+    ("dtype", "123", "123"), ("dtype", '"auto"', "auto"), ("args", "--a,--b", ["--a", "--b"]),
     ("args", '["--a,b"]', ["--a,b"]), ("limit", "none", None), ("limit", "4", 4),
 ])
 def test_set_text_is_read_as_the_declared_type(key, text, value) -> None:
