@@ -2,7 +2,9 @@
 
     13  master   one set of scalars per iteration (step = iteration):
                    rollout/*  reward, accuracy, response lengths, samples per second,
-                              staleness (iteration minus the samples' policy versions)
+                              staleness (iteration minus the samples' policy versions);
+                              rollout/reward/<name>: each number a reward file's
+                              compute_score reported beside its score, averaged
                    eval/*     the same for the eval split, when it ran
                    train/*    loss, KL, grad norm, clip fraction, lr, tokens per second,
                               world size
@@ -32,6 +34,7 @@ from coordinator.actions import StepContext
 from coordinator.phases import Phase
 from rl import history, layout, plan
 from rl.loop import Loop
+from rollout.rewards import METRIC_NAME
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ def iteration_scalars(loop: Loop, ctx: StepContext) -> dict[str, float]:
         for key in keys:
             _put(out, f"{name}/{key}", metrics.get(key))
         if name != "train":
+            out.update(reward_scalars(name, metrics))
             speeds = metrics.get("samples_per_second")
             if isinstance(speeds, dict) and speeds:
                 _put(out, f"{name}/samples_per_second",
@@ -75,6 +79,18 @@ def iteration_scalars(loop: Loop, ctx: StepContext) -> dict[str, float]:
         if timing is not None:
             _put(out, f"phase_s/{int(phase):02d}_{phase.name.lower()}",
                  timing.get("action_s", 0.0) + timing.get("wait_s", 0.0))
+    return out
+
+
+def reward_scalars(split: str, metrics: Mapping[str, Any]) -> dict[str, float]:
+    """<split>/reward/<name> for each number the reward reported beside its score
+    (metrics' reward_extra); a name that is no plain metric name is left out, as the
+    file is the run directory's."""
+    out: dict[str, float] = {}
+    extra = metrics.get("reward_extra")
+    for key, value in sorted(extra.items() if isinstance(extra, dict) else ()):
+        if isinstance(key, str) and METRIC_NAME.fullmatch(key):
+            _put(out, f"{split}/reward/{key}", value)
     return out
 
 

@@ -59,6 +59,9 @@ class AggregateMetrics:
     # and those that ran out of it and scored 0 (rollout/reward_tally.py).
     reward_calls: int = 0
     reward_timeouts: int = 0
+    # The numbers the reward reported beside its score (a reward file's dict), each
+    # averaged over the samples that did not fail and reported it.
+    reward_extra: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -114,6 +117,7 @@ class Accumulator:
         self.rewards: list[torch.Tensor] = []
         self.tokens: deque[_KeptTokens] = deque()
         self.first_error = ""  # the first failed sample's error (it names its task)
+        self.extra_sums: dict[str, tuple[float, int]] = {}  # name -> (sum, samples)
 
     def add(self, chunk: Chunk, *, rank: int, path: Path) -> None:
         t = chunk.tensors
@@ -133,6 +137,11 @@ class Accumulator:
         if lengths.numel():
             self.length_sum += int(lengths.sum())
             self.length_max = max(self.length_max or 0, int(lengths.max()))
+        for name, values in chunk.reward_extra.items():
+            good = values.double()[ok]
+            good = good[torch.isfinite(good)]  # NaN: this sample's reward did not report it
+            total, count = self.extra_sums.get(name, (0.0, 0))
+            self.extra_sums[name] = (total + float(good.sum()), count + int(good.numel()))
         if self.collect:
             self._collect(chunk, ok, rank=rank, path=path)
 
@@ -228,5 +237,7 @@ class Accumulator:
             samples_per_second=samples_per_second,
             num_train_samples=self.kept_samples,
             num_dropped_groups=self.dropped,
+            reward_extra={name: total / count for name, (total, count)
+                          in sorted(self.extra_sums.items()) if count},
         )
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -30,6 +30,7 @@ import torch
 from coordinator.errors import MalformedRecordError
 from coordinator.verified import read_verified
 from rollout.manifest import ChunkEntry
+from rollout.rewards import MAX_METRICS, METRIC_NAME, check_metrics
 from rollout.tensor_files import load_tensors
 
 
@@ -69,6 +70,9 @@ class TrajectorySample:
     # The policy version the engine served when this sample was generated:
     # 0 the initial model, v the checkpoint trained through iteration v-1.
     policy_version: int = 0
+    # The numbers its reward reported beside the score (a compute_score's dict),
+    # averaged into the iteration's metrics as reward/<name>.
+    reward_extra: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if type(self.policy_version) is not int or self.policy_version < 0:
@@ -102,6 +106,7 @@ class TrajectorySample:
             raise ValueError(f"reward={self.reward!r} of {self.task_id}: give a number")
         if not math.isfinite(self.reward):
             raise ValueError(f"reward={self.reward!r} of {self.task_id}: give a finite number")
+        check_metrics(self.reward_extra, where=f"reward_extra of {self.task_id}")
         if not isinstance(self.failed, bool) or not isinstance(self.error, str):
             raise ValueError("failed must be a bool and error a str")
         if self.failed != bool(self.error):
@@ -131,6 +136,11 @@ _TENSORS: Final = {  # name -> dtype; 1-D each
 _OPTIONAL_TENSORS: Final = {"response_mask": torch.bool}
 # Per sample, read when present, else 0 (chunks written before policy versions).
 _OPTIONAL_PER_SAMPLE: Final = {"policy_version": torch.int64}
+# {name: float32 per sample, NaN where its reward did not report that name}, when
+# any sample's reward reported numbers beside its score.  Names as
+# rollout/rewards.py METRIC_NAME, at most this many in one chunk.
+REWARD_EXTRA: Final = "reward_extra"
+MAX_CHUNK_METRICS: Final = 4 * MAX_METRICS
 _STRING_LISTS: Final = ("task_ids", "finish_reasons", "response_texts", "errors")
 
 
@@ -149,6 +159,7 @@ class Chunk:
     finish_reasons: tuple[str, ...]
     response_texts: tuple[str, ...]
     errors: tuple[str, ...]
+    reward_extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -157,6 +168,7 @@ class Chunk:
     def samples(self) -> Iterator[TrajectorySample]:
         """Samples back as records (slow; for inspection and tests)."""
         t = {k: v.tolist() for k, v in self.tensors.items()}
+        extra = {k: v.tolist() for k, v in self.reward_extra.items()}
         po, ro = t["prompt_offsets"], t["response_offsets"]
         for s in range(self.num_samples):
             yield TrajectorySample(
@@ -172,6 +184,7 @@ class Chunk:
                 error=self.errors[s],
                 response_mask=_mask(t["response_mask"][ro[s] : ro[s + 1]]),
                 policy_version=t["policy_version"][s],
+                reward_extra={k: v[s] for k, v in extra.items() if not math.isnan(v[s])},
             )
 
 
@@ -204,6 +217,13 @@ def encode_chunk(
                  else [1] * len(s.response_token_ids) for s in samples], torch.bool)
     if not bool(torch.isfinite(logprobs).all()):
         raise ValueError("a response logprob is NaN or infinite: clamp -inf before recording")
+    names = sorted({k for s in samples for k in s.reward_extra})
+    if len(names) > MAX_CHUNK_METRICS:
+        raise ValueError(f"the samples' rewards report {len(names)} different numbers beside "
+                         f"their scores, more than {MAX_CHUNK_METRICS} in one chunk: report "
+                         "the same few names for every answer")
+    extra = {REWARD_EXTRA: {k: torch.tensor([s.reward_extra.get(k, math.nan) for s in samples],
+                                            dtype=torch.float32) for k in names}} if names else {}
     return {
         "schema": CHUNK_SCHEMA,
         "version": CHUNK_VERSION,
@@ -226,6 +246,7 @@ def encode_chunk(
         "finish_reasons": [s.finish_reason.value for s in samples],
         "response_texts": [s.response_text for s in samples],
         "errors": [s.error for s in samples],
+        **extra,
     }
 
 
@@ -250,6 +271,7 @@ def decode_chunk(obj: Any, *, path: Path) -> Chunk:
             raise bad(f"{key} is {obj.get(key)!r}, expected an int")
     tensors, lists = _typed_fields(obj, bad)
     _check_lengths(tensors, lists, bad)
+    extra = _reward_extra(obj.get(REWARD_EXTRA, {}), int(tensors["sample_group"].numel()), bad)
     return Chunk(
         rank=obj["rank"],
         iteration=obj["iteration"],
@@ -258,7 +280,22 @@ def decode_chunk(obj: Any, *, path: Path) -> Chunk:
         finish_reasons=lists["finish_reasons"],
         response_texts=lists["response_texts"],
         errors=lists["errors"],
+        reward_extra=extra,
     )
+
+
+def _reward_extra(value: Any, num_samples: int, bad: Problem) -> dict[str, torch.Tensor]:
+    """The chunk's reward metrics: plain names, a float32 value (or NaN) per sample."""
+    if not isinstance(value, dict) or len(value) > MAX_CHUNK_METRICS:
+        raise bad(f"{REWARD_EXTRA} must be a dict of at most {MAX_CHUNK_METRICS} metrics")
+    for name, t in value.items():
+        if not isinstance(name, str) or not METRIC_NAME.fullmatch(name):
+            raise bad(f"{REWARD_EXTRA} has the name {name!r:.80}, not a metric name")
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1 \
+                or t.numel() != num_samples:
+            raise bad(f"{REWARD_EXTRA}[{name!r}] must be a 1-D float32 tensor of one value "
+                      f"per sample ({num_samples})")
+    return dict(value)
 
 
 def _typed_fields(

@@ -49,6 +49,14 @@ class UnknownRewardError(RolloutError, LookupError):
         return str(self.args[0])
 
 
+class RewardFileError(UnknownRewardError):
+    """reward.path cannot be used here: the message names the file, the rule and the fix."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message, name=path, known=())
+        self.path = path
+
+
 class ShardingError(RolloutError, ValueError):
     """Weights or task ids cannot be split into a valid shard plan."""
 

@@ -10,7 +10,8 @@ deadline that always holds.
 
     parent (any thread)                         child: python -m rollout.guarded_call M:F
     ───────────────────                         ─────────────────────────────────────────
-    start once ──────────────── spawn ────────> import M, resolve F
+    start once ──────────────── spawn ────────> import M, resolve F (with `init_args`,
+                                                F is a factory: F(*init_args) is called)
               <────────────── {"ready": true} ─┘
     call(args) ─── {"args": [...]} ───────────> F(*args)
               <─── {"value": v} | {"error": s} ┘
@@ -66,6 +67,14 @@ class CallTimedOut(GuardedCallError, TimeoutError):
         self.seconds = seconds
 
 
+class StartFailed(GuardedCallError):
+    """The child could not make the function ready; `reason` says why, in its words."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class WorkerDied(GuardedCallError):
     """The child process ended during a call: there is no result, and none is made up."""
 
@@ -85,15 +94,22 @@ class GuardedWorker:
     """Calls `module:function` in a long-lived child process, each call under a deadline.
 
     Arguments and results must be JSON values.  An exception in the function
-    comes back as GuardedCallError naming it; the child stays up.
+    comes back as GuardedCallError naming it; the child stays up.  With
+    `init_args` (JSON values), `module:function` is a factory the child calls
+    once with them to get the function it serves (rollout/reward_file.py loads a
+    user's file that way); `label` names the worker in errors (the target
+    otherwise).
     """
 
-    def __init__(self, target: str, *, start_seconds: float = DEFAULT_START_SECONDS) -> None:
+    def __init__(self, target: str, *, start_seconds: float = DEFAULT_START_SECONDS,
+                 init_args: tuple[Any, ...] | None = None, label: str = "") -> None:
         if ":" not in target:
             raise ValueError(f"target {target!r} is not 'module:function', e.g. "
                              "'rollout.rewards:math_score'")
         self.target = target
+        self.label = label or target
         self.start_seconds = start_seconds
+        self.init_args = init_args
         self._lock = threading.Lock()
         self._child: subprocess.Popen[str] | None = None
         atexit.register(self.close)
@@ -116,12 +132,17 @@ class GuardedWorker:
                 raise self._died(child, "during the call")
             if reply is _End.DEADLINE:
                 self._kill()
-                raise CallTimedOut(f"{self.target}: no result within {seconds:g} s; the worker "
+                raise CallTimedOut(f"{self.label}: no result within {seconds:g} s; the worker "
                                    "process was killed and a new one starts on the next call",
                                    seconds=seconds)
             if "error" in reply:
-                raise GuardedCallError(f"{self.target}: {reply['error']}")
+                raise GuardedCallError(f"{self.label}: {reply['error']}")
             return reply.get("value")
+
+    def start(self) -> None:
+        """Start the child now if none runs (StartFailed when it cannot be made ready)."""
+        with self._lock:
+            self._ensure_started()
 
     def close(self) -> None:
         with self._lock:
@@ -131,7 +152,7 @@ class GuardedWorker:
         returncode = self._kill(exited=True)
         how = describe_exit(returncode) if returncode is not None else \
             "its output closed and it was killed"
-        return WorkerDied(f"{self.target}: the worker process (pid {child.pid}) died {when}: "
+        return WorkerDied(f"{self.label}: the worker process (pid {child.pid}) died {when}: "
                           f"{how}; no result, and a new one starts on the next call",
                           returncode=returncode)
 
@@ -139,8 +160,9 @@ class GuardedWorker:
         if self._child is not None and self._child.poll() is None:
             return self._child
         self._kill()
+        init = [] if self.init_args is None else [json.dumps(list(self.init_args))]
         child: subprocess.Popen[str] = spawn(
-            [sys.executable, "-m", "rollout.guarded_call", self.target],
+            [sys.executable, "-m", "rollout.guarded_call", self.target, *init],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._child = child
@@ -151,7 +173,8 @@ class GuardedWorker:
             why = ready.get("error") if isinstance(ready, dict) else \
                 f"not ready within {self.start_seconds:g} s" if ready is _End.DEADLINE else \
                 f"it ended before it was ready ({describe_exit(returncode)})"
-            raise GuardedCallError(f"{self.target}: the worker process did not start: {why}")
+            raise StartFailed(f"{self.label}: the worker process did not start: {why}",
+                              reason=str(why))
         return child
 
     def _read_line(self, stream: IO[str], seconds: float) -> dict[str, Any] | _End:
@@ -193,20 +216,22 @@ class GuardedWorker:
         return returncode
 
 
-def _resolve(target: str) -> Callable[..., Any]:
+def _resolve(target: str, init: str | None = None) -> Callable[..., Any]:
     module_name, _, name = target.partition(":")
     fn = getattr(importlib.import_module(module_name), name)
+    if init is not None:
+        fn = fn(*json.loads(init))
     if not callable(fn):
         raise TypeError(f"{target} is not callable")
     return fn  # type: ignore[no-any-return]
 
 
-def _serve(target: str) -> int:
+def _serve(target: str, init: str | None = None) -> int:
     # Replies go to the real stdout only; whatever the function prints goes to stderr.
     out = sys.stdout
     sys.stdout = sys.stderr
     try:
-        fn = _resolve(target)
+        fn = _resolve(target, init)
     except Exception as exc:
         out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         out.flush()
@@ -224,4 +249,4 @@ def _serve(target: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1]))
+    sys.exit(_serve(*sys.argv[1:3]))

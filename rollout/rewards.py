@@ -14,29 +14,81 @@ rollout of thousands.
 Rewards of one's own come from installed packages, through the entry-point
 group `coordinator.rewards` (a function, or a class made with no arguments),
 the way run.actions finds its implementations: run.json names a reward, never
-a path to code (docs/PLUGINS.md).  A reward that raises fails its sample, not
-the rollout: the sample is saved as failed and counts against
-rollout.max_failed_fraction (rollout/sampling_agent.py).
+a path to code (docs/PLUGINS.md), or from a Python file each node names itself
+(reward.path, verl's compute_score: rollout/reward_file.py).  A reward that
+raises fails its sample, not the rollout: the sample is saved as failed and
+counts against rollout.max_failed_fraction (rollout/sampling_agent.py).
+
+Built-in sampling scores through one interface, a Scorer: (task, response) ->
+Score, the reward and the other numbers a reward may report beside it (a
+compute_score's dict), which the aggregation averages into the iteration's
+metrics as reward/<name>.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import math
+import re
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Final
 
 from rollout.errors import UnknownRewardError
 from rollout.guarded_call import CallTimedOut, GuardedWorker
 from rollout.reward_tally import count_call
-from rollout.tasks import REVERSE_SOURCE
+from rollout.tasks import REVERSE_SOURCE, Task
 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
+
+# The numbers a reward reports beside its score become metrics named
+# reward/<name> (TensorBoard tags, JSON keys): plain names, and a few per answer.
+METRIC_NAME: Final = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+MAX_METRICS: Final = 16
+
+
+def check_metrics(extra: Mapping[str, float], *, where: str) -> None:
+    """ValueError unless `extra` is at most MAX_METRICS finite numbers under plain names."""
+    if len(extra) > MAX_METRICS:
+        raise ValueError(f"{where}: {len(extra)} numbers beside the score, more than "
+                         f"{MAX_METRICS}: report at most {MAX_METRICS} (each becomes a metric)")
+    for name, value in extra.items():
+        if not isinstance(name, str) or not METRIC_NAME.fullmatch(name):
+            raise ValueError(f"{where}: {name!r} is not a metric name: use letters, digits, "
+                             "'_', '.' or '-', at most 64")
+        if isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value):
+            raise ValueError(f"{where}: {name}={value!r} is not a finite float")
+
+
+@dataclass(frozen=True)
+class Score:
+    """One answer's reward, and the numbers the reward reported beside it (a
+    compute_score's dict: reward/<name> in the iteration's metrics, averaged
+    over the answers that report it)."""
+
+    value: float
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_metrics(self.extra, where="reward metrics")
+
+
+# What built-in sampling calls for each answer: (task, response text) -> Score.
+Scorer = Callable[[Task, str], Score]
+
+
+def text_scorer(fn: RewardFn) -> Scorer:
+    """A registered reward, (response, ground truth text) -> float, as a Scorer."""
+
+    def score(task: Task, response: str) -> Score:
+        return Score(fn(response, task.ground_truth))
+
+    return score
 
 
 def exact_match(response: str, ground_truth: str) -> float:
@@ -47,6 +99,10 @@ def exact_match(response: str, ground_truth: str) -> float:
 # worker process, and the whole call by killing that process (guarded_call.py
 # says why an alarm alone is no deadline).
 DEFAULT_MATH_TIMEOUT_SECONDS: Final = 5
+# A call of a reward running in a worker process (the math reward, a reward
+# file) with no result within this is killed and scores 0, counted: the math
+# reward's two parses and comparison, and a second more.
+DEFAULT_CALL_SECONDS: Final = 3 * DEFAULT_MATH_TIMEOUT_SECONDS + 1
 
 _MATH_WORKER = GuardedWorker("rollout.rewards:math_score")
 

@@ -11,9 +11,10 @@ requests in flight (rollout/client.py).
     chat messages     /v1/chat/completions (the engine applies the template)
 
 Each group samples with its own seed (a redone group samples the same way),
-each answer is scored by the task's reward, and a group whose request still
-fails after the client's retries comes back as failed samples carrying the
-error.
+each answer is scored by the run's reward (a reward file's function, a named
+reward, or the default of the task's data_source), and a group whose request
+still fails after the client's retries comes back as failed samples carrying
+the error.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from rollout.agents import EngineEndpoint
 from rollout.chunk_format import FinishReason, TrajectorySample
 from rollout.client import GroupResult
 from rollout.episode import failed_sample
-from rollout.rewards import default_reward_for, get_reward
+from rollout.reward_file import FileReward
+from rollout.rewards import Scorer, default_reward_for, get_reward, text_scorer
 from rollout.tasks import Task
 from rollout.wire import Prompt
 
@@ -38,10 +40,11 @@ class SingleTurnSampler:
     top_p: float
     reward: str  # a reward's name; "" picks each task's data_source default
     seed_of: Callable[[Task], int]
+    reward_file: FileReward | None = None  # reward.path's function: scores every task
 
     def run_groups(self, tasks: Sequence[Task], engine: EngineEndpoint, *, group_size: int,
                    check_cancel: Callable[[], None]) -> Iterator[tuple[Task, list[TrajectorySample]]]:
-        rewards: dict[str, Callable[[str, str], float]] = {}
+        rewards: dict[str, Scorer] = {}
         prompts: list[Prompt] = [t.messages() or str(t.prompt) for t in tasks]
         results = engine.client.iter_groups(
             prompts, n=group_size, max_tokens=self.max_tokens, temperature=self.temperature,
@@ -49,26 +52,31 @@ class SingleTurnSampler:
         try:
             for task, group in zip(tasks, results, strict=True):
                 check_cancel()
-                name = self.reward or default_reward_for(task.data_source)
-                reward = rewards.setdefault(name, get_reward(name))
+                reward: Scorer
+                if self.reward_file is not None:
+                    name, reward = self.reward_file.name, self.reward_file.score
+                else:
+                    name = self.reward or default_reward_for(task.data_source)
+                    reward = rewards.setdefault(name, text_scorer(get_reward(name)))
                 yield task, samples_of(task, group, group_size, reward, reward_name=name)
         finally:
             results.close()  # a cancelled rollout stops the requests still in flight
 
 
-def samples_of(task: Task, group: GroupResult, group_size: int,
-               reward: Callable[[str, str], float], *,
+def samples_of(task: Task, group: GroupResult, group_size: int, reward: Scorer, *,
                reward_name: str = "reward") -> list[TrajectorySample]:
     """A group's answers as scored samples, or group_size failed ones with its error.
     A reward that raises, or gives no finite number, fails its sample (saved with
-    the error, counted against rollout.max_failed_fraction), not the rollout."""
+    the error, counted against rollout.max_failed_fraction), not the rollout.  The
+    numbers it reports beside the score travel with the sample (reward_extra)."""
     if not group.ok:
         error = f"task {task.task_id}: {group.error or 'no samples returned'}"
         return [failed_sample(task.task_id, i, error) for i in range(group_size)]
     out = []
     for i, sample in enumerate(group.samples):
         try:
-            score = float(reward(sample.text, task.ground_truth))
+            scored = reward(task, sample.text)
+            score = float(scored.value)
             if not math.isfinite(score):
                 raise ValueError(f"it gave {score}, not a finite number")
         except Exception as exc:
@@ -79,7 +87,7 @@ def samples_of(task: Task, group: GroupResult, group_size: int,
         out.append(TrajectorySample(
             task_id=task.task_id, sample_index=i, prompt_token_ids=list(sample.prompt_token_ids),
             response_token_ids=list(sample.token_ids), response_logprobs=list(sample.logprobs),
-            response_text=sample.text, reward=score,
+            response_text=sample.text, reward=score, reward_extra=dict(scored.extra),
             finish_reason=FinishReason(sample.finish_reason)
             if sample.finish_reason in ("stop", "length") else FinishReason.STOP))
     return out

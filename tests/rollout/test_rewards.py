@@ -18,6 +18,7 @@ from rollout.rewards import (
     math_score,
     register_reward,
     reward_names,
+    text_scorer,
 )
 from rollout.tasks import REVERSE_SOURCE, Task
 
@@ -137,7 +138,7 @@ def test_a_reward_that_raises_fails_its_sample_not_the_rollout() -> None:
             raise KeyError("no such field")
         return float("nan") if response == "nan" else float(response == truth)
 
-    out = samples_of(task, group, 3, picky, reward_name="picky")
+    out = samples_of(task, group, 3, text_scorer(picky), reward_name="picky")
     assert [s.failed for s in out] == [False, True, True] and out[0].reward == 1.0
     assert out[1].error == "task t/1: the reward 'picky' raised KeyError: 'no such field'"
     assert "gave nan, not a finite number" in out[2].error
@@ -233,7 +234,7 @@ def test_a_reward_whose_worker_dies_fails_its_sample_naming_the_cause_never_scor
     killer.start()
     try:
         with tallying(RewardTally()) as tally:
-            out = samples_of(task, group, 1, reward, reward_name="math")
+            out = samples_of(task, group, 1, text_scorer(reward), reward_name="math")
     finally:
         killer.cancel()
     assert out[0].failed and out[0].reward == 0.0

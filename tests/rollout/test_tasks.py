@@ -9,12 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollout.errors import TaskDataError
-from rollout.tasks import (
-    BuiltinReverseTasks,
-    JsonlTasks,
-    ParquetTasks,
-    load_task_source,
-)
+from rollout.task_files import JsonlTasks, ParquetTasks, load_task_files
+from rollout.tasks import BuiltinReverseTasks, load_task_source
 
 
 def verl_row(index: int | None, *, source: str = "openai/gsm8k", truth: Any = "42") -> dict:
@@ -221,3 +217,62 @@ def test_builtin_eval_prompts_are_outside_every_seeds_train_split() -> None:
                   for t in BuiltinReverseTasks(seed=1000 + s, train_size=1024).tasks("train")}
     run_eval = {t.prompt for t in BuiltinReverseTasks(seed=0).tasks("eval")}
     assert not warm_train & run_eval
+
+
+def test_train_files_and_val_files_give_each_split_its_files_in_order(tmp_path: Path) -> None:
+    # verl's data.train_files / data.val_files: parquet and JSONL mixed; rows without
+    # extra_info.index are numbered across the split's files, so their ids never clash.
+    first = write_parquet(tmp_path / "a" / "part-0.parquet", [verl_row(None), verl_row(None)])
+    second = write_jsonl(tmp_path / "b" / "part-1.jsonl", [verl_row(None)])
+    val = write_parquet(tmp_path / "val.parquet", [verl_row(3)])
+    source = load_task_files([str(first), str(second)], [str(val)])
+    assert [t.task_id for t in source.tasks("train")] == [
+        f"openai/gsm8k/train/row-{i}" for i in range(3)]
+    assert [t.task_id for t in source.tasks("eval")] == ["openai/gsm8k/eval/3"]
+    assert source.files() == {"train": (first, second), "eval": (val,)}
+    only_train = load_task_files([str(first)], [])
+    with pytest.raises(TaskDataError, match=r"data\.train_files has no eval split"):
+        only_train.tasks("eval")
+
+
+def test_train_files_name_files_a_directory_or_another_suffix_is_refused(
+        tmp_path: Path) -> None:
+    write_parquet(tmp_path / "d" / "train.parquet", [verl_row(1)])
+    (tmp_path / "dir.parquet").mkdir()
+    with pytest.raises(TaskDataError, match=r"data.train_files names .* which is not a file "
+                                            r"\(a directory with train and test files is "
+                                            r"data.path\)"):
+        load_task_files([str(tmp_path / "dir.parquet")], [])
+    (tmp_path / "t.csv").write_text("a\n")
+    with pytest.raises(TaskDataError, match=r"data.val_files names .*t.csv', whose suffix"):
+        load_task_files([str(tmp_path / "d" / "train.parquet")], [str(tmp_path / "t.csv")])
+
+
+def test_a_symlinked_train_file_is_followed(tmp_path: Path) -> None:
+    real = write_jsonl(tmp_path / "store" / "gsm8k.jsonl", [verl_row(1)])
+    link = tmp_path / "train.jsonl"
+    link.symlink_to(real)
+    (task,) = load_task_files([str(link)], []).tasks("train")
+    assert task.task_id == "openai/gsm8k/train/1"
+
+
+def test_any_json_ground_truth_and_extra_info_reach_the_task_as_stored(tmp_path: Path) -> None:
+    truth = {"answer": 12, "units": ["apples"]}
+    extra = {"index": 1, "split": "train", "tests": [{"in": "2", "out": "4"}], "gap": None}
+    rows = [{**verl_row(1, truth=truth), "extra_info": extra}, verl_row(2, truth=7)]
+    first, second = JsonlTasks(write_jsonl(tmp_path / "x.jsonl", rows)).tasks("train")
+    assert first.truth == truth and first.extra_info == extra
+    # The registered rewards compare text: an object's text is its canonical JSON.
+    assert first.ground_truth == json.dumps(truth, sort_keys=True)
+    assert second.truth == 7 and second.ground_truth == "7"
+    made = BuiltinReverseTasks(seed=0).tasks("train")[0]
+    assert made.truth == made.ground_truth and made.extra_info is None
+
+
+def test_a_value_that_is_not_json_is_refused_naming_its_field(tmp_path: Path) -> None:
+    import datetime
+
+    row = {**verl_row(1), "extra_info": {"index": 1, "when": datetime.datetime(2026, 1, 1)}}
+    with pytest.raises(TaskDataError, match=r"row 0: field 'extra_info.when' is a datetime: "
+                                            r"task files hold JSON values"):
+        ParquetTasks(write_parquet(tmp_path / "x.parquet", [row]))
