@@ -323,8 +323,11 @@ def export(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(int(ExitCode.CORRUPT)) from None
     except OSError as exc:
-        typer.echo(f"error: cannot write --out {out}: {exc}", err=True)
-        raise typer.Exit(int(ExitCode.STORAGE)) from None
+        if out is not None and export_mod.writes_to(exc, out):  # a full disk, no permission
+            typer.echo(f"error: cannot write --out {out}: {exc}", err=True)
+            raise typer.Exit(int(ExitCode.STORAGE)) from None
+        typer.echo(f"error: cannot read the checkpoint: {exc}", err=True)
+        raise typer.Exit(int(ExitCode.INTERNAL)) from None
     typer.echo(done.describe())
 
 

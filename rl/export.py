@@ -141,7 +141,8 @@ def check_out(out: Path, *, force: bool, run_dir: Path) -> Path:
         raise UsageError(f"--out {out} would hold or be inside the run's checkpoints "
                          f"({routing.display(run_dir)}): give a directory outside them")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise UsageError(f"--out {out} exists and is not a directory: give a new directory")
+        raise UsageError(f"--out {out} is a symlink or a file: give a new or empty directory "
+                         "(the export is renamed into its place)")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise UsageError(f"--out {out} is not empty: give a new or empty directory, or "
                          "--force to replace what it holds")
@@ -242,3 +243,19 @@ def _place(tmp: Path, out: Path, *, force: bool) -> None:
     fsync_dir(out.parent)
     if aside is not None:
         shutil.rmtree(aside)
+
+
+def writes_to(exc: OSError, out: Path) -> bool:
+    """Whether an OSError of the export names a path of the writing side: --out, its
+    staging and set-aside siblings (.<name>.*) or its parent; not the checkpoint's."""
+    out = Path(os.path.abspath(out.expanduser()))
+
+    def ours(name: str) -> bool:
+        path = Path(os.path.abspath(name))
+        if path == out.parent or path.is_relative_to(out):
+            return True
+        mine = out.parent / path.relative_to(out.parent).parts[0] \
+            if path.is_relative_to(out.parent) else None
+        return mine is not None and mine.name.startswith(f".{out.name}.")
+
+    return any(isinstance(name, str) and ours(name) for name in (exc.filename, exc.filename2))

@@ -224,3 +224,15 @@ def test_keep_best_refuses_a_name_that_is_no_eval_metric() -> None:
                        ("eval/accuracy:up", "give max (higher is better) or min")):
         with pytest.raises(UsageError, match=re.escape(words)):
             resolve_config({"run": {"actions": "rl"}, "checkpoint": {"keep_best": bad}})
+
+
+def test_an_os_error_is_told_as_the_outs_or_the_checkpoints_by_its_path(tmp_path: Path) -> None:
+    from rl.export import writes_to
+
+    out = tmp_path / "exports" / "model"
+    for name, writing in ((out / "config.json", True), (out.parent, True),
+                          (out.parent / ".model.export-7-00ff/model.safetensors", True),
+                          (out.parent / ".other/x", False),
+                          (out.parent / "run/checkpoints/iter-000001/config.json", False)):
+        assert writes_to(OSError(28, "No space left on device", str(name)), out) is writing, name
+    assert not writes_to(OSError(5, "Input/output error"), out)  # names no path
