@@ -295,7 +295,7 @@ def export(
     log_path: Annotated[str | None, typer.Option(help="Run directory (or its bucket URL).")] = None,
     out: Annotated[Path | None, typer.Option(help="Directory to write the Hugging Face model to: new or empty (see --force).")] = None,
     iteration: Annotated[int | None, typer.Option(help="Export checkpoints/iter-N (default: the newest published checkpoint).")] = None,
-    best: Annotated[str | None, typer.Option(help="Export the checkpoint best by this eval metric, e.g. eval/accuracy (as checkpoint.keep_best).")] = None,
+    best: Annotated[str | None, typer.Option(help="Export the checkpoint best by this eval metric (as checkpoint.keep_best): eval/accuracy or eval/reward_mean (higher is better), eval/num_failed (lower), NAME:max or NAME:min.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace what a non-empty --out holds.")] = False,
 ) -> None:
     """Write a published checkpoint as a plain Hugging Face model directory (weights as

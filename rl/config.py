@@ -192,8 +192,10 @@ class CheckpointSection(Section):
         flag="--keep-checkpoints",
         fix="the newest checkpoint is the policy the next iteration samples from; keep 1 or more")
     keep_best: str = setting(
-        "", "An eval metric, e.g. 'eval/accuracy': the best checkpoint by it is kept beside "
-        "the newest `keep` ones and recorded in checkpoints/best.json (rl/keep_best.py).")
+        "", "An eval metric: the best checkpoint by it is kept beside the newest `keep` ones "
+        "and named in checkpoints/best.json; eval/accuracy or eval/reward_mean (higher is "
+        "better), eval/num_failed (lower), another eval.json key (lower if it ends in loss "
+        "or error), NAME:max or NAME:min to say which (rl/keep_best.py).")
 
     def check(self) -> None:
         if self.keep_best:

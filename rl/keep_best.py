@@ -103,7 +103,8 @@ def parse_metric(text: str, *, what: str) -> Metric:
     if "/" in name and where in ("rollout", "train", "phase_s"):
         raise UsageError(
             f"{what}={text!r} is a {where} metric: only an eval metric chooses a checkpoint "
-            f"(the train split's reward is measured on prompts it trains on): give e.g. {EXAMPLE}")
+            "(rollout and train metrics are measured on the prompts the model trains on, or "
+            f"on the training itself): give e.g. {EXAMPLE}")
     if not _KEY.fullmatch(key) or key in NOT_METRICS:
         why = ("counts the eval's work, it does not measure the model" if key in NOT_METRICS
                else "is not an eval metric name (letters, digits, _ . / -)")
