@@ -3,6 +3,7 @@
     [schedule]    which phases run, when to evaluate (rl/schedule.py)
     [model]       which model to start from
     [data]        where tasks come from, which reward
+    [reward]      a reward function in a Python file (verl's custom_reward_function)
     [rollout]     sampling and checkpointing of the rollout
     [engine]      the inference server (rollout/engines/engine.py: EngineConfig)
     [train]       GRPO hyper-parameters (trainer/config.py: TrainConfig)
@@ -38,13 +39,17 @@ from coordinator.config import (
 )
 from coordinator.errors import UsageError
 from coordinator.settings import Section, SettingError, iter_settings, setting
+from rl.data_source import without_eval_data
 from rl.keep_best import Metric, parse_metric
 from rl.schedule import ScheduleSection, schedule_of
 from rollout.engines.engine import EngineConfig
+from rollout.reward_file import DEFAULT_FUNCTION, FileReward
+from rollout.rewards import DEFAULT_CALL_SECONDS
+from rollout.tasks import BUILTIN_REVERSE
 from trainer.config import WARMSTART_STEPS, TrainConfig
 
-SECTIONS: Final = ("schedule", "model", "data", "rollout", "engine", "train", "torchrun",
-                   "checkpoint", "metrics")
+SECTIONS: Final = ("schedule", "model", "data", "reward", "rollout", "engine", "train",
+                   "torchrun", "checkpoint", "metrics")
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSection(Section):
@@ -69,13 +74,86 @@ class DataSection(Section):
     SECTION: ClassVar[str] = "data"
 
     path: str = setting(
-        "builtin:reverse", "Tasks: builtin:reverse, or a verl-style parquet / JSONL file or "
+        BUILTIN_REVERSE, "Tasks: builtin:reverse, or a verl-style parquet / JSONL file or "
         "a directory holding train.* and test.* (or eval.*).", flag="--data-path")
+    # verl's way instead of data.path; with no val_files there is no eval split: eval is
+    # off, with a WARNING, unless the schedule asks for it (rl/data_source.py).
+    train_files: str | tuple[str, ...] = setting(
+        (), "verl's data.train_files: the train split's parquet or JSONL files, a path or a "
+        "list (instead of data.path).")
+    val_files: str | tuple[str, ...] = setting(
+        (), "verl's data.val_files: the eval split's parquet or JSONL files, a path or a "
+        "list; none: no eval.")
     reward: str = setting(
         "", "A reward registered under the entry-point group coordinator.rewards; '' picks "
         "the one registered for each task's data_source.")
     seed: int = setting(0, "Seed of a generated task source (builtin:reverse); files keep "
                         "their order.", ge=0)
+
+    def check(self) -> None:
+        for name in ("train_files", "val_files"):
+            value = getattr(self, name)
+            files = (value,) if isinstance(value, str) else tuple(value)
+            if not all(files):
+                raise SettingError(f"data.{name}={list(files)!r} holds an empty path: give "
+                                   "parquet or JSONL files, a path or a list of paths",
+                                   key=f"data.{name}", value=value)
+            object.__setattr__(self, name, files)
+        if self.train_files and self.path != BUILTIN_REVERSE:
+            raise SettingError(
+                f"data.path={self.path!r} and data.train_files={list(self.train_files)!r} "
+                "both name the tasks: give one, data.path (a task file, or a directory of "
+                "train.<ext> and test.<ext>) or data.train_files with data.val_files (verl's "
+                "lists of files)", key="data.train_files", value=self.train_files)
+        if self.val_files and not self.train_files:
+            raise SettingError(
+                f"data.val_files={list(self.val_files)!r} without data.train_files: give the "
+                "train files too (data.path's eval split is its directory's test.<ext>)",
+                key="data.val_files", value=self.val_files)
+
+    @property
+    def source(self) -> str:
+        """The tasks' source as messages name it."""
+        if self.train_files:
+            return f"data.train_files={list(self.train_files)!r}" + (
+                f" and data.val_files={list(self.val_files)!r}" if self.val_files else "")
+        return f"data.path={self.path!r}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardSection(Section):
+    """A reward function in a Python file, verl's custom_reward_function
+    (rollout/reward_file.py, docs/PLUGINS.md); data.reward names a registered one."""
+
+    SECTION: ClassVar[str] = "reward"
+
+    # Code each node runs (in a worker process): named by the node's own config,
+    # never by run.json (phase 0 checks every rank loads the same).
+    path: str = setting(
+        "", "A Python file defining the reward function (verl's custom_reward_function.path); "
+        "'' scores with data.reward.", node_local=True)
+    function: str = setting(
+        DEFAULT_FUNCTION, "The file's function, called as function(data_source, solution_str, "
+        "ground_truth, extra_info) -> float or dict with 'score'.", node_local=True)
+    timeout_s: float = setting(
+        DEFAULT_CALL_SECONDS, "A reward call with no result by then is killed, scores 0 and "
+        "counts in reward_timeouts.", unit="s", gt=0)
+
+    def check(self) -> None:
+        if not self.function.isidentifier():
+            raise SettingError(f"reward.function={self.function!r} is not a Python name: give "
+                               f"the function's name in reward.path, e.g. {DEFAULT_FUNCTION}",
+                               key="reward.function", value=self.function)
+        if self.function != DEFAULT_FUNCTION and not self.path:
+            raise SettingError(f"reward.function={self.function!r} names a function of "
+                               "reward.path, which is not set: give reward.path=FILE too",
+                               key="reward.function", value=self.function)
+
+    def file(self) -> FileReward | None:
+        """reward.path's function, or None (data.reward and the data sources choose)."""
+        if not self.path:
+            return None
+        return FileReward(path=self.path, function=self.function, timeout_s=self.timeout_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +302,7 @@ class RlSections:
     schedule: ScheduleSection
     model: ModelSection
     data: DataSection
+    reward: RewardSection
     rollout: RolloutSection
     engine: EngineConfig
     train: TrainConfig
@@ -265,7 +344,8 @@ def with_model_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
 # every setting a config file or --set may give.
 SECTION_CLASSES: Final[Mapping[str, type]] = {
     "run": RunSection, "coordination": CoordinationConfig, "schedule": ScheduleSection,
-    "model": ModelSection, "data": DataSection, "rollout": RolloutSection,
+    "model": ModelSection, "data": DataSection, "reward": RewardSection,
+    "rollout": RolloutSection,
     "engine": EngineConfig, "train": TrainConfig, "torchrun": TorchrunSection,
     "checkpoint": CheckpointSection, "metrics": MetricsSection,
 }
@@ -294,7 +374,8 @@ VERL_NAMES: Final[Mapping[str, str]] = {
     "rollout.n": "rollout.group_size",
     "rollout.response_length": "rollout.max_tokens",
     "data.max_response_length": "rollout.max_tokens",
-    "data.train_files": "data.path",
+    "custom_reward_function.path": "reward.path",
+    "custom_reward_function.name": "reward.function",
 }
 
 
@@ -328,6 +409,12 @@ def check_names(raw: Mapping[str, Any]) -> None:
                     + (f"did you mean {near}?" if near else
                        "a key is written with its section, e.g. train.lr=1e-5"),
                     key=section, suggestion=near)
+            verl = next((f"{section}.{k}" for k in sorted(map(str, value))
+                         if f"{section}.{k}" in VERL_NAMES), None)
+            if verl is not None:  # [custom_reward_function] path = ...: verl's table
+                raise UnknownSettingError(f"{verl}: no such setting; did you mean "
+                                          f"{VERL_NAMES[verl]}?", key=verl,
+                                          suggestion=VERL_NAMES[verl])
             near = closest_name(section, list(SECTION_CLASSES))
             raise UsageError(
                 f"[{section}]: no such section"
@@ -350,10 +437,11 @@ def parse_sections(raw: Mapping[str, Any]) -> RlSections:
         raise
     except ValueError as exc:  # a rule of the engine's own code, not of a declaration
         raise UsageError(f"[engine]: {exc}") from exc
-    return RlSections(
+    sections = RlSections(
         schedule=schedule_of(raw),
         model=from_mapping(ModelSection, raw.get("model", {}), "model"),
         data=from_mapping(DataSection, raw.get("data", {}), "data"),
+        reward=from_mapping(RewardSection, raw.get("reward", {}), "reward"),
         rollout=from_mapping(RolloutSection, raw.get("rollout", {}), "rollout"),
         engine=engine,
         train=train,
@@ -361,11 +449,29 @@ def parse_sections(raw: Mapping[str, Any]) -> RlSections:
         checkpoint=from_mapping(CheckpointSection, raw.get("checkpoint", {}), "checkpoint"),
         metrics=from_mapping(MetricsSection, raw.get("metrics", {}), "metrics"),
     )
+    check_reward_choice(sections)
+    return sections
+
+
+def check_reward_choice(s: RlSections) -> None:
+    """One way to choose the reward: reward.path (verl's custom_reward_function), or
+    data.reward (a registered name), or neither (each data_source's default); and a
+    reward file only where built-in sampling scores (an agent scores its episodes)."""
+    if s.reward.path and s.data.reward:
+        raise UsageError(
+            f"data.reward={s.data.reward!r} and reward.path={s.reward.path!r} both choose the "
+            "reward: give one (reward.path's function scores every task; data.reward names a "
+            "registered reward)")
+    if s.reward.path and s.rollout.agent:
+        raise UsageError(
+            f"reward.path={s.reward.path!r} with rollout.agent={s.rollout.agent!r}: an agent "
+            "scores its own episodes, so the file would never be called; drop reward.path, or "
+            "call rollout.reward_file.FileReward(path=...).score(task, text) in the agent")
 
 
 def resolve_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
     """Defaults filled in (the model's own first), as plain JSON for the manifest."""
-    s = parse_sections(with_model_defaults(raw))
+    s = parse_sections(with_model_defaults(without_eval_data(raw)))
     out = {name: to_plain(getattr(s, name)) for name in SECTIONS if name != "train"}
     out["train"] = s.train.to_dict()
     return out

@@ -25,11 +25,12 @@ from coordinator.store import read_document
 from rl import layout
 from rl.config import RlSections, parse_sections
 from rl.contracts import INITIAL_POLICY
+from rl.data_source import task_source
 from rl.engine_host import EngineHost
 from rl.trainer_host import TrainerHost
 from rollout.errors import TaskDataError
 from rollout.sharding import ShardPlan
-from rollout.tasks import Task, TaskSource, load_task_source
+from rollout.tasks import Task, TaskSource
 from trainer.config import Offload
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class Loop:
         self._by_id: dict[str, dict[str, Task]] = {}
         self.wandb: Any = None  # master: the Weights & Biases run, once opened (rl/reporting.py)
         self.checked = False  # master: settings checked against model and tasks (preflight)
+        # This node's reward as phase 0 checked it (rl/preflight.py check_reward_here).
+        self.reward_checked: dict[str, str] | None = None
 
     @property
     def trains(self) -> bool:
@@ -129,16 +132,18 @@ class Loop:
         return members
 
     def tasks(self, split: layout.Split) -> dict[str, Task]:
-        """The split's tasks by id, loaded once per daemon."""
+        """The split's tasks by id, loaded once per daemon (data.path, or data.train_files
+        and data.val_files: rl/data_source.py)."""
         if self._tasks is None:
-            self._tasks = load_task_source(self.s.data.path, seed=self.s.data.seed)
+            self._tasks = task_source(self.s.data)
         if split.value not in self._by_id:
             try:
                 found = self._tasks.tasks(split.value)
             except TaskDataError:
                 # A file source read every row when it loaded: what fails here is a
                 # split it does not have (a single task file has no eval split).  The
-                # settings check refuses a run that needs it (rl/preflight.py).
+                # settings check refuses a run that asked for it (rl/preflight.py);
+                # without the asking, eval is off (rl/data_source.py).
                 found = ()
             self._by_id[split.value] = {t.task_id: t for t in found}
         return self._by_id[split.value]

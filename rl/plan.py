@@ -1,10 +1,13 @@
 """Phases 0 and 13: an iteration's plan, and the clean-up once it is complete.
 
-    0   master   check the given model and data, build the demo model once (no
+    0   all      check this node's reward (a reward file, node-local: rl/reward_check.py,
+                 once per daemon)
+        master   check the given model and data, build the demo model once (no
                  --model given), check the settings against the model and the tasks
                  (rl/preflight.py, once per daemon);
                  pick each split's tasks for this iteration and publish the shard plans
-        decide   the policy this iteration samples from (PolicyChoice): the newest
+        decide   every rank scores with the same reward (rl/reward_check.py); the
+                 policy this iteration samples from (PolicyChoice): the newest
                  published checkpoint, or the phase fails (rl/newest_policy.py)
     13  master   remove the previous iteration's rank files, the checkpoints beyond
                  checkpoint.keep but the best by checkpoint.keep_best (rl/keep_best.py)
@@ -30,6 +33,7 @@ from rl import keep_best, layout, newest_policy, node_local
 from rl.contracts import INITIAL_POLICY, PolicyChoice
 from rl.layout import Split
 from rl.loop import Loop
+from rl.reward_check import check_reward_here, same_reward
 from rl.takeover import take_over_lost_tasks
 from rollout.sharding import ShardPlan, throughput_weights
 
@@ -39,9 +43,11 @@ DEMO_MODEL_LOCK_TIMEOUT_S = 600.0
 
 
 def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
-    """Phase 0 (master): the iteration's tasks of each split, shared among the ranks."""
+    """Phase 0: every node checks its reward; the master then shares the iteration's
+    tasks of each split among the ranks."""
+    reward = check_reward_here(loop, master=ctx.is_master)  # UsageError: every node exits 2
     if not ctx.is_master:
-        return {}
+        return reward
     if not loop.checked:
         from rl.preflight import check_inputs
 
@@ -61,7 +67,7 @@ def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
                 and ctx.iteration + 1 < loop.config.run.iterations:
             # Rolled out by the rollout nodes during this iteration's phase 10.
             publish_plan(loop, ctx, split, ctx.iteration + 1, weights)
-    return {"weights": weights}
+    return {"weights": weights, **reward}
 
 
 def publish_plan(loop: Loop, ctx: StepContext, split: Split, iteration: int,
@@ -96,7 +102,9 @@ def choose_policy(loop: Loop, ctx: StepContext,
     """Phase 0's decision: the newest published checkpoint before this iteration, or
     the phase fails naming it (rl/newest_policy.py: never an older one in its place);
     in a group that went on without some ranks, their unfinished tasks shared
-    out among the others (rl/takeover.py)."""
+    out among the others (rl/takeover.py).  First, every rank can score, with the
+    same reward (rl/reward_check.py: UsageError, every node exits 2)."""
+    same_reward(arrivals)
     budget = newest_policy.READ_SHARE * ctx.config.coordination.phase_timeouts_s.sync
     k = newest_policy.newest_published(
         ctx.iteration, lambda k: newest_policy.look(loop.run_dir, k, budget_s=budget),

@@ -41,12 +41,14 @@ from coordinator.config import RunConfig, RunSection
 from coordinator.errors import UsageError
 from coordinator.phases import Phase
 from rl.config import RlSections, parse_sections
+from rl.data_source import task_source
 from rl.layout import Split
 from rl.loop import Loop, check_gpu_placement
+from rl.reward_check import check_reward_file, check_truths
 from rollout.engines.engine import EngineKind
 from rollout.errors import TaskDataError, UnknownRewardError
 from rollout.rewards import default_reward_for, get_reward
-from rollout.tasks import BUILTIN_PREFIX, Task, load_task_source
+from rollout.tasks import BUILTIN_PREFIX, Task
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class ModelFacts:
 
 @dataclass(frozen=True, kw_only=True)
 class TaskFacts:
-    source: str
+    source: str  # as messages name it: data.path='...', or data.train_files=[...]
     train: int  # tasks in the train split
     eval: int
     # The longest prompt in tokens and its task; None when prompts are the agent's
@@ -165,7 +167,7 @@ def _split_tasks(f: Facts, split: str, setting: str, available: int, empty: str)
     wanted = getattr(f.s.rollout, setting)
     if wanted > available:
         return (f"rollout.{setting}={wanted} exceeds the {available} tasks of the {split} "
-                f"split of {f.tasks.source!r}: give at most {available}, or 0 for the whole "
+                f"split of {f.tasks.source}: give at most {available}, or 0 for the whole "
                 "split")
     return None
 
@@ -174,7 +176,7 @@ def _train_tasks(f: Facts) -> str | None:
     if not f.rolls_out_train:
         return None
     return _split_tasks(f, "train", "tasks_per_iteration", f.tasks.train, empty=(
-        f"the train split of data.path={f.tasks.source!r} has no tasks: give a task file or "
+        f"the train split of {f.tasks.source} has no tasks: give a task file or "
         "directory with a train split"))
 
 
@@ -183,9 +185,10 @@ def _eval_tasks(f: Facts) -> str | None:
         return None
     return _split_tasks(f, "eval", "eval_tasks", f.tasks.eval, empty=(
         f"the run evaluates (schedule.eval_interval={f.s.schedule.eval_interval}, "
-        f"schedule.rollout_split={f.s.schedule.rollout_split.value}) but {f.tasks.source!r} has no eval split: give a task "
-        "directory with test.<ext> or eval.<ext>, or set schedule.eval_interval=0 and "
-        "schedule.eval_before_train=false"))
+        f"schedule.rollout_split={f.s.schedule.rollout_split.value}) but {f.tasks.source} has "
+        "no eval split: give data.val_files (or a task directory with test.<ext> or "
+        "eval.<ext>), or leave the eval schedule to its defaults (no eval data: eval off), "
+        "or set schedule.eval_interval=0 and schedule.eval_before_train=false"))
 
 
 def _mini_batch(f: Facts) -> str | None:
@@ -310,7 +313,8 @@ def check_inputs(loop: Loop) -> None:
             cause = exc.__cause__
             if isinstance(cause, OSError) and cause.errno in TRANSIENT_ERRNOS:
                 raise  # the filesystem, not the setting: the phase fails and is retried
-            found.append(f"data.path {s.data.path!r}: {exc}")
+            # data.train_files' errors name the setting; data.path's the file in it.
+            found.append(str(exc) if s.data.train_files else f"data.path {s.data.path!r}: {exc}")
     refuse("the model or the data given cannot be used", [p for p in found if p])
 
 
@@ -322,15 +326,17 @@ def check_loop(loop: Loop) -> None:
     tasks = [*loop.tasks(Split.TRAIN).values(), *loop.tasks(Split.EVAL).values()]
     prompt = None
     if not s.rollout.agent:  # an agent builds its own prompts and scores its episodes
-        check_rewards(s.data.reward, {t.data_source for t in tasks})
+        if not s.reward.path:  # a reward file: checked on every node (rl/reward_check.py)
+            check_rewards(s.data.reward, {t.data_source for t in tasks})
+            check_truths(s, tasks)
         prompt = longest_prompt(model, tasks)
     facts = Facts(s=s, run=loop.config.run, model=model_facts(model), tasks=TaskFacts(
-        source=s.data.path, train=len(loop.tasks(Split.TRAIN)), eval=len(loop.tasks(Split.EVAL)),
+        source=s.data.source, train=len(loop.tasks(Split.TRAIN)), eval=len(loop.tasks(Split.EVAL)),
         longest_prompt=prompt[0] if prompt else None, longest_task=prompt[1] if prompt else ""))
     check(facts)
     log.info("settings checked against %s (context %s, longest prompt %s tokens) and %s "
              "(%d train, %d eval tasks)", model, facts.context or "unknown",
-             facts.tasks.longest_prompt or "unknown", s.data.path, facts.tasks.train,
+             facts.tasks.longest_prompt or "unknown", s.data.source, facts.tasks.train,
              facts.tasks.eval)
 
 
@@ -438,7 +444,11 @@ def check_setup(config: RunConfig, *, num_nodes: int) -> SetupCheck:
     prompt = None
     if tasks is not None and not s.rollout.agent:
         try:
-            check_rewards(s.data.reward, {t.data_source for t in (*tasks[0], *tasks[1])})
+            if s.reward.path:  # in its worker process here, as on each node at phase 0
+                check_reward_file(s)
+            else:
+                check_rewards(s.data.reward, {t.data_source for t in (*tasks[0], *tasks[1])})
+                check_truths(s, (*tasks[0], *tasks[1]))
             if model is not None:
                 prompt = longest_prompt(model.path, (*tasks[0], *tasks[1]), strict=True)
         except UsageError as exc:
@@ -446,7 +456,7 @@ def check_setup(config: RunConfig, *, num_nodes: int) -> SetupCheck:
     facts = None
     if model is not None and tasks is not None:
         facts = Facts(s=s, run=config.run, model=model, tasks=TaskFacts(
-            source=s.data.path, train=len(tasks[0]), eval=len(tasks[1]),
+            source=s.data.source, train=len(tasks[0]), eval=len(tasks[1]),
             longest_prompt=prompt[0] if prompt else None,
             longest_task=prompt[1] if prompt else ""))
         found += problems(facts)
@@ -481,16 +491,17 @@ def _model_without_weights(s: RlSections, found: list[str | None]) -> ModelFacts
 
 
 def _tasks_of(s: RlSections, found: list[str | None]) -> tuple[list[Task], list[Task]] | None:
-    """The train and eval tasks of data.path, loaded as a run loads them (a split a
-    source lacks is empty); its problem goes to `found` and gives None."""
-    problem = data_problem(s.data.path)
+    """The train and eval tasks of data.path (or data.train_files and data.val_files),
+    loaded as a run loads them (a split a source lacks is empty); its problem goes to
+    `found` and gives None."""
+    problem = None if s.data.train_files else data_problem(s.data.path)
     if problem is not None:
         found.append(problem)
         return None
     try:
-        source = load_task_source(s.data.path, seed=s.data.seed)
+        source = task_source(s.data)
     except TaskDataError as exc:
-        found.append(f"data.path {s.data.path!r}: {exc}")
+        found.append(str(exc) if s.data.train_files else f"data.path {s.data.path!r}: {exc}")
         return None
     splits: list[list[Task]] = []
     for split in (Split.TRAIN, Split.EVAL):

@@ -178,7 +178,7 @@ def _assigned_tasks(loop: Loop, iteration: int, split: Split) -> list[Task]:
     index = loop.tasks(split)
     unknown = [t for t in assigned if t not in index]
     if unknown:
-        raise ActionError(f"the shard plan names tasks unknown to {loop.s.data.path}: "
+        raise ActionError(f"the shard plan names tasks unknown to {loop.s.data.source}: "
                           f"{unknown[:5]} ({len(unknown)} in all)")
     return [index[t] for t in assigned]
 
@@ -240,5 +240,5 @@ def _agent(loop: Loop, iteration: int, split: Split) -> Agent | GroupAgent:
     return SingleTurnSampler(
         max_tokens=s.rollout.max_tokens,
         temperature=s.rollout.temperature if train else s.rollout.eval_temperature,
-        top_p=s.rollout.top_p, reward=s.data.reward,
+        top_p=s.rollout.top_p, reward=s.data.reward, reward_file=s.reward.file(),
         seed_of=lambda t: group_seed(loop.config.run.seed, iteration, split, t.task_id))
