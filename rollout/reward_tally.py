@@ -1,8 +1,9 @@
 """How many reward calls a rollout made under a time limit, and how many ran out of it.
 
-A reward with a time limit (the math reward: rollout/rewards.py) scores 0 when
-its call runs out of time, as a wrong answer would; a run whose answers
-time out by the hundred would learn from wrong rewards without a word.  So
+A reward with a time limit (the math reward: rollout/rewards.py; a reward
+file: rollout/reward_file.py) scores 0 when its call runs out of time, as a
+wrong answer would; a run whose answers time out by the hundred would learn
+from wrong rewards without a word.  So
 every such call is counted, in the tally of the rollout that made it:
 
     roll_out_shard (rl/rollouts.py)      with tallying(RewardTally()) as tally:
@@ -80,5 +81,6 @@ def timeout_warning(*, calls: int, timeouts: int, iteration: int, split: str) ->
     return (f"iteration {iteration}: {timeouts} of {calls} {split} reward calls "
             f"({timeouts / calls:.1%}, more than {TIMEOUT_WARNING_FRACTION:.0%}) ran out of "
             "time and scored 0 whatever the answer: the run learns from those zeros; look at "
-            "the node's load, or give the reward more time (a MathVerifyReward with a larger "
-            "timeout_seconds, registered as a reward of your own: docs/PLUGINS.md)")
+            "the node's load, or give the reward more time (a reward file: reward.timeout_s; "
+            "the math reward: a MathVerifyReward with a larger timeout_seconds, registered as "
+            "a reward of your own: docs/PLUGINS.md)")
