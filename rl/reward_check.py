@@ -11,7 +11,7 @@
         file, another file), stop every node with exit 2 naming the ranks.
     master, with the tasks         check_truths: a registered reward (data.reward
         or a data source's default) compares text, so a task whose ground truth
-        is a list or an object needs a reward file; refused naming the task.
+        is a list, an object or a boolean needs a reward file; refused naming the task.
 
 A reward file's problem is the node's own config to fix: node-local keys are
 not in run.json, so the same run restarts with the fixed file, without
@@ -98,7 +98,7 @@ def check_truths(s: RlSections, tasks: Iterable[Task]) -> None:
     if s.rollout.agent or s.reward.path:
         return
     for task in tasks:
-        if isinstance(task.stored_truth, list | dict):
+        if isinstance(task.stored_truth, list | dict | bool):
             reward = f"data.reward={s.data.reward!r}" if s.data.reward else \
                 "the default reward of its data source"
             raise UsageError(

@@ -243,9 +243,6 @@ def _task_from_record(record: Any, *, where: str, file: Path, row: int, position
         raise fail("reward_model.ground_truth",
                    "is missing: reward_model must be {ground_truth: ...}")
     truth = reward_model["ground_truth"]
-    if isinstance(truth, bool):  # not an answer, though JSON: an int subclass in Python
-        raise fail("reward_model.ground_truth", "is a bool: give the answer (a string, a "
-                   "number, or a list or object a reward file reads)")
     _check_json(truth, "reward_model.ground_truth", fail, finite=True)
     extra = record.get("extra_info")
     _check_json(extra, "extra_info", fail, finite=False)
@@ -260,7 +257,7 @@ def _task_from_record(record: Any, *, where: str, file: Path, row: int, position
         task_id=f"{data_source}/{split}/{local_id}",
         prompt=_prompt(record["prompt"], fail),
         ground_truth=truth if isinstance(truth, str) else
-        str(truth) if isinstance(truth, int | float) else
+        str(truth) if isinstance(truth, int | float) and not isinstance(truth, bool) else
         json.dumps(truth, sort_keys=True, ensure_ascii=False),
         data_source=data_source,
         split=split,

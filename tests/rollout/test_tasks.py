@@ -91,13 +91,16 @@ def test_jsonl_directory_reads_train_and_eval_with_the_same_fields(tmp_path: Pat
     assert task.prompt == "plain text prompt" and task.messages() is None
 
 
-def test_numeric_ground_truths_become_strings_and_booleans_are_refused(tmp_path: Path) -> None:
-    source = JsonlTasks(
-        write_jsonl(tmp_path / "a.jsonl", [verl_row(1, truth=3), verl_row(2, truth=0.5)])
-    )
-    assert [t.ground_truth for t in source.tasks("train")] == ["3", "0.5"]
-    with pytest.raises(TaskDataError, match=r"'reward_model.ground_truth' is a bool"):
-        JsonlTasks(write_jsonl(tmp_path / "b.jsonl", [verl_row(1, truth=True)]))
+def test_numeric_ground_truths_are_written_out_as_text_and_kept_as_numbers(
+        tmp_path: Path) -> None:
+    source = JsonlTasks(write_jsonl(tmp_path / "a.jsonl", [
+        verl_row(1, truth=3), verl_row(2, truth=0.5), verl_row(3, truth=True)]))
+    # The registered rewards compare text; a reward file gets the value as stored.
+    assert [t.ground_truth for t in source.tasks("train")] == ["3", "0.5", "true"]
+    assert [t.truth for t in source.tasks("train")] == [3, 0.5, True]
+    with pytest.raises(TaskDataError, match=r"'reward_model.ground_truth' is nan: give a "
+                                            r"finite number"):
+        JsonlTasks(write_jsonl(tmp_path / "b.jsonl", [verl_row(1, truth=float("nan"))]))
 
 
 def test_a_single_file_is_the_train_split_and_asking_for_eval_names_the_rule(
