@@ -1,4 +1,4 @@
-"""The `coordinator` command line: run, status, recover, export, demo, init-model.
+"""The `coordinator` command line: run, config, status, recover, export, demo, init-model.
 
 Every value is validated here, at the boundary, with a message that names the
 value, the rule and the fix; usage errors exit 2 (docs/PROTOCOL.md lists
@@ -156,6 +156,24 @@ def send_logs(run_dir: Path, rank: int) -> None:
     except Exception as exc:
         logging.getLogger("coordinator").warning(
             "could not send rank %d's logs to %s: %s", rank, routing.display(run_dir), exc)
+
+
+@app.command("config")
+@with_config_flags
+def show_config(
+    config: Annotated[Path | None, typer.Option(help="TOML or YAML config file.")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="Any config key: section.key=value.")] = [],  # noqa: B006
+    flags: dict[str, Any] | None = None,
+) -> None:
+    """Print the resolved configuration as TOML, each value with where it came from (default,
+    file, --set, a flag); exit 2 on a setting `run` would refuse (docs/CONFIG.md lists them)."""
+    from rl import config_show
+
+    try:
+        text = config_show.show(config, set_, flags or {})
+    except CoordinatorError as exc:
+        raise report(exc) from None
+    typer.echo(text, nl=False)
 
 
 @app.command()

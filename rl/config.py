@@ -42,6 +42,7 @@ from coordinator.settings import Section, SettingError, iter_settings, setting
 from rl.data_source import without_eval_data
 from rl.keep_best import Metric, parse_metric
 from rl.schedule import ScheduleSection, schedule_of
+from rl.verl_keys import suggestions
 from rollout.engines.engine import EngineConfig
 from rollout.reward_file import DEFAULT_FUNCTION, FileReward
 from rollout.rewards import DEFAULT_CALL_SECONDS
@@ -359,24 +360,10 @@ NODE_LOCAL_KEYS: Final = tuple(
     key for name, cls in SECTION_CLASSES.items()
     for key, declared, _, _ in iter_settings(cls, name) if declared.node_local)
 
-# What a verl user is likely to write for a setting, where the name is too far
-# from ours for difflib to find it (train.learning_rate is not close to train.lr).
-VERL_NAMES: Final[Mapping[str, str]] = {
-    "train.learning_rate": "train.lr",
-    "train.lr_warmup_steps": "train.warmup_steps",
-    "train.ppo_mini_batch_size": "train.mini_batch_size",
-    "train.ppo_micro_batch_size_per_gpu": "train.micro_batch_size",
-    "train.ppo_epochs": "train.epochs",
-    "train.clip_ratio": "train.clip_eps",
-    "train.grad_clip": "train.max_grad_norm",
-    "train.kl_loss_coef": "train.kl_coef",
-    "train.loss_agg_mode": "train.loss_agg",
-    "rollout.n": "rollout.group_size",
-    "rollout.response_length": "rollout.max_tokens",
-    "data.max_response_length": "rollout.max_tokens",
-    "custom_reward_function.path": "reward.path",
-    "custom_reward_function.name": "reward.function",
-}
+# What a verl user (or one of another framework) is likely to write for a setting,
+# where the name is too far from ours for difflib to find it (train.learning_rate
+# is not close to train.lr): verl's table (rl/verl_keys.py) and the declared aliases.
+VERL_NAMES: Final[Mapping[str, str]] = suggestions(SECTION_CLASSES)
 
 
 def settings_of(section: str) -> tuple[str, ...]:
@@ -396,6 +383,13 @@ def suggest(key: str) -> str | None:
                  if other != section and name in settings_of(other)), None)
 
 
+def _dotted(prefix: str, tree: Mapping[str, Any]) -> list[str]:
+    """The dotted keys of every value under `tree`, sorted."""
+    return sorted(key for name, value in tree.items() for key in (
+        _dotted(f"{prefix}.{name}", value) if isinstance(value, Mapping)
+        else [f"{prefix}.{name}"]))
+
+
 def check_names(raw: Mapping[str, Any]) -> None:
     """Every section and key of raw config sections names a setting, or
     UnknownSettingError naming the closest one (exit 2 at start)."""
@@ -409,9 +403,9 @@ def check_names(raw: Mapping[str, Any]) -> None:
                     + (f"did you mean {near}?" if near else
                        "a key is written with its section, e.g. train.lr=1e-5"),
                     key=section, suggestion=near)
-            verl = next((f"{section}.{k}" for k in sorted(map(str, value))
-                         if f"{section}.{k}" in VERL_NAMES), None)
-            if verl is not None:  # [custom_reward_function] path = ...: verl's table
+            verl = next((key for key in _dotted(section, value) if key in VERL_NAMES), None)
+            if verl is not None:  # [custom_reward_function] path = ..., or --set
+                # actor_rollout_ref.rollout.n=8: verl's table (rl/verl_keys.py)
                 raise UnknownSettingError(f"{verl}: no such setting; did you mean "
                                           f"{VERL_NAMES[verl]}?", key=verl,
                                           suggestion=VERL_NAMES[verl])
