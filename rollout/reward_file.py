@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from rollout.errors import RewardFileError
-from rollout.guarded_call import CallTimedOut, GuardedWorker, StartFailed
+from rollout.guarded_call import CallTimedOut, GuardedCallError, GuardedWorker, StartFailed
 from rollout.reward_tally import count_call
 from rollout.rewards import DEFAULT_CALL_SECONDS, Score, check_metrics
 from rollout.tasks import Task
@@ -128,6 +128,9 @@ class FileReward:
             logger.info("reward %s: no verdict within %gs for task %s; scoring 0", self.name,
                         self.timeout_s, task.task_id)
             return Score(0.0)
+        except GuardedCallError:
+            count_call(timed_out=False)  # a call that ended without a score: its sample fails
+            raise
         count_call(timed_out=False)
         return _score_of(reply)
 

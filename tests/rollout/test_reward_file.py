@@ -139,9 +139,11 @@ def test_a_result_that_is_no_score_fails_its_sample_naming_the_rule(tmp_path: Pa
             return {"score": 1, "n": 2}
     """)
     reward = FileReward(path=str(path))
-    out = samples_of(task(), group("ok", "dict", "text", "raise", "nan"), 5, reward.score,
-                     reward_name=reward.name)
+    with tallying(RewardTally()) as tally:
+        out = samples_of(task(), group("ok", "dict", "text", "raise", "nan"), 5, reward.score,
+                         reward_name=reward.name)
     assert [s.failed for s in out] == [False, True, True, True, True]
+    assert (tally.calls, tally.timeouts) == (5, 0)  # every call counted, none timed out
     assert out[0].reward == 1.0 and out[0].reward_extra == {"n": 2.0}
     assert "compute_score returned a dict without 'score' (keys: acc)" in out[1].error
     assert "compute_score returned 'right' (a str): return a number, or a dict" in out[2].error
