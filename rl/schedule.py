@@ -51,6 +51,8 @@ class RolloutSplit(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleSection(Section):
+    """Which phases of the loop run, and when the run evaluates."""
+
     SECTION: ClassVar[str] = "schedule"
 
     rl_phase: RlPhase = setting(
