@@ -3,7 +3,8 @@ version the `vllm` extra pins, installed in .venv-vllm by scripts/setup_vllm.sh.
 
 One server serves the module (a start costs 30-90 s on 2 cores): every HTTP
 call the project makes, parsed by its own code; sleep and an in-place reload of
-a checkpoint published as the trainer publishes it, verified by probes; a
+a checkpoint published as the trainer publishes it, verified by probes (the
+engine starts on `coordinator export`'s copy of the first one); a
 refused reload of a corrupt checkpoint; then a restart-mode engine on the new
 checkpoint, stopped leaving nothing behind; and vLLM's own errors reaching
 EngineError in vLLM's words.
@@ -78,12 +79,25 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def engine(vllm_executable: Path, models: tuple[Path, Path],
+def exported(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """models[0] as `coordinator export` writes it (rl/export.py): a plain Hugging Face
+    directory, no manifest.  The module's engine starts on it, so vLLM loading an
+    export unchanged costs no engine start of its own."""
+    from rl.export import Chosen, export
+
+    out = tmp_path_factory.mktemp("export") / "policy"
+    export(Chosen(iteration=0, path=models[0], why="the module's first model"), out,
+           force=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_executable: Path, exported: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
     made = make_engine(config(), log_dir=tmp_path_factory.mktemp("vllm-logs"))
     assert isinstance(made, VllmEngine)
     try:
-        made.start(models[0])
+        made.start(exported)
         yield made
     finally:
         made.close()
@@ -101,6 +115,23 @@ def test_vllm_reports_its_platform_and_the_command_asks_for_sleep_mode_only_wher
     assert platform.version == "0.29.0+cpu"
     assert "--enable-sleep-mode" not in engine.command(Path("/m"), 1)
     assert engine.state is EngineState.READY and engine.startup_s is not None
+
+
+def test_vllm_serves_an_export_unchanged_with_the_checkpoints_weights(
+        engine: VllmEngine, exported: Path, models: tuple[Path, Path]) -> None:
+    """The engine started on `coordinator export`'s copy of models[0]: every file but the
+    manifest, as published; served, its weights are the checkpoint's (the trainer's
+    probes of models[0]), and its chat template renders a conversation."""
+    assert engine.model_dir == exported
+    assert sorted(p.name for p in exported.iterdir()) == sorted(
+        p.name for p in models[0].iterdir() if p.name != "manifest.json")
+    verdict = verify_served_weights(engine.control(), engine.config, models[0], rank=0,
+                                    host="here", previous=None)
+    assert verdict.mean_abs_diff is not None
+    assert verdict.mean_abs_diff <= (verdict.tolerance or 0.0)
+    turn = Conversation(client_of(engine), [{"role": "user", "content": "12>"}]).generate(
+        max_tokens=4, seed=3)
+    assert turn.response_token_ids
 
 
 def test_every_call_the_project_makes_is_answered_and_parsed_by_its_own_code(
