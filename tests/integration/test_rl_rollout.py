@@ -1,4 +1,9 @@
-"""Three daemons run real rollouts (hf engine, tiny model) and the master merges them."""
+"""Three daemons run real rollouts (hf engine, tiny model) and the master merges them.
+
+The tasks are a verl user's: a generated GSM8K-style parquet named by
+data.train_files and data.val_files (chat prompts through the model's chat
+template), scored by a reward file each node names itself (reward.path,
+examples/rewards/gsm8k.py, in each node's worker process)."""
 
 from __future__ import annotations
 
@@ -25,11 +30,19 @@ eval_before_train = true
 [model]
 path = "{model}"
 
+[data]
+train_files = "{train}"
+val_files = ["{test}"]
+
+[reward]
+path = "{reward}"
+
 [rollout]
 group_size = 4
 tasks_per_iteration = 21
 eval_tasks = 9
 eval_group_size = 2
+eval_temperature = 1.0  # two samples of a chat prompt: greedy takes one (n=1)
 checkpoint_every_groups = 4
 max_tokens = 6
 
@@ -43,15 +56,21 @@ join_timeout_s = 120.0
 def test_three_ranks_roll_out_and_the_batch_holds_every_assigned_task_times_the_group(
     tmp_path: Path, tiny_model: Path
 ) -> None:
+    from examples.gsm8k_style import SHORT_INSTRUCTION, write
     from rollout.sharding import ShardPlan
     from rollout.train_batch import load_train_batch
 
+    data = write(tmp_path / "gsm8k", train=32, test=12, seed=0, instruction=SHORT_INSTRUCTION)
+    reward = Path(__file__).resolve().parents[2] / "examples" / "rewards" / "gsm8k.py"
     config = tmp_path / "rl.toml"
-    config.write_text(CONFIG.format(model=tiny_model))
+    config.write_text(CONFIG.format(model=tiny_model, train=data["train"], test=data["test"],
+                                    reward=reward))
     c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
                      master_args=("--rank-weights", "2,1,1"))
     try:
-        c.start_all()
+        c.start(0)
+        for rank in (1, 2):  # reward.path is node-local: every node names its own
+            c.start(rank, [*c.command(rank), "--set", f"reward.path={reward}"])
         codes = c.wait_all(timeout=300)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
     finally:
@@ -70,8 +89,22 @@ def test_three_ranks_roll_out_and_the_batch_holds_every_assigned_task_times_the_
     metrics = json.loads((it / "metrics" / "rollout.json").read_text())
     assert metrics["num_samples"] == 84 and metrics["num_failed"] == 0
     assert set(metrics["samples_per_second"]) == {"0", "1", "2"}
+    # Every answer went through the file's compute_score (a call each, none timed out),
+    # and the numbers of its dict beside the score are the iteration's metrics.
+    assert (metrics["reward_calls"], metrics["reward_timeouts"]) == (84, 0)
+    assert set(metrics["reward_extra"]) == {"acc", "formatted"}
+    assert metrics["reward_extra"]["acc"] == pytest.approx(metrics["reward_mean"])
     evaluation = json.loads((it / "metrics" / "eval.json").read_text())
     assert evaluation["num_samples"] == 18 and 0.0 <= evaluation["accuracy"] <= 1.0
+    assert evaluation["reward_calls"] == 18 and set(evaluation["reward_extra"]) == {
+        "acc", "formatted"}
+    # Each node checked its own reward file at phase 0 and reported the same one.
+    from coordinator import layout
+
+    for rank in range(3):
+        arrival = json.loads((c.log_path / layout.arrival(0, 0, rank)).read_text())
+        assert arrival["payload"]["reward"].startswith("reward.path's compute_score in a "
+                                                       "file of SHA-256 "), arrival
     # Every engine was stopped at phase 7: no server process is left.
     import psutil
 
