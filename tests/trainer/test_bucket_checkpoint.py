@@ -64,3 +64,43 @@ def test_a_checkpoint_in_a_bucket_is_published_by_its_manifest_and_verified_on_c
         with pytest.raises(CheckpointError) as caught:
             copy_to_local_cache(reader / "checkpoints/iter-000000", tmp_path / "cache2")
         assert f"{bucket.url}/checkpoints/iter-000000/model.safetensors" in str(caught.value)
+
+
+def test_coordinator_export_takes_the_runs_bucket_url_and_verifies_what_it_fetches(
+        azurite: Server, tmp_path: Path, tiny_model: Path) -> None:
+    """`coordinator export --log-path az://...` (rl/export.py): the checkpoint's objects
+    fetched straight into the export, each checked against the manifest; an object
+    replaced after publishing is named by its URL and nothing reaches --out."""
+    import subprocess
+
+    from tests.integration.usage import coordinator
+
+    bucket = azurite.bucket("export")
+    with node(bucket, tmp_path / "writer") as writer:
+        final = writer / "checkpoints/iter-000002"
+        tmp = tmp_sibling(final)
+        for src in tiny_model.iterdir():
+            if src.name != MANIFEST_NAME and src.is_file():
+                (tmp / src.name).write_bytes(src.read_bytes())
+        manifest = seal_directory(tmp, final, iteration=2)
+    env = bucket.node_env(tmp_path, "exporter")
+
+    def export(out: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([coordinator(), "export", "--log-path", bucket.url, "--out",
+                               str(out)], env=env, capture_output=True, text=True,
+                              timeout=120)  # seconds: imports and a 1.4 MB checkpoint
+
+    done = export(tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert f"exported {bucket.url}/checkpoints/iter-000002 (the newest published" in done.stdout
+    assert {p.name for p in (tmp_path / "out").iterdir()} == set(manifest.files)
+    for name in manifest.files:
+        assert (tmp_path / "out" / name).read_bytes() == (tiny_model / name).read_bytes()
+    # Fetched into the export only, not kept in the node's local root of the bucket too.
+    assert not list((tmp_path / "node-exporter").rglob("model.safetensors"))
+    bucket.put("checkpoints/iter-000002/model.safetensors", b"replaced")
+    refused = export(tmp_path / "out2")
+    assert refused.returncode == 7, refused.stderr
+    assert f"{bucket.url}/checkpoints/iter-000002/model.safetensors" in refused.stderr
+    assert not (tmp_path / "out2").exists()
+
