@@ -36,6 +36,7 @@ from rl.loop import Loop
 from rl.reward_check import check_reward_here, same_reward
 from rl.takeover import take_over_lost_tasks
 from rollout.sharding import ShardPlan, throughput_weights
+from trainer.architectures import ArchSpec
 
 log = logging.getLogger(__name__)
 # The demo model builds in seconds on a CPU; ten minutes means a stuck builder.
@@ -142,16 +143,19 @@ def ensure_initial_model(loop: Loop, ctx: StepContext) -> None:
         local_view(loop.initial_model())
 
 
-def build_demo_model(target: Path, *, seed: int, warmstart_steps: int) -> dict[str, Any]:
-    """The tiny demo model at `target`, unless it is there already (the caller holds
-    what keeps two builders apart)."""
+def build_demo_model(target: Path, *, seed: int, warmstart_steps: int,
+                     spec: ArchSpec | None = None) -> dict[str, Any]:
+    """The tiny demo model at `target` (with `spec`, a model of that real architecture:
+    `coordinator demo --arch`), unless it is there already (the caller holds what
+    keeps two builders apart)."""
     if trees.exists(target / "manifest.json"):
         return {}
-    log.info("building the tiny demo model in %s (warm start: %d steps)", target, warmstart_steps)
+    what = "tiny demo model" if spec is None else f"{spec.arch.value} model"
+    log.info("building the %s in %s (warm start: %d steps)", what, target, warmstart_steps)
     from trainer.warmstart import build_initial_model  # torch: only when needed
 
-    report = build_initial_model(target, seed=seed, warmstart_steps=warmstart_steps)
-    log.info("tiny model ready: %s", report)
+    report = build_initial_model(target, seed=seed, warmstart_steps=warmstart_steps, spec=spec)
+    log.info("%s ready: %s", what, report)
     return report
 
 

@@ -58,6 +58,8 @@ _SHA256: Final = re.compile(r"[0-9a-f]{64}")
 # Files that hold weights; everything else in a checkpoint (config, tokenizer,
 # generation config, chat template) is carried over verbatim by training.
 _WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+# The dtypes a checkpoint's weights may be published in (saved_dtype).
+SAVED_DTYPES: Final = ("float32", "bfloat16", "float16")
 
 
 def _check_file_name(name: str) -> None:
@@ -262,6 +264,50 @@ def fsync_tree(tmp: Path) -> None:
     fsync_dir(tmp)
 
 
+def saved_dtype(model_dir: Path) -> str:
+    """The dtype a model directory keeps its weights in, as engines read it: config.json's
+    `dtype` (transformers 5) or `torch_dtype` (4.x); float32 when it names none.
+
+    Training keeps fp32 master weights (in memory and in train_state/) and publishes in
+    this dtype, so a bf16 model stays bf16 checkpoint after checkpoint.  A checkpoint
+    carries its source's config.json, so the initial model's dtype holds for the run.
+    """
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read the model's config ({exc}): a Hugging "
+                              "Face model directory has a config.json", path=path) from exc
+    value = (config.get("dtype") or config.get("torch_dtype")) if isinstance(config, dict) \
+        else None
+    if value is None:
+        return "float32"
+    if value not in SAVED_DTYPES:
+        raise CheckpointError(f"{path}: dtype {value!r} is not one of {list(SAVED_DTYPES)}: "
+                              "give the dtype the weights are saved in", path=path)
+    return str(value)
+
+
+def cast_state(state: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """`state` with its floating tensors in `dtype`; tensors that share storage (tied
+    embeddings) still share it, so save_pretrained writes them once."""
+    import torch
+
+    target = getattr(torch, dtype)
+    done: dict[tuple[int, tuple[int, ...]], Any] = {}
+    out = {}
+    for name, tensor in state.items():
+        if not tensor.is_floating_point() or tensor.dtype == target:
+            out[name] = tensor
+            continue
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2 DTensors
+        key = (local.data_ptr(), tuple(tensor.shape))
+        if key not in done:
+            done[key] = tensor.detach().to(target)
+        out[name] = done[key]
+    return out
+
+
 def write_model_files(
     model: Any,
     tokenizer: Any,
@@ -270,12 +316,15 @@ def write_model_files(
     state_dict: dict[str, Any] | None = None,
     carry_files_from: Path | None = None,
     weights_from: Path | None = None,
+    dtype: str | None = None,
 ) -> None:
     """Config, safetensors weights and tokenizer files.
 
     With `weights_from` (a directory of consolidated safetensors files and their
     index, trainer/sharded_save.py), those files are moved in as the weights and
-    only the config is written from the model.
+    only the config is written from the model.  With `dtype`, the weights are
+    written in that dtype (saved_dtype: the model's own), whatever the model's
+    parameters are in.
 
     With `carry_files_from`, every non-weight file of that checkpoint is copied
     byte for byte over what transformers wrote: training changes only weights,
@@ -283,6 +332,9 @@ def write_model_files(
     transformers 4.x) in ways a 5.x save_pretrained would not reproduce.
     """
     if weights_from is None:
+        if dtype is not None:
+            state_dict = cast_state(state_dict if state_dict is not None
+                                    else model.state_dict(), dtype)
         model.save_pretrained(directory, state_dict=state_dict)
     else:
         ensure_dir(directory)
@@ -294,6 +346,12 @@ def write_model_files(
                                   path=weights_from)
         for src in moved:
             rename(src, directory / src.name)
+    if dtype is not None:
+        # transformers names the parameters' dtype; the file holds `dtype`.
+        config_path = directory / "config.json"
+        config = json.loads(config_path.read_bytes())
+        config["dtype"] = dtype
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     if carry_files_from is not None:
@@ -333,13 +391,15 @@ def publish_checkpoint(
     carry_files_from: Path | None = None,
     probes: ProbeSet | None = None,
     weights_from: Path | None = None,
+    dtype: str | None = None,
 ) -> Manifest:
     """Write model + tokenizer to final_dir atomically with a manifest.
 
     Idempotent: publishing the same content twice is a no-op; publishing
     different content to an existing final_dir raises CheckpointError.
     `state_dict` overrides the model's own tensors (a gathered FSDP state);
-    `carry_files_from` copies the non-weight files of the source checkpoint.
+    `carry_files_from` copies the non-weight files of the source checkpoint;
+    `dtype` is the weights' dtype on disk (write_model_files).
     """
     if iteration < 0:
         raise CheckpointError(f"iteration={iteration} must be >= 0", path=final_dir)
@@ -347,7 +407,7 @@ def publish_checkpoint(
     try:
         write_model_files(
             model, tokenizer, tmp, state_dict=state_dict, carry_files_from=carry_files_from,
-            weights_from=weights_from,
+            weights_from=weights_from, dtype=dtype,
         )
     except BaseException:
         remove_tree(tmp)

@@ -1,15 +1,17 @@
 """bf16 parameters with fp32 optimizer state (`train.param_dtype = "bfloat16"`).
 
     the model's parameters      bf16: what forward and backward use, what FSDP2
-                                shards and all-gathers, what the checkpoint holds
+                                shards and all-gathers
     the optimizer's parameters  an fp32 copy of each (same sharding: a DTensor's
                                 copy is a DTensor of the same placement), with
                                 AdamW's moments in fp32
     step                        bf16 grads -> fp32 copies' grads -> AdamW ->
                                 fp32 copies -> cast into the bf16 parameters
 
-Small updates that bf16 would round away accumulate in the fp32 copies within
-an iteration; the checkpoint (bf16) is what the next iteration starts from.
+Small updates that bf16 would round away accumulate in the fp32 copies, which a
+resident trainer keeps from one iteration to the next and the training state
+saves; a checkpoint holds the weights in the model's own dtype whatever the
+parameters' (trainer/checkpoint.py saved_dtype).
 The class answers to what the trainer asks of an optimizer (param_groups,
 state, state_dict, load_state_dict, zero_grad, step), so optimizer-state
 saving and restoring (optim_state.py) work on the fp32 copies unchanged.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +136,31 @@ def policy_logprobs(
             for i, values in zip(chunk, grpo.extract_response_values(logp, packed), strict=False):
                 out[i] = values
     return out
+
+
+@contextlib.contextmanager
+def as_published(model: Any, dtype: str) -> Iterator[None]:
+    """The model's parameters rounded to `dtype` (the checkpoint's) for the block, then
+    restored exactly: what scores the probes is what the engines will load.
+
+    The fp32 values wait in CPU memory (this rank's shards under FSDP2); parameters
+    already in `dtype` (bf16 ones with fp32 copies in the optimizer) are untouched.
+    """
+    target = getattr(torch, dtype)
+    kept: list[tuple[Tensor, Tensor]] = []
+    try:
+        with torch.no_grad():
+            for p in unwrap(model).parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                if local.dtype == target or not local.is_floating_point():
+                    continue
+                kept.append((local, local.detach().to("cpu", copy=True)))
+                local.copy_(local.to(target))
+        yield
+    finally:
+        with torch.no_grad():
+            for local, original in kept:
+                local.copy_(original)
 
 
 def param_digest(model: Any) -> str:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from rollout.errors import CheckpointError
 from trainer import train_state
+from trainer.checkpoint import saved_dtype
 from trainer.config import DType, Offload, Strategy, TrainConfig
 from trainer.distributed import DistContext, all_reduce, unwrap
 from trainer.job import TrainJob
@@ -41,12 +42,15 @@ class Session:
     """The live training state: wrapped model, tokenizer, optimizer, step, iteration."""
 
     def __init__(self, *, ctx: DistContext, config: TrainConfig, model: Any, tokenizer: Any,
-                 optimizer: Any) -> None:
+                 optimizer: Any, publish_dtype: str = "float32") -> None:
         self.ctx = ctx
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.optimizer = optimizer
+        # The dtype checkpoints are published in: the start model's own (a bf16 model
+        # stays bf16); the fp32 master weights live in memory and in train_state/.
+        self.publish_dtype = publish_dtype
         self.step = 0  # optimizer steps taken over the run
         self.through = -1  # the last iteration whose update the weights hold
         self.saved_through = -1  # the last iteration whose state is in the run directory
@@ -237,7 +241,7 @@ def open_session(job: TrainJob, ctx: DistContext) -> Session:
         wrapped.parameters(), lr=config.lr, betas=config.betas, eps=config.adam_eps,
         weight_decay=config.weight_decay)
     session = Session(ctx=ctx, config=config, model=wrapped, tokenizer=tokenizer,
-                      optimizer=optimizer)
+                      optimizer=optimizer, publish_dtype=saved_dtype(model_dir))
     session.through = job.iteration - 1 - len(job.replay)
     session.resumed = {"from_state": None, "model": str(model_dir)}
     if job.resume_state is not None:

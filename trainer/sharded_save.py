@@ -1,6 +1,7 @@
 """Saving an FSDP2 model as a Hugging Face checkpoint without gathering it on one rank.
 
-    every rank   get_model_state_dict (its DTensor shards, nothing gathered)
+    every rank   get_model_state_dict (its DTensor shards, nothing gathered), cast to
+                 the checkpoint's dtype
                  --> torch.distributed.checkpoint.save with HuggingFaceStorageWriter:
                      <staging>/sharded/shard-0000R-model-00001-of-00001.safetensors
     rank 0       consolidation (torch's, in the same save): the shards streamed
@@ -24,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from coordinator.fsio import remove_tree
+from trainer.checkpoint import cast_state
 from trainer.distributed import DistContext
 
 log = logging.getLogger("trainer")
@@ -33,8 +35,10 @@ def staging_dir(out_dir: Path) -> Path:
     return out_dir.with_name(f".staging-{out_dir.name}")
 
 
-def stage_sharded_weights(model: Any, ctx: DistContext, out_dir: Path) -> Path:
-    """Every rank writes its shards; rank 0 consolidates them.  Collective."""
+def stage_sharded_weights(model: Any, ctx: DistContext, out_dir: Path,
+                          dtype: str | None = None) -> Path:
+    """Every rank writes its shards (in `dtype`, the checkpoint's: trainer/checkpoint.py
+    saved_dtype; None: the parameters'); rank 0 consolidates them.  Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -44,6 +48,8 @@ def stage_sharded_weights(model: Any, ctx: DistContext, out_dir: Path) -> Path:
         remove_tree(staging)  # a killed attempt's leftovers
     dist.barrier()
     state = get_model_state_dict(model)
+    if dtype is not None:
+        state = cast_state(state, dtype)  # each rank casts its own shards
     writer = HuggingFaceStorageWriter(str(staging), save_distributed=True,
                                       enable_consolidation=True,
                                       fqn_to_index_mapping={name: 1 for name in state})

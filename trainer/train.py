@@ -16,9 +16,11 @@ deterministic shard:
         └─ for each epoch, for each optimizer step:
                micro-batches: forward, GRPO loss, backward (grad sync on the last)
                clip grad norm, AdamW step (lr warm-up by the run's global step)
-    ──> every rank: its shard of the training state when the job says save_state
-        ── barrier ──> rank 0: publish the checkpoint to out_dir, then
-        metrics_path (last: it means "done")
+    ──> every rank: the probes, scored on the weights rounded to the checkpoint's
+        dtype (the start model's own: trainer/checkpoint.py saved_dtype); its shard
+        of the training state (fp32 master weights) when the job says save_state
+        ── barrier ──> rank 0: publish the checkpoint to out_dir in that dtype,
+        then metrics_path (last: it means "done")
 
 Every rank runs the same number of forward/backward passes (a rank short of
 samples runs a zero-weight copy of a real one), because DDP and FSDP2 issue
@@ -64,7 +66,13 @@ from trainer.distributed import (
 from trainer.errors import TrainError
 from trainer.grpo import shard
 from trainer.job import TrainJob
-from trainer.policy import autocast, load_policy, param_digest, policy_logprobs
+from trainer.policy import (
+    as_published,
+    autocast,
+    load_policy,
+    param_digest,
+    policy_logprobs,
+)
 from trainer.probes import ProbeSet, make_probe_set
 from trainer.session import Session, open_session
 from trainer.sharded_save import stage_sharded_weights
@@ -317,13 +325,14 @@ def finish(job: TrainJob, session: Session, metrics: dict[str, Any], started: fl
     The metrics file is written last: the coordinator may take its presence
     as "iteration trained", so everything it describes must exist first.
     """
-    ctx, model = session.ctx, session.model
-    digest = param_digest(model)
+    ctx, model, dtype = session.ctx, session.model, session.publish_dtype
+    digest = param_digest(model)  # of the master weights: what a replay must reproduce
     log.info("params sha256 %s", digest)
-    probes = score_probes(model, ctx)  # every rank: FSDP all-gathers inside the forward
+    with as_published(model, dtype):  # the probes score the weights the engines will load
+        probes = score_probes(model, ctx)  # every rank: FSDP all-gathers inside the forward
     # FSDP2: every rank saves its shards, rank 0 consolidates (trainer/sharded_save.py);
     # nothing gathers the whole model.  DDP and a single process: the model as it is.
-    staged = stage_sharded_weights(model, ctx, job.out_dir) if ctx.is_distributed and \
+    staged = stage_sharded_weights(model, ctx, job.out_dir, dtype) if ctx.is_distributed and \
         ctx.strategy == Strategy.FSDP2 else None
     if job.save_state:
         session.save_state(job.state_dir, job.iteration)  # collective: every shard published
@@ -340,6 +349,7 @@ def finish(job: TrainJob, session: Session, metrics: dict[str, Any], started: fl
             carry_files_from=job.model_dir,
             probes=probes,
             weights_from=staged,
+            dtype=dtype,
         )
         metrics["checkpoint_digest"] = manifest.digest
         metrics["params_sha256"] = digest

@@ -27,10 +27,12 @@ import torch
 
 from rollout.tasks import BuiltinReverseTasks, Task
 from trainer import grpo
+from trainer.architectures import ArchSpec, create_model
 from trainer.checkpoint import (
     MANIFEST_NAME,
     fsync_tree,
     read_manifest,
+    saved_dtype,
     seal_directory,
     tmp_sibling,
     write_model_files,
@@ -50,11 +52,21 @@ _AT_FDCWD: Final = -100
 
 
 def encode_task(tokenizer: Any, task: Task) -> tuple[list[int], list[int]]:
-    """(prompt ids, answer ids + eos): exactly what a perfect policy would sample."""
-    assert isinstance(task.prompt, str)
-    prompt = tokenizer(task.prompt).input_ids
+    """(prompt ids, answer ids + eos): exactly what a perfect policy would sample.
+
+    A chat task's prompt is its messages through the chat template with the
+    generation prompt, as the engine renders a chat request; the answer ends with
+    the tokenizer's eos, which for a chat model is its end-of-turn token."""
+    messages = task.messages()
+    if messages is None:
+        prompt = tokenizer(task.prompt).input_ids
+    else:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=True)
+        if hasattr(prompt, "keys"):  # transformers 5 returns a BatchEncoding
+            prompt = prompt["input_ids"]
     answer = tokenizer(task.ground_truth, add_special_tokens=False).input_ids
-    return prompt, [*answer, tokenizer.eos_token_id]
+    return list(prompt), [*answer, tokenizer.eos_token_id]
 
 
 def sample_responses(
@@ -172,12 +184,16 @@ def _swap_dirs(new: Path, old: Path) -> None:
     os.rename(aside, new)
 
 
-def warm_start(model_dir: Path, *, steps: int = DEFAULT_STEPS, seed: int = 0) -> dict[str, Any]:
-    """Supervised warm-up of the model in model_dir, saved back in place atomically.
+def warm_start(model_dir: Path, *, steps: int = DEFAULT_STEPS, seed: int = 0,
+               chat: bool = False) -> dict[str, Any]:
+    """Supervised warm-up of the model in model_dir, saved back in place atomically,
+    in the dtype it was saved in (trained in float32).
 
-    Returns {"accuracy": sampled exact-match on the warm-up eval split, "loss",
-    "steps", "seconds"}.  A model_dir with a manifest gets a fresh manifest of
-    the same iteration, so it stays a verifiable checkpoint.
+    `chat`: the tasks as chat messages through the model's chat template (what the
+    loop sends a model with one, rl/loop.py), else as text.  Returns {"accuracy":
+    sampled exact-match on the warm-up eval split, "loss", "steps", "seconds"}.  A
+    model_dir with a manifest gets a fresh manifest of the same iteration, so it
+    stays a verifiable checkpoint.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -192,7 +208,8 @@ def warm_start(model_dir: Path, *, steps: int = DEFAULT_STEPS, seed: int = 0) ->
             model_dir, dtype=torch.float32, local_files_only=True, use_safetensors=True
         )
         source = BuiltinReverseTasks(
-            seed=WARM_TASK_SEED_OFFSET + seed, train_size=WARM_TRAIN_SIZE, eval_size=EVAL_SIZE
+            seed=WARM_TASK_SEED_OFFSET + seed, train_size=WARM_TRAIN_SIZE, eval_size=EVAL_SIZE,
+            chat=chat,
         )
         loss = supervised_steps(model, tokenizer, source.tasks("train"), steps=steps, seed=seed)
         accuracy = sampled_accuracy(model, tokenizer, source.tasks("eval"), seed=seed)
@@ -200,7 +217,8 @@ def warm_start(model_dir: Path, *, steps: int = DEFAULT_STEPS, seed: int = 0) ->
     iteration = read_manifest(model_dir).iteration if (model_dir / MANIFEST_NAME).exists() else None
     tmp = tmp_sibling(model_dir)
     try:
-        write_model_files(model, None, tmp, carry_files_from=model_dir)
+        write_model_files(model, None, tmp, carry_files_from=model_dir,
+                          dtype=saved_dtype(model_dir))
         if iteration is not None:
             staged = tmp.with_name(tmp.name + ".sealed")
             seal_directory(tmp, staged, iteration=iteration)
@@ -218,14 +236,23 @@ def warm_start(model_dir: Path, *, steps: int = DEFAULT_STEPS, seed: int = 0) ->
     }
 
 
-def build_initial_model(out_dir: Path, *, seed: int, warmstart_steps: int) -> dict[str, Any]:
-    """Build the tiny demo model, warm-start it, and publish it with a manifest."""
+def build_initial_model(out_dir: Path, *, seed: int, warmstart_steps: int,
+                        spec: ArchSpec | None = None) -> dict[str, Any]:
+    """Build a model, warm-start it, and publish it with a manifest: the tiny demo
+    model (prompted as text), or with `spec` a model of a real architecture
+    (trainer/architectures.py), warm-started through its chat template."""
     from trainer.tiny_model import create_tiny_model
 
     tmp = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.tmp")
-    create_tiny_model(tmp, seed=seed)
-    report: dict[str, Any] = {}
-    if warmstart_steps > 0:
-        report = warm_start(tmp, steps=warmstart_steps, seed=seed)
-    seal_directory(tmp, out_dir, iteration=0)
+    try:
+        if spec is None:
+            create_tiny_model(tmp, seed=seed)
+        else:
+            create_model(tmp, spec, seed=seed)
+        report: dict[str, Any] = {}
+        if warmstart_steps > 0:
+            report = warm_start(tmp, steps=warmstart_steps, seed=seed, chat=spec is not None)
+        seal_directory(tmp, out_dir, iteration=0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a no-op once sealed (renamed)
     return report

@@ -18,9 +18,11 @@ from rollout.batch_format import TrainBatch
 from rollout.errors import CheckpointError
 from rollout.train_batch import save_train_batch
 from trainer import train_state
+from trainer.architectures import create_model, preset
 from trainer.config import Strategy, TrainConfig
 from trainer.distributed import DistContext
 from trainer.job import TrainJob
+from trainer.policy import param_digest
 from trainer.session import Session, open_session
 from trainer.tiny_model import create_tiny_model
 from trainer.train import prepare, train_iteration
@@ -168,7 +170,9 @@ def train(job: TrainJob, tmp: Path) -> dict:
 def test_a_new_trainer_resumes_from_the_saved_state_and_replays_to_the_same_weights(
     tmp_path: Path,
 ) -> None:
-    model_dir = create_tiny_model(tmp_path / "model", seed=0)
+    # A bf16 model (trainer/architectures.py): its checkpoints are bf16, so only the
+    # saved state's fp32 master weights let a new trainer end where the old one did.
+    model_dir = create_model(tmp_path / "model", preset("qwen2", "tiny", num_hidden_layers=1))
     write_batches(tmp_path, model_dir, iterations=3)
     config = dict(epochs=2, mini_batch_size=5, micro_batch_size=3, lr=1e-3, warmup_steps=0)
     jobs = {it: job_for(tmp_path, it, tmp_path / f"ckpt-{it - 1}" if it > 1 else model_dir,
@@ -201,6 +205,12 @@ def test_a_new_trainer_resumes_from_the_saved_state_and_replays_to_the_same_weig
     assert redone["optimizer_step_start"] == 8
     assert redone["params_sha256"] == resident[2]["params_sha256"]
     assert redone["checkpoint_digest"] == resident[2]["checkpoint_digest"]
+    # What the checkpoint holds is not the masters: resuming from it would differ.
+    from transformers import AutoModelForCausalLM
+
+    assert json.loads((tmp_path / "ckpt-3" / "config.json").read_text())["dtype"] == "bfloat16"
+    published = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt-3", dtype=torch.float32)
+    assert param_digest(published) != resident[2]["params_sha256"]
 
     # With no state saved yet, a new trainer starts from the initial model and replays all.
     scratch = dataclasses.replace(
@@ -225,12 +235,15 @@ def torchrun_pair(job: Path, tmp: Path, name: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("param_dtype", "model"), [("float32", "qwen2"), ("bfloat16", "char")])
 def test_fsdp2_shards_of_the_training_state_carry_over_on_both_ranks(
-        tmp_path: Path, param_dtype: str) -> None:
-    """Also with train.param_dtype bfloat16: bf16 parameters (and checkpoint), the
-    optimizer's copies and moments in fp32 (trainer/master_weights.py)."""
-    model_dir = create_tiny_model(tmp_path / "model", seed=0)
+        tmp_path: Path, param_dtype: str, model: str) -> None:
+    """fp32 parameters of a bf16 model (Qwen2-shaped), and with train.param_dtype
+    bfloat16 bf16 parameters of the fp32 character model, the optimizer's copies and
+    moments in fp32 (trainer/master_weights.py): each rank casts its shards to the
+    model's own dtype for the checkpoint."""
+    model_dir = create_tiny_model(tmp_path / "model", seed=0) if model == "char" else \
+        create_model(tmp_path / "model", preset("qwen2", "tiny"))
     write_batches(tmp_path, model_dir)
     config = dict(
         strategy="fsdp2", epochs=2, micro_batch_size=2, lr=1e-3, warmup_steps=0, kl_coef=0.05,
@@ -266,4 +279,4 @@ def test_fsdp2_shards_of_the_training_state_carry_over_on_both_ranks(
 
     stored = {span.dtype for span in read_header(next((tmp_path / "ckpt-2").glob(
         "*.safetensors"))).values()}
-    assert stored == {torch.bfloat16 if param_dtype == "bfloat16" else torch.float32}
+    assert stored == {torch.bfloat16 if model == "qwen2" else torch.float32}
