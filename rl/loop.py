@@ -9,15 +9,17 @@ port held from phase 9 to phase 10.  Nothing here does a phase's work.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from coordinator import fsio
 from coordinator.actions import StepContext
 from coordinator.beneath import relative_inside
 from coordinator.config import RunConfig
-from coordinator.errors import ActionError, UsageError
+from coordinator.errors import ActionError, UnsafeFileError, UsageError
 from coordinator.layout import release as release_key
 from coordinator.netaddr import Listener
 from coordinator.placement import Placement, Role
@@ -30,8 +32,9 @@ from rl.engine_host import EngineHost
 from rl.trainer_host import TrainerHost
 from rollout.errors import TaskDataError
 from rollout.sharding import ShardPlan
-from rollout.tasks import Task, TaskSource
+from rollout.tasks import BuiltinReverseTasks, Task, TaskSource
 from trainer.config import Offload
+from trainer.tiny_model import CHAT_TEMPLATE as CHARACTER_TEMPLATE
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,36 @@ def placed_on_gpus(s: RlSections, placement: Placement, rank: int,
         s = dataclasses.replace(s, engine=dataclasses.replace(s.engine,
                                                               cuda_visible_devices=rollout))
     return s, placement.visible_devices(rank, Role.TRAIN, inherited)
+
+
+def builtin_as_chat(model_dir: Path) -> bool:
+    """Whether the built-in task goes to the model as chat messages: when the model has
+    a chat template (in tokenizer_config.json or chat_template.jinja) other than the
+    character model's (trainer/tiny_model.py: a base model, warm-started on text
+    prompts, whose template serves agents' conversations).  The model is the user's
+    (a symlink is followed) or model-init in the run directory; a file that cannot
+    be read or parsed counts as no template (the settings check reads it next)."""
+    def read(name: str) -> bytes | None:
+        try:
+            return fsio.read_bytes(Path(os.path.realpath(model_dir / name)))
+        except (OSError, UnsafeFileError):
+            return None
+
+    template: Any = None
+    raw = read("tokenizer_config.json")
+    try:
+        config = json.loads(raw) if raw is not None else None
+    except ValueError:
+        config = None
+    if isinstance(config, dict):
+        template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not template and (jinja := read("chat_template.jinja")) is not None:
+        template = jinja.decode("utf-8", "replace")
+    return isinstance(template, str) and bool(template.strip()) \
+        and template != CHARACTER_TEMPLATE
 
 
 class Loop:
@@ -136,6 +169,9 @@ class Loop:
         and data.val_files: rl/data_source.py)."""
         if self._tasks is None:
             self._tasks = task_source(self.s.data)
+            if isinstance(self._tasks, BuiltinReverseTasks) and builtin_as_chat(
+                    self.initial_model()):
+                self._tasks = dataclasses.replace(self._tasks, chat=True)
         if split.value not in self._by_id:
             try:
                 found = self._tasks.tasks(split.value)
