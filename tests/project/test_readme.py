@@ -85,7 +85,19 @@ def test_the_demo_command_installs_no_test_tool() -> None:
             assert not pattern.search(commands), f"{script.name} installs {tool}"
         # pip installs only the pinned torch and the project itself, no extra.
         for args in re.findall(r"pip install (.*)", commands):
-            assert set(args.split()) <= {"--quiet", '"torch==2.13.0"', "-e", "."}, args
+            assert set(args.split()) <= {"--quiet", "--no-compile", '"torch==2.13.0"', "-e",
+                                         "."}, args
+
+
+def test_the_modules_the_demo_setup_compiles_exist() -> None:
+    import importlib.util
+
+    found = re.search(r'IMPORTED_BY_THE_DEMO="([^"]*)"', commands_of(ROOT / "scripts" / "setup.sh"))
+    assert found is not None, "scripts/setup.sh no longer names what the demo imports"
+    names = found.group(1).split()
+    assert "rollout.hf.server" in names and "torch.distributed.run" in names
+    for name in names:  # a module renamed would stop scripts/demo.sh at its setup
+        assert importlib.util.find_spec(name) is not None, f"{name} (scripts/setup.sh)"
 
 
 def test_the_test_command_installs_every_test_tool() -> None:
