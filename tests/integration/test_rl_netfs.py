@@ -102,7 +102,10 @@ def test_three_nodes_train_two_iterations_each_on_its_own_mount(
     the asynchronous loop run with three nodes killed and recovered along the
     way (test_async_nodes_killed_recover_and_restart_without_redoing_a_saved_chunk)."""
     with NetFs(tmp_path / "fs", mounts=3, direct_io=True) as fs:
-        c = netfs_cluster(tmp_path, fs, warm_model)
+        # keep 1: checkpoint 0 stays only as the best by eval/accuracy (iteration 1's
+        # eval measures it), which check_two_iterations verifies.
+        c = netfs_cluster(tmp_path, fs, warm_model, master_args=(
+            "--set", "checkpoint.keep=1", "--set", "checkpoint.keep_best=eval/accuracy"))
         try:
             started = time.monotonic()
             start_all(c)
@@ -114,7 +117,34 @@ def test_three_nodes_train_two_iterations_each_on_its_own_mount(
         assert not any(trainer_processes(m) for m in c.mount_paths)  # type: ignore[attr-defined]
         check_two_iterations(fs.export / "run", tmp_path, samples=48, eval_samples=12,
                              eval_before_train=False, uninterrupted=True)
+        check_best_kept_and_exported(fs.export / "run", c.mount_paths[1], tmp_path)  # type: ignore[attr-defined]
         print(f"\nRL loop, 3 nodes x 2 iterations on sshfs (direct_io): {elapsed:.0f} s")
+
+
+def check_best_kept_and_exported(run: Path, mount: Path, tmp_path: Path) -> None:
+    """checkpoint.keep_best's record, `coordinator status` showing it, and `coordinator
+    export --best` from a client mount: the checkpoint's files but its manifest."""
+    import subprocess
+
+    from tests.integration.usage import coordinator
+
+    accuracy = json.loads((run / "iterations/000001/metrics/eval.json").read_text())["accuracy"]
+    best = json.loads((run / "checkpoints/best.json").read_text())
+    assert (best["iteration"], best["evaluated_at"], best["value"]) == (0, 1, accuracy)
+    status = subprocess.run([coordinator(), "status", "--log-path", str(mount), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    rows = json.loads(status.stdout)["iterations"]
+    assert [r["checkpoint"] for r in rows] == [f"best ({accuracy:.4g})", "kept"], rows
+    out = tmp_path / "best-model"
+    done = subprocess.run([coordinator(), "export", "--log-path", str(mount), "--best",
+                           "eval/accuracy", "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "iter-000000" in done.stdout, done.stderr
+    source = run / "checkpoints/iter-000000"
+    names = {p.name for p in source.iterdir()} - {"manifest.json"}
+    assert {p.name for p in out.iterdir()} == names
+    # Byte for byte, so the same logits (tests/rl/test_export.py loads exports to compare).
+    assert all((out / n).read_bytes() == (source / n).read_bytes() for n in names)
 
 
 # ---------------------------------------------------------------- kill, recover, restart
