@@ -42,6 +42,20 @@ def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def warm_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen2-architecture model of the tiny size (trainer/architectures.py: byte-level
+    BPE, ChatML template, bf16), warm-started through its chat template as
+    `coordinator init-model --arch qwen2 --size tiny` builds it."""
+    from trainer.architectures import WARMSTART_STEPS_BY_SIZE, Size, preset
+    from trainer.warmstart import build_initial_model as init_model
+
+    out = tmp_path_factory.mktemp("model") / "qwen2"
+    init_model(out, seed=0, warmstart_steps=WARMSTART_STEPS_BY_SIZE[Size.TINY],
+               spec=preset("qwen2", "tiny"))
+    return out
+
+
 @pytest.fixture(autouse=True)
 def temp_dir_untouched() -> Iterator[None]:
     """No test may leave the suite's process another temporary directory: every

@@ -67,6 +67,11 @@ class ResidentModel:
         if not self.sleeping or (tags is not None and "weights" not in tags):
             return
         self.model.to_empty(device=self.device)
+        # To the meta device and back, each module got a parameter of its own: tie the
+        # shared ones again (an lm_head tied to the embeddings, which a checkpoint holds
+        # once) before anything is loaded into them.
+        if callable(getattr(self.model, "tie_weights", None)):
+            self.model.tie_weights()
         restored = self._host_weights is not None
         if self._host_weights is not None:
             self.model.load_state_dict(self._host_weights)

@@ -1,5 +1,11 @@
 """Phase 12's in-place weight update gone wrong on one node, in the real loop on 2 daemons.
 
+The first two run on a model of a real architecture (Qwen2 shape, byte-level
+BPE, ChatML template, bf16: trainer/architectures.py), the built-in task sent
+through its chat template: the loop on the hf engine publishes bf16
+checkpoints, and the probe check, scored on the weights as published, still
+catches an engine that kept the old ones at the float32 tolerance.
+
 The hf engine's fault hook (rollout/hf/control.py, ROLLOUT_HF_FAULTS) is set
 in rank 1's environment only, as a broken engine would be on one node:
 
@@ -19,6 +25,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from rollout.hf.control import FAULTS_ENV
 from tests.integration.test_rl_loop import CONFIG, LEASE
@@ -53,10 +60,10 @@ def phase12(c: LocalCluster, rank: int) -> dict:
 
 
 def test_an_engine_serving_stale_weights_is_caught_naming_the_node(
-        tmp_path: Path, warm_model: Path) -> None:
+        tmp_path: Path, warm_qwen2: Path) -> None:
     # Level 1 keeps the weights through sleep, so the skipped reload serves
     # iteration 0's policy instead of its checkpoint: a silent failure.
-    c, codes = run_with_fault(tmp_path, warm_model, {"reload": "skip"}, sleep_level=1)
+    c, codes = run_with_fault(tmp_path, warm_qwen2, {"reload": "skip"}, sleep_level=1)
     assert codes == {0: 4, 1: 4}, {r: c.output(r)[-2000:] for r in codes}
     text = c.output(0)
     assert re.search(rf"rank {FAULTY} on host \S+: the inference engine does not serve "
@@ -68,9 +75,30 @@ def test_an_engine_serving_stale_weights_is_caught_naming_the_node(
 
 
 def test_a_failed_reload_falls_back_to_a_restart_and_the_run_completes(
-        tmp_path: Path, warm_model: Path) -> None:
-    c, codes = run_with_fault(tmp_path, warm_model, {"reload": "unreadable"})
+        tmp_path: Path, warm_qwen2: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from rollout.train_batch import load_train_batch
+    from trainer import train_state
+
+    c, codes = run_with_fault(tmp_path, warm_qwen2, {"reload": "unreadable"})
     assert codes == {0: 0, 1: 0}, {r: c.output(r)[-2000:] for r in codes}
+    # The built-in task went through the chat template; its answers end at the end of turn.
+    tokenizer = AutoTokenizer.from_pretrained(warm_qwen2)
+    batch = load_train_batch(c.log_path / "iterations/000000/batch.pt")
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert all(ids[0] == start for ids in batch.prompt_ids)
+    assert tokenizer.decode(batch.prompt_ids[0][-3:]) == "<|im_start|>assistant\n"
+    assert any(ids[-1] == end for ids in batch.response_ids)
+    # The checkpoint keeps the model's bf16; the training state keeps fp32 masters.
+    checkpoint = next((c.log_path / "checkpoints").glob("iter-000000*"))
+    assert {t.dtype for t in load_file(checkpoint / "model.safetensors").values()} == {
+        torch.bfloat16}
+    state = c.log_path / "train_state/iter-000000"
+    (index,) = train_state.complete_state(state)
+    assert {t.dtype for t in train_state.load_shard(state, index).weights.values()} == {
+        torch.float32}
     slept = json.loads((c.log_path / f"iterations/000000/phase-07/arrive-{FAULTY}.json")
                        .read_text())["payload"]
     served = phase12(c, FAULTY)["payload"]

@@ -110,6 +110,29 @@ def test_sleep_wake_reload_sequence_serves_the_new_weights(
     assert _differs(served, models[1]) < 1e-4
 
 
+def test_tied_embeddings_stay_tied_through_sleep_so_a_bf16_checkpoint_reloads(
+        tmp_path: Path) -> None:
+    # Qwen2.5-0.5B's lm_head is its embedding matrix, saved once in the checkpoint.
+    from trainer.architectures import create_model, preset
+
+    spec = preset("qwen2", "tiny", num_hidden_layers=1)
+    first, second = (create_model(tmp_path / name, spec, seed=seed)
+                     for name, seed in (("a", 1), ("b", 2)))
+    server, url = _serve(first)
+    control = EngineControl(CompletionClient(url, KEY, model="policy", retries=0),
+                            reload_timeout_s=60)
+    try:
+        for level, reloaded in ((2, second), (1, first)):
+            control.sleep(level)
+            control.load_weights(str(reloaded))
+            assert _differs(control, reloaded) < 1e-4, level
+        model = server.generator.model  # type: ignore[union-attr]
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_an_awake_engine_is_updated_between_requests_and_a_paused_one_holds_them(
         served: EngineControl, models: tuple[Path, Path]) -> None:
     served.update_weights(str(models[1]))  # pause (wait), reload, reset, resume
