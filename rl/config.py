@@ -41,7 +41,7 @@ from coordinator.errors import UsageError
 from coordinator.settings import Section, SettingError, iter_settings, setting
 from rl.data_source import without_eval_data
 from rl.keep_best import Metric, parse_metric
-from rl.schedule import ScheduleSection, schedule_of
+from rl.schedule import RolloutSplit, ScheduleSection, schedule_of
 from rl.verl_keys import suggestions
 from rollout.engines.engine import EngineConfig
 from rollout.reward_file import DEFAULT_FUNCTION, FileReward
@@ -444,7 +444,27 @@ def parse_sections(raw: Mapping[str, Any]) -> RlSections:
         metrics=from_mapping(MetricsSection, raw.get("metrics", {}), "metrics"),
     )
     check_reward_choice(sections)
+    check_eval_rules(sections)
     return sections
+
+
+def check_eval_rules(s: RlSections) -> None:
+    """Eval settings that could only end in failed samples or a setting that does
+    nothing, refused at start instead."""
+    never = (s.schedule.rollout_split is RolloutSplit.TRAIN_ONLY
+             or (s.schedule.rollout_split is RolloutSplit.BOTH and s.schedule.eval_interval <= 0))
+    if s.checkpoint.keep_best and never:
+        raise UsageError(
+            f"checkpoint.keep_best={s.checkpoint.keep_best!r}, but the run never evaluates "
+            f"(schedule.rollout_split={s.schedule.rollout_split.value}, schedule.eval_interval="
+            f"{s.schedule.eval_interval}): no checkpoint would ever be scored; set "
+            "schedule.eval_interval (and data.val_files when the data has no eval split), or "
+            "drop checkpoint.keep_best")
+    if s.rollout.eval_group_size > 1 and s.rollout.eval_temperature == 0:
+        raise UsageError(
+            f"rollout.eval_group_size={s.rollout.eval_group_size} with rollout.eval_temperature=0: "
+            "greedy decoding gives every sample of a prompt the same answer, and the engines "
+            "refuse n > 1 without sampling; set eval_group_size=1, or eval_temperature above 0")
 
 
 def check_reward_choice(s: RlSections) -> None:

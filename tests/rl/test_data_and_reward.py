@@ -70,6 +70,13 @@ def tasks_file(path: Path, n: int = 3, truth: Any = "4") -> str:
     ({"reward": {"path": "/r.py", "timeout_s": 0}}, "reward.timeout_s=0.0 is not positive"),
     ({"custom_reward_function": {"path": "/r.py"}},
      "custom_reward_function.path: no such setting; did you mean reward.path?"),
+    # Settings that could only end in failed samples, or do nothing, refused at start.
+    ({"checkpoint": {"keep_best": "eval/accuracy"}, "schedule": {"eval_interval": 0}},
+     "checkpoint.keep_best='eval/accuracy', but the run never evaluates"),
+    ({"checkpoint": {"keep_best": "accuracy"}, "schedule": {"rollout_split": "train-only"}},
+     "but the run never evaluates (schedule.rollout_split=train-only"),
+    ({"model": {"path": "/m"}, "rollout": {"eval_group_size": 4}},
+     "rollout.eval_group_size=4 with rollout.eval_temperature=0: greedy decoding"),
 ])
 def test_two_ways_of_naming_the_data_or_the_reward_at_once_are_refused_naming_both(
         sections: dict[str, Any], message: str) -> None:
