@@ -354,7 +354,7 @@ def export(
 def init_model(
     out: Annotated[Path, typer.Option(help="Directory to create (must not exist).")],
     arch: Annotated[str, typer.Option(help="char: the demo's character-level Llama (float32); qwen2 or llama: that architecture with a byte-level BPE tokenizer trained here and its chat template, in bfloat16.")] = "char",
-    size: Annotated[str, typer.Option(help="With qwen2/llama: tiny (0.5 M parameters), small (4 M) or 0.5b (Qwen2.5-0.5B's shape, 494 M).")] = "tiny",
+    size: Annotated[str, typer.Option(help="With qwen2/llama: tiny (0.7 M parameters), small (5.2 M) or 0.5b (Qwen2.5-0.5B's shape, 494 M).")] = "tiny",
     hidden: Annotated[int | None, typer.Option(help="Hidden size (default: the size's).")] = None,
     intermediate: Annotated[int | None, typer.Option(help="MLP size (default: the size's).")] = None,
     layers: Annotated[int | None, typer.Option(help="Decoder layers (default: the size's).")] = None,
@@ -362,6 +362,7 @@ def init_model(
     kv_heads: Annotated[int | None, typer.Option(help="Key/value heads (default: the size's).")] = None,
     vocab: Annotated[int | None, typer.Option(help="Vocabulary, the BPE trained to exactly this many tokens (default: the size's).")] = None,
     max_positions: Annotated[int | None, typer.Option(help="Context length (default: the size's).")] = None,
+    tie_embeddings: Annotated[bool | None, typer.Option("--tie-embeddings/--no-tie-embeddings", help="lm_head is the embedding matrix (default: the size's: tied for 0.5b, as Qwen2.5-0.5B; not for tiny and small, as vLLM's CPU build reloads a tied one stale).")] = None,
     seed: Annotated[int, typer.Option(help="Weights seed.")] = 0,
     warmstart_steps: Annotated[int | None, typer.Option(help=f"Supervised warm-up steps on the built-in task (0: none; default: {WARMSTART_STEPS} for char, for qwen2/llama the size's: " + ", ".join(f"{k.value} {v}" for k, v in WARMSTART_STEPS_BY_SIZE.items()) + ").")] = None,
 ) -> None:
@@ -377,7 +378,7 @@ def init_model(
         raise fail_usage(f"--warmstart-steps {warmstart_steps} is negative: use 0 to skip it")
     shape = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                 max_position_embeddings=max_positions)
+                 max_position_embeddings=max_positions, tie_word_embeddings=tie_embeddings)
     if arch == "char":
         if any(v is not None for v in shape.values()):
             raise fail_usage("--arch char has its fixed shape: the shape options apply to "

@@ -39,7 +39,8 @@ def demo_config() -> Path:
 def engine_settings(engine: str, *, vllm: str, nodes: int) -> list[str]:
     """The --set items that run the demo's engines: nothing for the hf engine; for
     vLLM, the executable and what the tiny model on `nodes` engines of one machine
-    needs: float32 (the model's own dtype), its 128 positions, eager mode (a graph
+    needs: float32 (the character model's own dtype; a bf16 model, --arch qwen2, is
+    computed in it too), 128 positions, eager mode (a graph
     compile costs more than the tiny model's whole rollout), and memory shared
     among the engines: on a GPU a share of it each; on CPU, where vLLM's
     gpu_memory_utilization is a share of the node's RAM, a KV cache of 256 MiB."""

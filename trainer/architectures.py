@@ -55,24 +55,30 @@ class Size(str, enum.Enum):
 
 
 _SHAPES: Final[dict[Size, dict[str, int]]] = {
-    # 0.6 M parameters: head_dim 32 (a size every vLLM attention backend takes).
+    # 0.7 M parameters: head_dim 32 (a size every vLLM attention backend takes).
     Size.TINY: dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
-                    max_position_embeddings=512),
-    # 4.2 M parameters.
+                    max_position_embeddings=512, tie_word_embeddings=False),
+    # 5.2 M parameters.
     Size.SMALL: dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
-                     max_position_embeddings=1024),
+                     max_position_embeddings=1024, tie_word_embeddings=False),
     Size.HALF_B: dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                       num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                      max_position_embeddings=32768),
+                      max_position_embeddings=32768, tie_word_embeddings=True),
 }
+# tiny and small keep an lm_head of their own: vLLM's CPU build (0.29) computes a tied
+# lm_head from a packed copy made at start (vocab_parallel_embedding.py,
+# dispatch_cpu_unquantized_gemm) that its in-place reload leaves stale, which phase 12's
+# probe check catches (0.006 and 0.037 against 0.002, measured); Qwen2.5-0.5B's shape
+# (and the hf engine, and vLLM on a GPU, which packs nothing) keeps them tied.
 # Supervised warm-start steps of a built model (trainer/warmstart.py, through its
 # chat template), by size: the sampled accuracy on the built-in task's eval prompts
 # lands near the character model's 12-20 %, some reward for RL and room to double
-# it.  Measured on qwen2 (docs/BENCHMARKS.md, section 10): tiny, 90 steps: 11-21 %
-# over seeds 0-2 (70: 3 %, 100: 18-31 %); small, 50 steps: 12-25 % (45: 6 %,
-# 55: 24-37 %).  0.5b: none, a CPU would take hours; the demo refuses it.
+# it.  Measured on qwen2 (docs/BENCHMARKS.md, section 10): tiny, 90 steps: 14-19 %
+# over seeds 0-2; small, 50 steps: 18-23 % over seeds 0-1 (tied, the same sizes
+# gave 3 % at 70 and 18-31 % at 100 steps, 6 % at 45 and 24-37 % at 55).  0.5b:
+# none, a CPU would take hours; the demo refuses it.
 WARMSTART_STEPS_BY_SIZE: Final = {Size.TINY: 90, Size.SMALL: 50, Size.HALF_B: 0}
 # Rotary base: Qwen2.5's and Llama 3's.
 _ROPE_THETA: Final = {Arch.QWEN2: 1_000_000.0, Arch.LLAMA: 500_000.0}
@@ -131,7 +137,7 @@ class ArchSpec:
     num_key_value_heads: int
     vocab_size: int
     max_position_embeddings: int
-    tie_word_embeddings: bool = True  # as Qwen2.5-0.5B and Llama 3.2-1B
+    tie_word_embeddings: bool = True  # lm_head is the embedding matrix (Qwen2.5-0.5B)
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:

@@ -115,7 +115,7 @@ def test_tied_embeddings_stay_tied_through_sleep_so_a_bf16_checkpoint_reloads(
     # Qwen2.5-0.5B's lm_head is its embedding matrix, saved once in the checkpoint.
     from trainer.architectures import create_model, preset
 
-    spec = preset("qwen2", "tiny", num_hidden_layers=1)
+    spec = preset("qwen2", "tiny", num_hidden_layers=1, tie_word_embeddings=True)
     first, second = (create_model(tmp_path / name, spec, seed=seed)
                      for name, seed in (("a", 1), ("b", 2)))
     server, url = _serve(first)
