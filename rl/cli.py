@@ -367,7 +367,7 @@ def init_model(
     warmstart_steps: Annotated[int | None, typer.Option(help=f"Supervised warm-up steps on the built-in task (0: none; default: {WARMSTART_STEPS} for char, for qwen2/llama the size's: " + ", ".join(f"{k.value} {v}" for k, v in WARMSTART_STEPS_BY_SIZE.items()) + ").")] = None,
 ) -> None:
     """Create a model locally, nothing downloaded: Hugging Face format, safetensors, tokenizer,
-    a manifest.  README ("Your own model") shows the sizes."""
+    a manifest.  README ("A model of a real architecture, built here") shows the sizes."""
     from trainer.architectures import preset
     from trainer.warmstart import build_initial_model as build
 
