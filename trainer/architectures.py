@@ -70,8 +70,9 @@ _SHAPES: Final[dict[Size, dict[str, int]]] = {
 # tiny and small keep an lm_head of their own: vLLM's CPU build (0.29) computes a tied
 # lm_head from a packed copy made at start (vocab_parallel_embedding.py,
 # dispatch_cpu_unquantized_gemm) that its in-place reload leaves stale, which phase 12's
-# probe check catches (0.006 and 0.037 against 0.002, measured); Qwen2.5-0.5B's shape
-# (and the hf engine, and vLLM on a GPU, which packs nothing) keeps them tied.
+# probe check catches (0.006 and 0.037 against 0.002, measured).  Qwen2.5-0.5B's shape
+# keeps them tied (the hf engine reloads it in place; vLLM on a GPU packs no copy, but
+# its in-place reload of a tied model is not measured here: the probes would tell).
 # Supervised warm-start steps of a built model (trainer/warmstart.py, through its
 # chat template), by size: the sampled accuracy on the built-in task's eval prompts
 # lands near the character model's 12-20 %, some reward for RL and room to double
