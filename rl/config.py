@@ -43,6 +43,7 @@ from rl.data_source import without_eval_data
 from rl.keep_best import Metric, parse_metric
 from rl.schedule import RolloutSplit, ScheduleSection, schedule_of
 from rl.verl_keys import suggestions
+from rollout.engines.config import EngineKind
 from rollout.engines.engine import EngineConfig
 from rollout.reward_file import DEFAULT_FUNCTION, FileReward
 from rollout.rewards import DEFAULT_CALL_SECONDS
@@ -460,11 +461,13 @@ def check_eval_rules(s: RlSections) -> None:
             f"{s.schedule.eval_interval}): no checkpoint would ever be scored; set "
             "schedule.eval_interval (and data.val_files when the data has no eval split), or "
             "drop checkpoint.keep_best")
-    if s.rollout.eval_group_size > 1 and s.rollout.eval_temperature == 0:
+    if (s.engine.kind is EngineKind.VLLM and s.rollout.eval_group_size > 1
+            and s.rollout.eval_temperature == 0):
         raise UsageError(
-            f"rollout.eval_group_size={s.rollout.eval_group_size} with rollout.eval_temperature=0: "
-            "greedy decoding gives every sample of a prompt the same answer, and the engines "
-            "refuse n > 1 without sampling; set eval_group_size=1, or eval_temperature above 0")
+            f"rollout.eval_group_size={s.rollout.eval_group_size} with rollout.eval_temperature=0 "
+            "on engine.kind=vllm: greedy decoding gives every sample of a prompt the same "
+            "answer, and vLLM refuses n > 1 without sampling (every eval sample would fail); "
+            "set eval_group_size=1, or eval_temperature above 0")
 
 
 def check_reward_choice(s: RlSections) -> None:

@@ -30,6 +30,8 @@ from rl.loop import Loop
 from rollout.errors import RewardFileError
 from rollout.tasks import Task
 
+AGENT: Final = "agent"  # the arrival's rollout.agent, or BUILTIN_AGENT
+BUILTIN_AGENT: Final = "builtin"  # the agent reported without rollout.agent (sampling)
 REWARD: Final = "reward"  # the arrival's description of the reward the rank scores with
 PROBLEM: Final = "reward_problem"  # ... or why it cannot score
 _SHOWN: Final = 400  # characters of a rank's text quoted (it comes from the run directory)
@@ -46,6 +48,10 @@ def check_reward_here(loop: Loop, *, master: bool) -> dict[str, str]:
 
 
 def _check(loop: Loop) -> dict[str, str]:
+    return {AGENT: loop.s.rollout.agent or BUILTIN_AGENT, **_reward(loop)}
+
+
+def _reward(loop: Loop) -> dict[str, str]:
     s = loop.s
     if s.rollout.agent:
         return {REWARD: "the agent's own"}
@@ -79,6 +85,8 @@ def same_reward(arrivals: Mapping[int, Arrival]) -> None:
     if problems:
         raise UsageError("the reward cannot be used on every node: " + "; ".join(problems)
                          + "; fix it and start every node again")
+    same_agents({rank: a.payload[AGENT] for rank, a in arrivals.items()
+                 if isinstance(a.payload.get(AGENT), str)})
     used: dict[str, list[int]] = {}
     for rank, arrival in sorted(arrivals.items()):
         reward = arrival.payload.get(REWARD)
@@ -90,6 +98,19 @@ def same_reward(arrivals: Mapping[int, Arrival]) -> None:
             + "; ".join(f"ranks {', '.join(map(str, r))}: {w}" for w, r in used.items())
             + "): reward.path and reward.function are node-local, give every node the same "
             "file (--set reward.path=FILE, or in its --config)")
+
+
+def same_agents(used: Mapping[int, str]) -> None:
+    """Every rank runs the same agent (rollout.agent is node-local: a node started
+    without it would silently sample instead); UsageError naming the ranks."""
+    by_agent: dict[str, list[int]] = {}
+    for rank, agent in sorted(used.items()):
+        by_agent.setdefault(agent[:_SHOWN], []).append(rank)
+    if len(by_agent) > 1:
+        raise UsageError(
+            "the ranks would roll out with different agents ("
+            + "; ".join(f"ranks {', '.join(map(str, r))}: {a}" for a, r in by_agent.items())
+            + "): rollout.agent is node-local, give every node the same --set rollout.agent=...")
 
 
 def check_truths(s: RlSections, tasks: Iterable[Task]) -> None:

@@ -46,6 +46,7 @@ from rl.engines import serve_chosen_policy
 from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
+from rl.reward_check import BUILTIN_AGENT, same_agents
 from rollout.agents import Agent, GroupAgent, load_agent, run_groups
 from rollout.budget import check_failures, check_failures_so_far
 from rollout.errors import BudgetError
@@ -55,7 +56,6 @@ from rollout.tasks import Task
 from rollout.trajectory import RankCheckpointWriter
 
 log = logging.getLogger(__name__)
-BUILTIN_AGENT = "builtin"  # what phase 1 reports without rollout.agent
 
 
 def roll_out_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
@@ -78,16 +78,8 @@ def same_agent(loop: Loop, ctx: StepContext, arrivals: Mapping[int, Arrival],
     """Phase 1's decision: every rank rolled out with the same agent.  rollout.agent
     is node-local (each node names the code it runs), so a node started without
     it would silently sample instead: refused, naming the ranks (exit 2)."""
-    used = {rank: a.payload["agent"] for rank, a in arrivals.items()
-            if isinstance(a.payload.get("agent"), str)}
-    if len(set(used.values())) > 1:
-        by_agent: dict[str, list[int]] = {}
-        for rank, agent in sorted(used.items()):
-            by_agent.setdefault(agent, []).append(rank)
-        raise UsageError(
-            "the ranks rolled out with different agents ("
-            + "; ".join(f"ranks {', '.join(map(str, r))}: {a}" for a, r in by_agent.items())
-            + "): rollout.agent is node-local, give every node the same --set rollout.agent=...")
+    same_agents({rank: a.payload["agent"] for rank, a in arrivals.items()
+                 if isinstance(a.payload.get("agent"), str)})
     return {}
 
 

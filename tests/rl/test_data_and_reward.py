@@ -75,8 +75,8 @@ def tasks_file(path: Path, n: int = 3, truth: Any = "4") -> str:
      "checkpoint.keep_best='eval/accuracy', but the run never evaluates"),
     ({"checkpoint": {"keep_best": "accuracy"}, "schedule": {"rollout_split": "train-only"}},
      "but the run never evaluates (schedule.rollout_split=train-only"),
-    ({"model": {"path": "/m"}, "rollout": {"eval_group_size": 4}},
-     "rollout.eval_group_size=4 with rollout.eval_temperature=0: greedy decoding"),
+    ({"model": {"path": "/m"}, "engine": {"kind": "vllm"}, "rollout": {"eval_group_size": 4}},
+     "rollout.eval_group_size=4 with rollout.eval_temperature=0 on engine.kind=vllm: greedy"),
 ])
 def test_two_ways_of_naming_the_data_or_the_reward_at_once_are_refused_naming_both(
         sections: dict[str, Any], message: str) -> None:
@@ -169,12 +169,18 @@ def test_every_node_checks_its_own_reward_file_and_the_master_refuses_a_differen
     # A worker started without the file (reward.path is node-local) would score with
     # the data sources' defaults: refused, naming the ranks.
     bare = check_reward_here(loop_of(tmp_path, {}, rank=1), master=False)
-    assert bare == {"reward": "each data source's default"}
+    assert bare == {"agent": "builtin", "reward": "each data source's default"}
     with pytest.raises(UsageError, match=r"ranks 0: reward.path's compute_score .*; ranks 1: "
                                          r"each data source's default\): reward.path and "
                                          r"reward.function are node-local"):
         same_reward({0: arrival(0, with_file), 1: arrival(1, bare)})
     same_reward({0: arrival(0, with_file), 1: arrival(1, with_file), 2: arrival(2, {})})
+    # A node started without the agent is named as such at phase 0, before the
+    # reward it would score with (which follows from the agent).
+    agent = check_reward_here(loop_of(tmp_path, {"rollout": {"agent": "m:A"}}), master=True)
+    with pytest.raises(UsageError, match=r"different agents \(ranks 0: m:A; ranks 1: builtin\): "
+                                         r"rollout.agent is node-local"):
+        same_reward({0: arrival(0, agent), 1: arrival(1, bare)})
 
 
 def test_a_workers_broken_reward_file_stops_every_node_naming_the_rank(tmp_path: Path) -> None:
@@ -203,3 +209,9 @@ def test_a_structured_ground_truth_needs_a_reward_file(tmp_path: Path) -> None:
     (tmp_path / "r.py").write_text(REWARD)
     loop = loop_of(tmp_path, {"data": {"path": path}, "reward": {"path": str(tmp_path / "r.py")}})
     check_truths(loop.s, loop.tasks(Split.TRAIN).values())
+
+
+def test_greedy_eval_of_several_samples_is_refused_only_where_the_engine_refuses_it() -> None:
+    """The hf engine samples n greedy answers (the same one n times); vLLM refuses."""
+    resolved = resolve({"model": {"path": "/m"}, "rollout": {"eval_group_size": 2}})
+    assert resolved.sections["rollout"]["eval_group_size"] == 2
