@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator.actions import StepContext
-from coordinator.errors import ActionError, UsageError
+from coordinator.errors import ActionError
 from coordinator.records import Arrival
 from coordinator.store import read_document
 from rl import layout
