@@ -226,13 +226,17 @@ def _train_metrics(loop: Loop, iteration: int) -> dict[str, Any]:
 
 
 def verify_new_checkpoint(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
-    """Phase 11 (master): every file of the new checkpoint matches its manifest."""
+    """Phase 11 (master): the new checkpoint's manifest reads and names exactly its files.
+    Their contents are checked by every node as it copies them at phase 12 (each byte
+    crosses the shared filesystem once per node, trainer/checkpoint.py
+    copy_to_local_cache); a file altered on the share fails phase 12 naming it."""
     from trainer.checkpoint import CheckpointError, verify_checkpoint
 
     if not ctx.is_master or not loop.trains:
         return {}
     try:
-        manifest = verify_checkpoint(layout.checkpoint(loop.run_dir, ctx.iteration))
+        manifest = verify_checkpoint(layout.checkpoint(loop.run_dir, ctx.iteration),
+                                     contents=False)
     except CheckpointError as exc:
         raise ActionError(f"the new checkpoint is not publishable: {exc}") from exc
     return {"files": len(manifest.files)}

@@ -22,6 +22,9 @@ the one class for unusable checkpoints) carrying the offending path.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import hashlib
 import json
 import logging
@@ -29,6 +32,9 @@ import os
 import re
 import secrets
 import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Final
@@ -46,7 +52,13 @@ from coordinator.fsio import (
 )
 from coordinator.records import Record
 from coordinator.store import read_document
-from coordinator.verified import copy_verified, file_digest, read_verified
+from coordinator.verified import (
+    copy_hashed,
+    copy_verified,
+    file_digest,
+    in_parallel,
+    read_verified,
+)
 from rollout.errors import CheckpointError
 from trainer.probes import ProbeSet
 
@@ -139,11 +151,16 @@ def _list_files(root: Path) -> list[str]:
     return [name for name in names if name != MANIFEST_NAME]
 
 
-def _build_manifest(root: Path, iteration: int, probes: ProbeSet | None) -> Manifest:
-    files = {}
-    for rel in _list_files(root):
-        size, sha256 = file_digest(root / rel)  # the size of what was read, not a cached stat
-        files[rel] = FileEntry(sha256=sha256, size=size)
+def _build_manifest(root: Path, iteration: int, probes: ProbeSet | None,
+                    hashed: Mapping[str, tuple[int, str]] | None = None) -> Manifest:
+    """The manifest of the files under `root`: (size, SHA-256) from `hashed` where the
+    copy that wrote a file hashed it, otherwise read back (every file at once); the
+    size is that of what was read or written, never a cached stat."""
+    hashed = dict(hashed or {})
+    names = _list_files(root)
+    hashed.update(in_parallel({rel: functools.partial(file_digest, root / rel)
+                               for rel in names if rel not in hashed}))
+    files = {rel: FileEntry(size=hashed[rel][0], sha256=hashed[rel][1]) for rel in names}
     try:
         return Manifest(iteration=iteration, files=files, probes=probes)
     except ValueError as exc:  # nothing written, or a name no reader would accept
@@ -175,8 +192,8 @@ def verify_checkpoint(directory: Path, *, contents: bool = True) -> Manifest:
     """Check every file against the manifest; raise CheckpointError naming the first bad one.
 
     `contents=False` checks the names only: for a caller that hashes every file as it
-    copies it (copy_to_local_cache from a bucket, which would otherwise fetch each
-    file twice).
+    copies it (copy_to_local_cache, coordinator export, phase 11 before every node's
+    copy at phase 12), which would otherwise read each file twice.
     """
     if not trees.is_dir(directory):
         raise CheckpointError(f"checkpoint {directory} does not exist", path=directory)
@@ -371,10 +388,12 @@ def write_model_files(
 
 
 def seal_directory(tmp: Path, final_dir: Path, *, iteration: int,
-                   probes: ProbeSet | None = None) -> Manifest:
-    """Manifest + fsync a fully written tmp dir, then rename it to final_dir."""
+                   probes: ProbeSet | None = None,
+                   hashed: Mapping[str, tuple[int, str]] | None = None) -> Manifest:
+    """Manifest + fsync a fully written tmp dir, then rename it to final_dir.  `hashed`:
+    the (size, SHA-256) of files hashed as they were written, not read back."""
     try:
-        manifest = _build_manifest(tmp, iteration, probes)
+        manifest = _build_manifest(tmp, iteration, probes, hashed)
         _seal(tmp, manifest)
         return _finalise_dir(tmp, manifest, final_dir)
     finally:
@@ -404,77 +423,137 @@ def publish_checkpoint(
     if iteration < 0:
         raise CheckpointError(f"iteration={iteration} must be >= 0", path=final_dir)
     tmp = tmp_sibling(final_dir)
+    hashed: dict[str, tuple[int, str]] = {}
     try:
-        write_model_files(
-            model, tokenizer, tmp, state_dict=state_dict, carry_files_from=carry_files_from,
-            weights_from=weights_from, dtype=dtype,
-        )
+        if weights_from is None and routing.routed(final_dir) is None:
+            hashed = _write_staged(tmp, lambda staging: write_model_files(
+                model, tokenizer, staging, state_dict=state_dict,
+                carry_files_from=carry_files_from, dtype=dtype))
+        else:  # a bucket's tmp is node-local already; FSDP's weights are on the share
+            write_model_files(
+                model, tokenizer, tmp, state_dict=state_dict, carry_files_from=carry_files_from,
+                weights_from=weights_from, dtype=dtype,
+            )
     except BaseException:
         remove_tree(tmp)
         raise
     finally:
         if weights_from is not None:
             remove_tree(weights_from)  # the staged shards: its consolidated files moved in
-    return seal_directory(tmp, final_dir, iteration=iteration, probes=probes)
+    return seal_directory(tmp, final_dir, iteration=iteration, probes=probes, hashed=hashed)
+
+
+def _write_staged(tmp: Path, write: Callable[[Path], None]) -> dict[str, tuple[int, str]]:
+    """`write` into a private directory on this node's disk (TMPDIR: under the run's
+    node-local root for the trainer, rl/node_local.py), then each file copied to `tmp`
+    on the shared filesystem, hashed as it is copied (every file at once): the
+    publisher never reads the checkpoint back from the share.  (size, SHA-256) by
+    relative name.  Without room on this node's disk, written to `tmp` directly and
+    read back to hash it (logged)."""
+    staging = Path(tempfile.mkdtemp(prefix="publish-"))
+    try:
+        try:
+            write(staging)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.warning("no room to stage the checkpoint in %s (%s): writing it to %s directly "
+                        "and reading it back to hash it; give TMPDIR (or "
+                        "checkpoint.local_cache) room for one checkpoint", staging, exc, tmp)
+            remove_tree(staging)
+            write(tmp)
+            return {}
+        names = _list_files(staging)
+        for rel in names:
+            ensure_dir((tmp / rel).parent)
+        return in_parallel({rel: functools.partial(copy_hashed, staging / rel, tmp / rel)
+                            for rel in names})
+    finally:
+        remove_tree(staging)
 
 
 def local_view(directory: Path) -> Path:
     """`directory` with its files readable as plain local files (what transformers and
     safetensors open).  On a filesystem, the directory itself.  Beneath a bucket's
     node-local root, every file of the published checkpoint is fetched to its own path
-    there and checked against the manifest (a file already there with the manifest's
-    hash is kept); the manifest is written there last."""
+    there (all at once) and checked against the manifest as it is fetched; the manifest
+    is written there last, and a copy whose manifest and sizes match is used as it is
+    (sealed_copy_of)."""
     if routing.routed(directory) is None:
         return directory
     manifest = verify_checkpoint(directory, contents=False)
-    for name, entry in sorted(manifest.files.items()):
+    if sealed_copy_of(directory, manifest, only=False):
+        return directory  # fetched and verified before; its manifest was written last
+
+    def fetch(name: str, entry: FileEntry) -> None:
         path = directory / name
-        if path.is_file() and _local_digest(path) == (entry.size, entry.sha256):
-            continue
         try:  # fetches the object to `path`, then hashes what it fetched
             read_verified(path, size=entry.size, sha256=entry.sha256, allow_map=False).close()
         except MalformedRecordError as exc:
             raise CheckpointError(str(exc), path=path) from exc
+
+    # The local manifest goes first, and comes back once every file is verified.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(directory / MANIFEST_NAME)
+    in_parallel({name: functools.partial(fetch, name, entry)
+                 for name, entry in manifest.files.items()})
     local_manifest = directory / MANIFEST_NAME
     local_manifest.write_bytes(manifest.to_bytes())
     os.chmod(local_manifest, FILE_MODE)
     return directory
 
 
-def _local_digest(path: Path) -> tuple[int, str]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
+def sealed_copy_of(local: Path, manifest: Manifest, *, only: bool = True) -> bool:
+    """Whether `local`, a copy on this node's disk, holds `manifest`'s checkpoint: its own
+    manifest (written last, once every file was verified as it was copied) has the same
+    bytes, and every file is there, a regular file of the listed size (and, `only`, no
+    other file).  Trusted this way, not hashed again at every use: the copy is this
+    user's (mode 0700, rl/node_local.py), and a copy cut short has no manifest or a
+    short file.  Plain local reads: beneath a bucket's node-local root too."""
+    expected = manifest.to_bytes()
+    try:
+        with open(local / MANIFEST_NAME, "rb") as handle:
+            if handle.read(len(expected) + 1) != expected:
+                return False
+        for name, entry in manifest.files.items():
+            st = os.lstat(local / name)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+                return False
+        return not only or set(_list_files(local)) == manifest.files.keys()
+    except (CheckpointError, OSError):
+        return False
 
 
 def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:
     """A verified local copy of a published checkpoint, reused when already cached.
 
-    The copy is hashed against the manifest verified on the source *before*
-    copying, so a source file changed mid-copy is caught, not cached.
+    One pass over the shared filesystem: the names are checked against the manifest,
+    then every file is copied (all at once), hashed as it is read and checked against
+    the manifest, so a file altered on the share, or changed mid-copy, is caught and
+    never cached.  A cached copy is trusted by its sealed manifest and file sizes
+    (sealed_copy_of), not hashed again.
     """
-    # From a bucket, names only: copy_verified below hashes every file it fetches.
-    manifest = verify_checkpoint(src_dir, contents=routing.routed(src_dir) is None)
+    manifest = verify_checkpoint(src_dir, contents=False)
     dest = cache_root / f"{src_dir.name}-{manifest.digest}"
     if dest.exists():
-        try:
-            if verify_checkpoint(dest) == manifest:
-                return dest
-        except CheckpointError as exc:
-            log.warning("cached copy %s is damaged (%s): copying again", dest, exc)
+        if sealed_copy_of(dest, manifest):
+            return dest
+        log.warning("cached copy %s does not match its manifest (cut short or altered): "
+                    "copying again", dest)
         remove_tree(dest)
     tmp = tmp_sibling(dest)
+
+    def copy(name: str, entry: FileEntry) -> None:
+        try:
+            copy_verified(src_dir / name, tmp / name, size=entry.size, sha256=entry.sha256)
+        except MalformedRecordError as exc:
+            raise CheckpointError(f"{exc}; retry", path=src_dir / name) from exc
+
     try:
-        for name, entry in sorted(manifest.files.items()):
-            target = tmp / name
-            ensure_dir(target.parent)
-            try:
-                copy_verified(src_dir / name, target, size=entry.size, sha256=entry.sha256)
-            except MalformedRecordError as exc:
-                raise CheckpointError(f"{exc}; retry", path=src_dir / name) from exc
+        for name in manifest.files:
+            ensure_dir((tmp / name).parent)
+        in_parallel({name: functools.partial(copy, name, entry)
+                     for name, entry in manifest.files.items()})
         _seal(tmp, manifest)
         _finalise_dir(tmp, manifest, dest)
         return dest

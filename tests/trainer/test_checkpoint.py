@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -223,8 +224,14 @@ def test_a_torn_manifest_is_read_again_and_a_missing_one_is_a_checkpoint_error(
     assert err.value.path == missing / MANIFEST_NAME
 
 
-def test_the_final_name_never_shows_a_partial_checkpoint(tmp_path: Path) -> None:
-    final = tmp_path / "iter-000003"
+def test_the_final_name_never_shows_a_partial_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = tmp_path / "node-disk"
+    node.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(node))  # the trainer's TMPDIR
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    final = shared / "iter-000003"
     pause, resume = threading.Event(), threading.Event()
     model = FakeModel(pause=pause, resume=resume)
     worker = threading.Thread(
@@ -233,19 +240,57 @@ def test_the_final_name_never_shows_a_partial_checkpoint(tmp_path: Path) -> None
     worker.start()
     try:
         assert pause.wait(10)
-        # Half written: the files go to a hidden sibling, the final name is absent
-        # and a reader of the final name sees nothing.
-        assert model.written_to is not None and model.written_to.parent == tmp_path
-        assert model.written_to.name.startswith(".")
+        # Half written: the files go to a private directory on the node's disk (then
+        # copied, hashed, into a hidden sibling on the share); the final name is
+        # absent and a reader of the final name sees nothing.
+        assert model.written_to is not None and model.written_to.parent == node
+        assert oct(model.written_to.stat().st_mode & 0o777) == "0o700"
         assert not final.exists()
-        assert [p for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+        assert [p for p in shared.iterdir() if not p.name.startswith(".")] == []
         with pytest.raises(CheckpointError, match="does not exist"):
             verify_checkpoint(final)
     finally:
         resume.set()
         worker.join(10)
     assert verify_checkpoint(final).iteration == 3
-    assert [p.name for p in tmp_path.iterdir()] == [final.name]
+    assert [p.name for p in shared.iterdir()] == [final.name]
+    assert list(node.iterdir()) == []  # the staging directory went
+
+
+def test_the_publisher_hashes_as_it_copies_to_the_share_and_never_reads_it_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each file is written once on the node's disk, then copied to the share and
+    hashed in the same pass: nothing on the share is read back (file_digest, the
+    read-back, would raise)."""
+    import trainer.checkpoint
+
+    def read_back(path: Path) -> None:
+        raise AssertionError(f"{path} was read back")
+
+    monkeypatch.setattr(trainer.checkpoint, "file_digest", read_back)
+    weights = os.urandom(9 << 20)  # more than two of the copy's blocks
+    final = tmp_path / "iter-1"
+    publish(final, weights=weights)
+    manifest = verify_checkpoint(final)
+    assert manifest.files["model.safetensors"] == FileEntry(
+        sha256=hashlib.sha256(weights).hexdigest(), size=len(weights))
+
+
+def test_without_room_on_the_nodes_disk_the_checkpoint_is_written_to_the_share_directly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    class FullLocalDisk(FakeModel):
+        def save_pretrained(self, directory: Path,
+                            state_dict: dict[str, Any] | None = None) -> None:
+            if Path(directory).name.startswith("publish-"):
+                raise OSError(28, "No space left on device")
+            super().save_pretrained(directory, state_dict)
+
+    final = tmp_path / "shared" / "iter-1"
+    publish_checkpoint(FullLocalDisk(), FakeTokenizer(), final, iteration=1)
+    assert verify_checkpoint(final).files.keys() == {"config.json", "model.safetensors",
+                                                     "tokenizer.json"}
+    assert "no room to stage the checkpoint" in caplog.text
 
 
 def test_a_failed_write_leaves_neither_final_nor_temporary_dir(tmp_path: Path) -> None:
@@ -278,6 +323,58 @@ def test_local_cache_copy_is_verified_and_reused(tmp_path: Path) -> None:
     inode = (copy / "model.safetensors").stat().st_ino
     assert copy_to_local_cache(src, cache) == copy
     assert (copy / "model.safetensors").stat().st_ino == inode  # reused, not copied again
+
+
+def test_a_node_reads_each_file_from_the_share_once_and_reuses_its_copy_unhashed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is the check (names against the manifest, then each file hashed as it
+    is copied: no separate verification read); a sealed cached copy is trusted by its
+    manifest and sizes, not hashed again."""
+    import coordinator.verified
+    import trainer.checkpoint
+
+    src = tmp_path / "shared" / "iter-000002"
+    publish(src, iteration=2, weights=os.urandom(9 << 20))
+    opened: list[str] = []
+    real_open = coordinator.verified.fsio.open_regular
+
+    def counting_open(path: Path, *args: Any, **kwargs: Any) -> int:
+        opened.append(Path(path).name)
+        return real_open(path, *args, **kwargs)
+
+    def no_hash(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("hashed again")
+
+    monkeypatch.setattr(coordinator.verified.fsio, "open_regular", counting_open)
+    monkeypatch.setattr(trainer.checkpoint, "read_verified", no_hash)
+    copy = copy_to_local_cache(src, tmp_path / "cache")
+    assert sorted(n for n in opened if n != MANIFEST_NAME) == [
+        "config.json", "model.safetensors", "tokenizer.json"]  # each file read once
+    monkeypatch.setattr(trainer.checkpoint, "copy_verified", no_hash)
+    monkeypatch.setattr(trainer.checkpoint, "file_digest", no_hash)
+    assert copy_to_local_cache(src, tmp_path / "cache") == copy
+
+
+def test_a_bit_flipped_in_the_shared_copy_is_caught_as_it_is_copied(tmp_path: Path) -> None:
+    src = tmp_path / "iter-1"
+    publish(src, weights=bytes(range(256)) * 1024)
+    data = bytearray((src / "model.safetensors").read_bytes())
+    data[1000] ^= 1  # same size: only the hash sees it
+    os.chmod(src / "model.safetensors", 0o644)
+    (src / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*SHA-256 .* differs|"
+                                              r"model\.safetensors.*altered"):
+        copy_to_local_cache(src, tmp_path / "cache")
+    assert not any(p.name.startswith("iter-1") for p in (tmp_path / "cache").iterdir())
+
+
+def test_a_cache_copy_cut_short_is_copied_again(tmp_path: Path) -> None:
+    src = tmp_path / "iter-1"
+    publish(src)
+    copy = copy_to_local_cache(src, tmp_path / "cache")
+    (copy / MANIFEST_NAME).unlink()  # a copy whose seal never came
+    assert copy_to_local_cache(src, tmp_path / "cache") == copy
+    assert verify_checkpoint(copy) == verify_checkpoint(src)
 
 
 def test_a_damaged_cache_copy_is_replaced(tmp_path: Path) -> None:
