@@ -59,7 +59,8 @@ class EngineHost:
 
     def local_copy(self, ctx: StepContext, model_dir: Path) -> Path:
         """A verified node-local copy of a published checkpoint (or a user model in place)."""
-        from trainer.checkpoint import CheckpointError, copy_to_local_cache
+        from trainer.checkpoint import CheckpointError
+        from trainer.local_copy import copy_to_local_cache
 
         if not trees.exists(model_dir / "manifest.json"):
             # A user's own model directory: served in place, there is no

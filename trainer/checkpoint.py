@@ -22,25 +22,18 @@ the one class for unusable checkpoints) carrying the offending path.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
-import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
-import stat
-import tempfile
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Final
+from typing import Any, Final
 
 from coordinator import routing, trees
-from coordinator.errors import MalformedRecordError, UnsafeFileError
+from coordinator.errors import MalformedRecordError
 from coordinator.fsio import (
     DIR_MODE,
     FILE_MODE,
@@ -50,23 +43,28 @@ from coordinator.fsio import (
     remove_tree,
     rename,
 )
-from coordinator.records import Record
-from coordinator.store import read_document
 from coordinator.verified import (
-    copy_hashed,
-    copy_verified,
     file_digest,
     in_parallel,
     read_verified,
 )
 from rollout.errors import CheckpointError
+from trainer.manifest import (
+    MANIFEST_NAME,
+    MANIFEST_SCHEMA,
+    DeltaInfo,
+    FileEntry,
+    Manifest,
+    list_files,
+    read_manifest,
+)
 from trainer.probes import ProbeSet
+
+__all__ = ["MANIFEST_NAME", "MANIFEST_SCHEMA", "CheckpointError", "DeltaInfo", "FileEntry",
+           "Manifest", "read_manifest"]
 
 log = logging.getLogger(__name__)
 
-MANIFEST_NAME: Final = "manifest.json"
-MANIFEST_SCHEMA: Final = "coordinator/checkpoint-manifest"
-_SHA256: Final = re.compile(r"[0-9a-f]{64}")
 # Files that hold weights; everything else in a checkpoint (config, tokenizer,
 # generation config, chat template) is carried over verbatim by training.
 _WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
@@ -74,118 +72,21 @@ _WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".safetensors.index.json", ".
 SAVED_DTYPES: Final = ("float32", "bfloat16", "float16")
 
 
-def _check_file_name(name: str) -> None:
-    """A manifest's file name is a plain relative path inside the checkpoint.
-
-    Names come from disk and may be hostile: none may point outside the
-    directory, use Windows separators, or stand for the manifest itself.
-    """
-    path = Path(name)
-    if (
-        not name
-        or path.is_absolute()
-        or ".." in path.parts
-        or name == MANIFEST_NAME
-        or "\\" in name
-    ):
-        raise ValueError(
-            f"file name {name!r} is not a plain relative path inside the checkpoint "
-            f"(no '..', no leading '/', no '\\', not {MANIFEST_NAME})"
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class FileEntry(Record):
-    """One file of a checkpoint as its manifest lists it (under its name)."""
-
-    # Only ever nested in a Manifest, where it is written without schema and
-    # version; the name identifies the type in errors and tests.
-    SCHEMA: ClassVar[str] = "coordinator/checkpoint-manifest/file"
-    sha256: str
-    size: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.sha256, str) or not _SHA256.fullmatch(self.sha256):
-            raise ValueError(f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
-        if type(self.size) is not int or self.size < 0:
-            raise ValueError(f"size {self.size!r} is not an integer >= 0")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Manifest(Record):
-    """What a complete checkpoint holds: its iteration and every file's hash and size."""
-
-    SCHEMA: ClassVar[str] = MANIFEST_SCHEMA
-    iteration: int
-    files: dict[str, FileEntry]  # relative path with "/" separators -> entry
-    # What the trainer's weights say about fixed sequences (trainer/probes.py):
-    # phase 12 checks the engine serves these weights.  None: not trained here.
-    probes: ProbeSet | None = None
-
-    def __post_init__(self) -> None:
-        if type(self.iteration) is not int or self.iteration < 0:
-            raise ValueError(f"iteration {self.iteration!r} is not an integer >= 0")
-        if not self.files:
-            raise ValueError("files is empty: a checkpoint lists at least one file")
-        for name in self.files:
-            _check_file_name(name)
-
-    def to_bytes(self) -> bytes:
-        # Keys sorted: the bytes are the checkpoint's content id (`digest`) and
-        # must not depend on the order the files were listed in.  Indented so
-        # that an operator can read the manifest.
-        return (json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n").encode()
-
-    @property
-    def digest(self) -> str:
-        """A short content id: equal manifests, equal digests."""
-        return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
-
-
-def _list_files(root: Path) -> list[str]:
-    try:
-        names = trees.list_files(root)
-    except UnsafeFileError as exc:
-        raise CheckpointError(f"{exc.path}: checkpoints may not contain symlinks: remove it",
-                              path=exc.path) from None
-    return [name for name in names if name != MANIFEST_NAME]
-
-
 def _build_manifest(root: Path, iteration: int, probes: ProbeSet | None,
-                    hashed: Mapping[str, tuple[int, str]] | None = None) -> Manifest:
+                    hashed: Mapping[str, tuple[int, str]] | None = None,
+                    delta: DeltaInfo | None = None) -> Manifest:
     """The manifest of the files under `root`: (size, SHA-256) from `hashed` where the
     copy that wrote a file hashed it, otherwise read back (every file at once); the
     size is that of what was read or written, never a cached stat."""
     hashed = dict(hashed or {})
-    names = _list_files(root)
+    names = list_files(root)
     hashed.update(in_parallel({rel: functools.partial(file_digest, root / rel)
                                for rel in names if rel not in hashed}))
     files = {rel: FileEntry(size=hashed[rel][0], sha256=hashed[rel][1]) for rel in names}
     try:
-        return Manifest(iteration=iteration, files=files, probes=probes)
+        return Manifest(iteration=iteration, files=files, probes=probes, delta=delta)
     except ValueError as exc:  # nothing written, or a name no reader would accept
         raise CheckpointError(f"cannot publish {root}: {exc}", path=root) from exc
-
-
-def read_manifest(directory: Path) -> Manifest:
-    """A checkpoint's manifest, read like every record of the run directory.
-
-    A manifest that does not parse is retried by the reader (it may be a torn
-    read), then reported as a CheckpointError naming the manifest's path.
-    """
-    path = directory / MANIFEST_NAME
-    try:
-        manifest = read_document(path, Manifest.from_bytes)
-    except MalformedRecordError as exc:  # malformed, or a symlink/FIFO/giant in its place
-        raise CheckpointError(
-            f"{exc}: {directory} is not a usable checkpoint; publish it again or remove it",
-            path=path,
-        ) from exc
-    if manifest is None:
-        raise CheckpointError(
-            f"{path} is missing: {directory} is not a published checkpoint", path=path
-        )
-    return manifest
 
 
 def verify_checkpoint(directory: Path, *, contents: bool = True) -> Manifest:
@@ -198,7 +99,7 @@ def verify_checkpoint(directory: Path, *, contents: bool = True) -> Manifest:
     if not trees.is_dir(directory):
         raise CheckpointError(f"checkpoint {directory} does not exist", path=directory)
     manifest = read_manifest(directory)
-    present = set(_list_files(directory))
+    present = set(list_files(directory))
     extra = sorted(present - manifest.files.keys())
     if extra:
         path = directory / extra[0]
@@ -256,7 +157,7 @@ def tmp_sibling(final_dir: Path) -> Path:
     return tmp
 
 
-def _seal(tmp: Path, manifest: Manifest) -> None:
+def seal_files(tmp: Path, manifest: Manifest) -> None:
     """Write the manifest, restrict modes, and fsync every file and the dir."""
     (tmp / MANIFEST_NAME).write_bytes(manifest.to_bytes())
     fsync_tree(tmp)
@@ -389,12 +290,14 @@ def write_model_files(
 
 def seal_directory(tmp: Path, final_dir: Path, *, iteration: int,
                    probes: ProbeSet | None = None,
-                   hashed: Mapping[str, tuple[int, str]] | None = None) -> Manifest:
+                   hashed: Mapping[str, tuple[int, str]] | None = None,
+                   delta: DeltaInfo | None = None) -> Manifest:
     """Manifest + fsync a fully written tmp dir, then rename it to final_dir.  `hashed`:
-    the (size, SHA-256) of files hashed as they were written, not read back."""
+    the (size, SHA-256) of files hashed as they were written, not read back; `delta`:
+    what a delta checkpoint was made from (trainer/manifest.py)."""
     try:
-        manifest = _build_manifest(tmp, iteration, probes, hashed)
-        _seal(tmp, manifest)
+        manifest = _build_manifest(tmp, iteration, probes, hashed, delta)
+        seal_files(tmp, manifest)
         return _finalise_dir(tmp, manifest, final_dir)
     finally:
         remove_tree(tmp)  # a no-op once renamed
@@ -411,6 +314,8 @@ def publish_checkpoint(
     probes: ProbeSet | None = None,
     weights_from: Path | None = None,
     dtype: str | None = None,
+    delta_parent: Path | None = None,
+    last_published: Path | None = None,
 ) -> Manifest:
     """Write model + tokenizer to final_dir atomically with a manifest.
 
@@ -419,143 +324,47 @@ def publish_checkpoint(
     `state_dict` overrides the model's own tensors (a gathered FSDP state);
     `carry_files_from` copies the non-weight files of the source checkpoint;
     `dtype` is the weights' dtype on disk (write_model_files).
+
+    The files are written on this node's disk first, then copied to the share, hashed
+    as they are copied (trainer/publisher.py).  With `last_published`, a directory on
+    this node's disk, the files are kept there for the next publication; with
+    `delta_parent` too (a sibling checkpoint whose files are kept there), each weights
+    file is published as its delta from the parent's (trainer/delta.py).
     """
+    from trainer import publisher
+
     if iteration < 0:
         raise CheckpointError(f"iteration={iteration} must be >= 0", path=final_dir)
     tmp = tmp_sibling(final_dir)
     hashed: dict[str, tuple[int, str]] = {}
+    staged: publisher.Staged | None = None
     try:
-        if weights_from is None and routing.routed(final_dir) is None:
-            hashed = _write_staged(tmp, lambda staging: write_model_files(
-                model, tokenizer, staging, state_dict=state_dict,
+        if weights_from is None:
+            staged = publisher.stage(tmp, lambda out: write_model_files(
+                model, tokenizer, out, state_dict=state_dict,
                 carry_files_from=carry_files_from, dtype=dtype))
-        else:  # a bucket's tmp is node-local already; FSDP's weights are on the share
+        else:  # FSDP's consolidated weights are on the share already: read back once
             write_model_files(
                 model, tokenizer, tmp, state_dict=state_dict, carry_files_from=carry_files_from,
                 weights_from=weights_from, dtype=dtype,
             )
+        if staged is not None:
+            staged = publisher.with_delta(staged, final_dir, delta_parent, last_published)
+            hashed = publisher.upload(staged, tmp)
+        manifest = seal_directory(tmp, final_dir, iteration=iteration, probes=probes,
+                                  hashed=hashed, delta=staged.delta if staged else None)
     except BaseException:
         remove_tree(tmp)
+        if staged is not None:
+            staged.remove()
         raise
     finally:
         if weights_from is not None:
             remove_tree(weights_from)  # the staged shards: its consolidated files moved in
-    return seal_directory(tmp, final_dir, iteration=iteration, probes=probes, hashed=hashed)
+    if last_published is not None:
+        publisher.remember(staged, final_dir.name, manifest, last_published)
+    elif staged is not None:
+        staged.remove()
+    return manifest
 
 
-def _write_staged(tmp: Path, write: Callable[[Path], None]) -> dict[str, tuple[int, str]]:
-    """`write` into a private directory on this node's disk (TMPDIR: under the run's
-    node-local root for the trainer, rl/node_local.py), then each file copied to `tmp`
-    on the shared filesystem, hashed as it is copied (every file at once): the
-    publisher never reads the checkpoint back from the share.  (size, SHA-256) by
-    relative name.  Without room on this node's disk, written to `tmp` directly and
-    read back to hash it (logged)."""
-    staging = Path(tempfile.mkdtemp(prefix="publish-"))
-    try:
-        try:
-            write(staging)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            log.warning("no room to stage the checkpoint in %s (%s): writing it to %s directly "
-                        "and reading it back to hash it; give TMPDIR (or "
-                        "checkpoint.local_cache) room for one checkpoint", staging, exc, tmp)
-            remove_tree(staging)
-            write(tmp)
-            return {}
-        names = _list_files(staging)
-        for rel in names:
-            ensure_dir((tmp / rel).parent)
-        return in_parallel({rel: functools.partial(copy_hashed, staging / rel, tmp / rel)
-                            for rel in names})
-    finally:
-        remove_tree(staging)
-
-
-def local_view(directory: Path) -> Path:
-    """`directory` with its files readable as plain local files (what transformers and
-    safetensors open).  On a filesystem, the directory itself.  Beneath a bucket's
-    node-local root, every file of the published checkpoint is fetched to its own path
-    there (all at once) and checked against the manifest as it is fetched; the manifest
-    is written there last, and a copy whose manifest and sizes match is used as it is
-    (sealed_copy_of)."""
-    if routing.routed(directory) is None:
-        return directory
-    manifest = verify_checkpoint(directory, contents=False)
-    if sealed_copy_of(directory, manifest, only=False):
-        return directory  # fetched and verified before; its manifest was written last
-
-    def fetch(name: str, entry: FileEntry) -> None:
-        path = directory / name
-        try:  # fetches the object to `path`, then hashes what it fetched
-            read_verified(path, size=entry.size, sha256=entry.sha256, allow_map=False).close()
-        except MalformedRecordError as exc:
-            raise CheckpointError(str(exc), path=path) from exc
-
-    # The local manifest goes first, and comes back once every file is verified.
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(directory / MANIFEST_NAME)
-    in_parallel({name: functools.partial(fetch, name, entry)
-                 for name, entry in manifest.files.items()})
-    local_manifest = directory / MANIFEST_NAME
-    local_manifest.write_bytes(manifest.to_bytes())
-    os.chmod(local_manifest, FILE_MODE)
-    return directory
-
-
-def sealed_copy_of(local: Path, manifest: Manifest, *, only: bool = True) -> bool:
-    """Whether `local`, a copy on this node's disk, holds `manifest`'s checkpoint: its own
-    manifest (written last, once every file was verified as it was copied) has the same
-    bytes, and every file is there, a regular file of the listed size (and, `only`, no
-    other file).  Trusted this way, not hashed again at every use: the copy is this
-    user's (mode 0700, rl/node_local.py), and a copy cut short has no manifest or a
-    short file.  Plain local reads: beneath a bucket's node-local root too."""
-    expected = manifest.to_bytes()
-    try:
-        with open(local / MANIFEST_NAME, "rb") as handle:
-            if handle.read(len(expected) + 1) != expected:
-                return False
-        for name, entry in manifest.files.items():
-            st = os.lstat(local / name)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
-                return False
-        return not only or set(_list_files(local)) == manifest.files.keys()
-    except (CheckpointError, OSError):
-        return False
-
-
-def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:
-    """A verified local copy of a published checkpoint, reused when already cached.
-
-    One pass over the shared filesystem: the names are checked against the manifest,
-    then every file is copied (all at once), hashed as it is read and checked against
-    the manifest, so a file altered on the share, or changed mid-copy, is caught and
-    never cached.  A cached copy is trusted by its sealed manifest and file sizes
-    (sealed_copy_of), not hashed again.
-    """
-    manifest = verify_checkpoint(src_dir, contents=False)
-    dest = cache_root / f"{src_dir.name}-{manifest.digest}"
-    if dest.exists():
-        if sealed_copy_of(dest, manifest):
-            return dest
-        log.warning("cached copy %s does not match its manifest (cut short or altered): "
-                    "copying again", dest)
-        remove_tree(dest)
-    tmp = tmp_sibling(dest)
-
-    def copy(name: str, entry: FileEntry) -> None:
-        try:
-            copy_verified(src_dir / name, tmp / name, size=entry.size, sha256=entry.sha256)
-        except MalformedRecordError as exc:
-            raise CheckpointError(f"{exc}; retry", path=src_dir / name) from exc
-
-    try:
-        for name in manifest.files:
-            ensure_dir((tmp / name).parent)
-        in_parallel({name: functools.partial(copy, name, entry)
-                     for name, entry in manifest.files.items()})
-        _seal(tmp, manifest)
-        _finalise_dir(tmp, manifest, dest)
-        return dest
-    finally:
-        remove_tree(tmp)

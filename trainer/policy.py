@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,20 +20,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from coordinator import routing
+from coordinator import routing, trees
 from rollout.batch_format import TrainBatch
 from trainer import grpo
-from trainer.checkpoint import MANIFEST_NAME, local_view, verify_checkpoint
+from trainer.checkpoint import MANIFEST_NAME, read_manifest, verify_checkpoint
 from trainer.config import Strategy
 from trainer.distributed import DistContext, unwrap, wrap_model
 from trainer.errors import TrainError
 from trainer.grpo import shard
+from trainer.local_copy import copy_to_local_cache, local_view
 
 
 def readable(model_dir: Path) -> Path:
     """A model directory checked and readable as local files: a published checkpoint
     verified against its manifest (fetched to the node-local root from a bucket,
-    trainer/checkpoint.py local_view), or a user's own directory as it is."""
+    trainer/local_copy.py local_view; a delta checkpoint made whole in this process's
+    TMPDIR, the run's node-local .tmp/), or a user's own directory as it is."""
+    if trees.exists(model_dir / MANIFEST_NAME) and read_manifest(model_dir).delta is not None:
+        return copy_to_local_cache(model_dir, Path(tempfile.gettempdir()) / "policies")
     if routing.routed(model_dir) is not None:
         return local_view(model_dir)
     if (model_dir / MANIFEST_NAME).exists():

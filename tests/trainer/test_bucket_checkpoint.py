@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from coordinator import routing
 from rollout.errors import CheckpointError
 from tests.support.buckets import Bucket, Server
-from trainer.checkpoint import MANIFEST_NAME, copy_to_local_cache, seal_directory, tmp_sibling
+from trainer.checkpoint import MANIFEST_NAME, seal_directory, tmp_sibling
+from trainer.local_copy import copy_to_local_cache
 
 
 @contextlib.contextmanager

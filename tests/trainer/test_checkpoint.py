@@ -19,11 +19,11 @@ from trainer.checkpoint import (
     CheckpointError,
     FileEntry,
     Manifest,
-    copy_to_local_cache,
     publish_checkpoint,
     read_manifest,
     verify_checkpoint,
 )
+from trainer.local_copy import copy_to_local_cache
 
 # Damaged files are reported after the read deadline: 1 s here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("quick_read_retry")
@@ -332,6 +332,7 @@ def test_a_node_reads_each_file_from_the_share_once_and_reuses_its_copy_unhashed
     manifest and sizes, not hashed again."""
     import coordinator.verified
     import trainer.checkpoint
+    import trainer.local_copy
 
     src = tmp_path / "shared" / "iter-000002"
     publish(src, iteration=2, weights=os.urandom(9 << 20))
@@ -346,11 +347,11 @@ def test_a_node_reads_each_file_from_the_share_once_and_reuses_its_copy_unhashed
         raise AssertionError("hashed again")
 
     monkeypatch.setattr(coordinator.verified.fsio, "open_regular", counting_open)
-    monkeypatch.setattr(trainer.checkpoint, "read_verified", no_hash)
+    monkeypatch.setattr(trainer.local_copy, "read_verified", no_hash)
     copy = copy_to_local_cache(src, tmp_path / "cache")
     assert sorted(n for n in opened if n != MANIFEST_NAME) == [
         "config.json", "model.safetensors", "tokenizer.json"]  # each file read once
-    monkeypatch.setattr(trainer.checkpoint, "copy_verified", no_hash)
+    monkeypatch.setattr(trainer.local_copy, "copy_verified", no_hash)
     monkeypatch.setattr(trainer.checkpoint, "file_digest", no_hash)
     assert copy_to_local_cache(src, tmp_path / "cache") == copy
 

@@ -1,0 +1,241 @@
+"""Delta checkpoints: published as what changed, made whole on each node, byte for byte."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rollout.errors import CheckpointError
+from trainer import delta
+from trainer.checkpoint import publish_checkpoint, read_manifest, verify_checkpoint
+from trainer.local_copy import copy_to_local_cache
+from trainer.manifest import MANIFEST_NAME
+
+# Damaged files are reported after the read deadline: 1 s here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("quick_read_retry")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Weights:
+    """Implements the save_pretrained interface publish_checkpoint uses: bf16 tensors
+    written by safetensors, as transformers writes them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def save_pretrained(self, directory: Path, state_dict: dict[str, Any] | None = None) -> None:
+        (Path(directory) / "config.json").write_text('{"model_type": "qwen2"}\n')
+        save_file(self.tensors, str(Path(directory) / "model.safetensors"),
+                  metadata={"format": "pt"})
+
+
+def weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(512, 64, generator=g).to(torch.bfloat16),
+            "layer.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+            "layer.bias": torch.randn(64, generator=g).to(torch.bfloat16)}
+
+
+def step(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """`fraction` of every tensor's elements changed (an RL step at a small rate)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in tensors.items():
+        flat = t.flatten().clone()
+        pick = torch.rand(flat.numel(), generator=g) < fraction
+        flat[pick] = (flat[pick].float() * 1.5 + 0.01).to(torch.bfloat16)
+        out[name] = flat.reshape(t.shape)
+    return out
+
+
+def publish(share: Path, iteration: int, tensors: dict[str, torch.Tensor], last: Path,
+            parent: int | None = None) -> Any:
+    return publish_checkpoint(
+        Weights(tensors), None, share / f"iter-{iteration:06d}", iteration=iteration,
+        last_published=last,
+        delta_parent=None if parent is None else share / f"iter-{parent:06d}")
+
+
+def full_bytes(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> bytes:
+    out = tmp_path / "reference"
+    out.mkdir(exist_ok=True)
+    Weights(tensors).save_pretrained(out)
+    return (out / "model.safetensors").read_bytes()
+
+
+def test_a_delta_moves_a_fraction_of_the_weights_and_each_node_makes_the_trainers_file(
+        tmp_path: Path) -> None:
+    share, last = tmp_path / "share", tmp_path / "trainer-disk" / "last-published"
+    w0 = weights()
+    w1 = step(w0, 0.02, seed=1)
+    w2 = step(w1, 0.02, seed=2)
+    full = publish(share, 0, w0, last)
+    assert full.delta is None
+    m1 = publish(share, 1, w1, last, parent=0)
+    m2 = publish(share, 2, w2, last, parent=1)
+    assert m1.delta is not None and m2.delta is not None
+    assert (m1.delta.parent, m1.delta.base, m1.delta.length) == ("iter-000000", "iter-000000", 1)
+    assert (m2.delta.parent, m2.delta.base, m2.delta.length) == ("iter-000001", "iter-000000", 2)
+    assert m2.delta.parent_digest == m1.digest
+    assert "model.safetensors" not in m2.files and "delta/model.safetensors" in m2.files
+    ratio = m2.files["delta/model.safetensors"].size / full.files["model.safetensors"].size
+    assert ratio < 0.10, ratio  # 2 % changed: 6 bytes each against 2 per element
+    verify_checkpoint(share / "iter-000002")  # the share's files match the manifest
+    # A node with nothing cached makes the chain: base, then each link.
+    copy = copy_to_local_cache(share / "iter-000002", tmp_path / "node-a")
+    assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w2)
+    assert (copy / MANIFEST_NAME).read_bytes() == m2.to_bytes()
+    assert sorted(p.name for p in copy.iterdir()) == ["config.json", MANIFEST_NAME,
+                                                      "model.safetensors"]
+    # A node holding the parent applies one link; a second call reuses the sealed copy.
+    node_b = tmp_path / "node-b"
+    copy_to_local_cache(share / "iter-000001", node_b)
+    again = copy_to_local_cache(share / "iter-000002", node_b)
+    assert (again / "model.safetensors").read_bytes() == full_bytes(tmp_path, w2)
+    inode = (again / "model.safetensors").stat().st_ino
+    assert copy_to_local_cache(share / "iter-000002", node_b) == again
+    assert (again / "model.safetensors").stat().st_ino == inode
+
+
+def test_without_the_parents_files_kept_the_trainer_publishes_full(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="trainer.publisher")
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    publish(share, 0, w0, last)
+    # A restarted trainer (its kept files gone) publishes iteration 1 whole.
+    import shutil
+
+    shutil.rmtree(last)
+    m1 = publish(share, 1, step(w0, 0.02, 1), last, parent=0)
+    assert m1.delta is None and "model.safetensors" in m1.files
+    assert "published full, not as a delta of iter-000000: this process has published " \
+        "nothing it kept" in caplog.text
+    # The files kept are another checkpoint's (iteration 2's): iteration 3 of parent 1
+    # (as after a recover that went back) is published whole.
+    m2 = publish(share, 2, step(w0, 0.02, 2), last, parent=1)
+    m3 = publish(share, 3, step(w0, 0.02, 3), last, parent=1)
+    assert m2.delta is not None and m3.delta is None
+    assert "the files kept are iter-000002's" in caplog.text
+
+
+def test_an_altered_delta_is_refused_naming_the_file_and_nothing_is_cached(
+        tmp_path: Path) -> None:
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    publish(share, 0, w0, last)
+    publish(share, 1, step(w0, 0.02, 1), last, parent=0)
+    path = share / "iter-000001" / "delta" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # a bit of a changed value
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"delta/model\.safetensors.*(SHA-256|altered)"):
+        copy_to_local_cache(share / "iter-000001", tmp_path / "node")
+    assert [p.name for p in (tmp_path / "node").iterdir() if p.name.startswith("iter-000001")] \
+        == []
+
+
+def test_a_delta_consistent_with_a_forged_manifest_is_caught_by_the_tensor_checksums(
+        tmp_path: Path) -> None:
+    """Even with its manifest entry matching (a hostile or buggy publisher), the
+    result's per-tensor SHA-256 names the tensor the delta made wrong."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    publish(share, 0, w0, last)
+    m1 = publish(share, 1, step(w0, 0.02, 1), last, parent=0)
+    parent = bytearray((last / "model.safetensors").read_bytes())  # iteration 1's file
+    forged = delta.Encoded(tensors={"layer.bias::whole": torch.zeros(64, dtype=torch.int16)},
+                           digests={}, size=0, sha256="", changed=0, elements=0)
+    delta.write(forged, tmp_path / "forged.safetensors", result="model.safetensors")
+    assert m1.delta is not None
+    with pytest.raises(CheckpointError, match=r"tensor layer\.bias of model\.safetensors has "
+                                              r"SHA-256 .* after the delta"):
+        delta.apply(parent, (tmp_path / "forged.safetensors").read_bytes(),
+                    result="model.safetensors", where=tmp_path / "forged.safetensors",
+                    digests=m1.delta.tensors)
+
+
+def test_a_broken_chain_is_named(tmp_path: Path) -> None:
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    publish(share, 0, w0, last)
+    publish(share, 1, step(w0, 0.02, 1), last, parent=0)
+    import shutil
+
+    shutil.rmtree(share / "iter-000000")
+    with pytest.raises(CheckpointError, match=r"iter-000001 is a delta of iter-000000, which "
+                                              r"cannot be used .*base iter-000000 must stay"):
+        copy_to_local_cache(share / "iter-000001", tmp_path / "node")
+    publish(share, 0, step(w0, 0.5, 9), tmp_path / "elsewhere")  # published again, other
+    with pytest.raises(CheckpointError, match=r"now has manifest .* the chain is broken"):
+        copy_to_local_cache(share / "iter-000001", tmp_path / "node")
+
+
+def test_most_elements_changed_go_whole_and_a_new_header_goes_as_a_file(tmp_path: Path) -> None:
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    publish(share, 0, w0, last)
+    publish(share, 1, step(w0, 0.9, 1), last, parent=0)
+    parts = delta.load_parts((share / "iter-000001" / "delta" / "model.safetensors").read_bytes())
+    assert {k.rpartition("::")[2] for k in parts} == {"whole"}
+    grown = {**w0, "extra.weight": torch.ones(4, dtype=torch.bfloat16)}
+    m2 = publish(share, 2, grown, last, parent=1)
+    assert m2.delta is None and "model.safetensors" in m2.files
+    copy = copy_to_local_cache(share / "iter-000002", tmp_path / "node")
+    assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, grown)
+
+
+def test_a_node_killed_while_applying_a_delta_makes_it_again_at_the_next_use(
+        tmp_path: Path) -> None:
+    """SIGKILL in the middle of applying: the cache's name never shows a partial copy,
+    and the next copy (another process) removes the leftover and makes it whole."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    big = {"w": torch.randn(4096, 1024).to(torch.bfloat16)}
+    publish(share, 0, big, last)
+    publish(share, 1, step(big, 0.02, 1), last, parent=0)
+    node = tmp_path / "node"
+    copy_to_local_cache(share / "iter-000000", node)
+    gate = tmp_path / "applying"
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT)!r})
+        import trainer.delta
+        real = trainer.delta.apply
+        def slow(*args, **kwargs):
+            real(*args, **kwargs)
+            Path({str(gate)!r}).write_text("applied")
+            time.sleep(60)  # killed here: the result made, not yet written or sealed
+        trainer.delta.apply = slow
+        from trainer.local_copy import copy_to_local_cache
+        copy_to_local_cache(Path({str(share / 'iter-000001')!r}), Path({str(node)!r}))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60  # a loaded 2-core machine: imports take seconds
+        while not gate.exists():
+            assert proc.poll() is None, "the copier exited before applying"
+            assert time.monotonic() < deadline, "the copier never applied the delta"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    leftovers = [p.name for p in node.iterdir() if p.name.startswith(".iter-000001")]
+    assert leftovers and not [p for p in node.iterdir() if p.name.startswith("iter-000001")]
+    copy = copy_to_local_cache(share / "iter-000001", node)
+    assert hashlib.sha256((copy / "model.safetensors").read_bytes()).hexdigest() == \
+        read_manifest(share / "iter-000001").local_files()["model.safetensors"].sha256
+    assert not [p for p in node.iterdir() if p.name.startswith(".iter-000001")]

@@ -1,0 +1,221 @@
+"""Weight deltas: a weights file published as what changed since the parent's.
+
+    publisher (trainer rank 0)                   a node (phase 12, trainer/local_copy.py)
+    the new file, staged on its disk             the parent's file, in its node-local copy
+      vs the file it published last (its disk)     + delta/<file> read once from the share
+      -> per tensor: nothing (unchanged), the      -> the changes put back, every tensor's
+         changed elements (flat indices, new          SHA-256 and the whole file's checked
+         bits), or the whole tensor, whichever        against the manifest, then written
+         is smaller
+      -> delta/<file> (safetensors), the new
+         file's SHA-256 and size, each tensor's
+
+A safetensors file is an 8-byte header length, a JSON header naming each tensor's
+dtype, shape and byte span, then the bytes.  Both files must have the same header
+(the same tensors, shapes, dtypes and metadata: one model trained), so the result
+is the parent's bytes with the changed elements replaced: byte for byte the file
+the trainer wrote, which the manifest's SHA-256 of the result confirms.  Elements
+are compared and replaced as integers of their width (bfloat16 as int16), so
+every bit pattern (NaN, -0.0) travels exactly.
+
+A delta file holds, for tensor T, either `T::index` (int32 or int64 flat indices)
+and `T::value` (the new elements' bits), or `T::whole`; an unchanged tensor is absent.
+At RL learning rates 1-3 % of bf16 elements change per step (ANCHORS.md, "Weight
+transfer"): 6 bytes per changed element against 2 per element for the whole file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import mmap
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from coordinator.verified import in_parallel
+from rollout.errors import CheckpointError
+
+# safetensors dtype -> the integer dtype of the same width the elements are compared as.
+_INT_VIEW: Final = {"BF16": "int16", "F16": "int16", "F32": "int32", "F64": "int64",
+                    "I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32",
+                    "I64": "int64", "BOOL": "uint8", "F8_E4M3": "uint8", "F8_E5M2": "uint8"}
+_WIDTH: Final = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8}
+_MAX_HEADER: Final = 100 << 20  # safetensors' own bound on a header
+SEP: Final = "::"  # between a tensor's name and its part in a delta file
+FORMAT: Final = "coordinator-delta"
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one tensor's bytes lie in a safetensors file, from its start."""
+
+    name: str
+    int_dtype: str
+    begin: int
+    end: int
+
+    @property
+    def count(self) -> int:
+        return (self.end - self.begin) // _WIDTH[self.int_dtype]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One weights file's delta: the tensors of delta/<file>, and what it makes."""
+
+    tensors: dict[str, Any]  # "T::index", "T::value", "T::whole" -> torch tensors
+    digests: dict[str, str]  # every tensor of the new file -> SHA-256 of its bytes
+    size: int  # the new file's bytes
+    sha256: str  # ... and their SHA-256
+    changed: int  # elements that changed
+    elements: int  # elements in the file
+
+
+def header(data: bytes | bytearray | mmap.mmap, where: Path) -> tuple[bytes, dict[str, Span]]:
+    """The raw header (its length prefix included) and each tensor's span, checked:
+    spans inside the file, of whole elements, of a known dtype."""
+    if len(data) < 8:
+        raise CheckpointError(f"{where}: {len(data)} bytes is no safetensors file", path=where)
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > min(_MAX_HEADER, len(data) - 8):
+        raise CheckpointError(f"{where}: header of {length} bytes does not fit the file",
+                              path=where)
+    raw = bytes(data[:8 + length])
+    try:
+        table = json.loads(raw[8:])
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: the header is not JSON ({exc})", path=where) from None
+    if not isinstance(table, dict):
+        raise CheckpointError(f"{where}: the header is not a JSON object", path=where)
+    spans = {}
+    for name, info in table.items():
+        if name == "__metadata__":
+            continue
+        try:
+            int_dtype = _INT_VIEW[info["dtype"]]
+            begin, end = (8 + length + int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{where}: tensor {name!r} has no usable dtype and offsets "
+                                  f"({str(info)[:200]})", path=where) from None
+        if not 8 + length <= begin <= end <= len(data) or (end - begin) % _WIDTH[int_dtype]:
+            raise CheckpointError(f"{where}: tensor {name!r} spans bytes {begin}-{end} of "
+                                  f"{len(data)}, not whole elements inside the file", path=where)
+        spans[name] = Span(name, int_dtype, begin, end)
+    return raw, spans
+
+
+def _view(data: Any, span: Span) -> Any:
+    import torch
+
+    return torch.frombuffer(data, dtype=getattr(torch, span.int_dtype), count=span.count,
+                            offset=span.begin)
+
+
+def _sha256(data: Any, span: Span) -> str:
+    with memoryview(data) as view:
+        return hashlib.sha256(view[span.begin:span.end]).hexdigest()
+
+
+def tensor_digests(data: Any, spans: Mapping[str, Span]) -> dict[str, str]:
+    """SHA-256 of every tensor's bytes (every tensor at once: hashlib frees the GIL)."""
+    return in_parallel({name: functools.partial(_sha256, data, span)
+                        for name, span in spans.items()})
+
+
+def encode(new: Path, old: Path) -> Encoded | None:
+    """The delta from `old` (the file published last) to `new` (both on this node's disk),
+    or None when their headers differ (publish `new` whole)."""
+    import torch
+
+    with open(new, "rb") as nf, open(old, "rb") as of, \
+            mmap.mmap(nf.fileno(), 0, access=mmap.ACCESS_READ) as nm, \
+            mmap.mmap(of.fileno(), 0, access=mmap.ACCESS_READ) as om:
+        new_head, spans = header(nm, new)
+        if len(nm) != len(om) or header(om, old)[0] != new_head:
+            return None
+        tensors: dict[str, Any] = {}
+        changed = elements = 0
+        for name, span in spans.items():
+            # A writable copy of each: torch.frombuffer over a read-only map warns.
+            now = _view(bytearray(nm[span.begin:span.end]), Span(name, span.int_dtype, 0,
+                                                                 span.end - span.begin))
+            was = _view(bytearray(om[span.begin:span.end]), Span(name, span.int_dtype, 0,
+                                                                 span.end - span.begin))
+            index = torch.nonzero(now != was).flatten()
+            elements += now.numel()
+            changed += index.numel()
+            if not index.numel():
+                continue
+            width = _WIDTH[span.int_dtype]
+            index_dtype = torch.int32 if now.numel() < 2**31 else torch.int64
+            if index.numel() * (index_dtype.itemsize + width) < now.numel() * width:
+                tensors[f"{name}{SEP}index"] = index.to(index_dtype)
+                tensors[f"{name}{SEP}value"] = now[index].clone()
+            else:
+                tensors[f"{name}{SEP}whole"] = now.clone()
+        digests = tensor_digests(nm, spans)
+        sha256 = hashlib.sha256(nm).hexdigest()
+        return Encoded(tensors=tensors, digests=digests, size=len(nm), sha256=sha256,
+                       changed=changed, elements=elements)
+
+
+def write(encoded: Encoded, path: Path, *, result: str) -> None:
+    """delta/<result> on this node's disk (safetensors)."""
+    from safetensors.torch import save_file
+
+    save_file(encoded.tensors, str(path), metadata={"format": FORMAT, "result": result})
+
+
+def load_parts(data: bytes) -> dict[str, Any]:
+    """A delta file's tensors ("T::index", "T::value", "T::whole")."""
+    from safetensors.torch import load
+
+    return load(data)
+
+
+def apply(parent: bytearray, delta: bytes, *, result: str, where: Path,
+          digests: Mapping[str, str]) -> None:
+    """`parent` (a weights file's bytes) made into the result in place: the delta's
+    changes put back, then every tensor checked against `digests` (CheckpointError
+    naming the first that differs: a broken chain or an altered delta)."""
+    import torch
+
+    _, spans = header(parent, where)
+    try:
+        parts = load_parts(delta)
+    except Exception as exc:  # safetensors raises its own error types on a bad file
+        raise CheckpointError(f"{where}: not a readable delta ({exc})", path=where) from None
+    for key, tensor in parts.items():
+        name, _, part = key.rpartition(SEP)
+        span = spans.get(name)
+        if span is None or part not in ("index", "value", "whole"):
+            raise CheckpointError(f"{where}: {key!r} names no tensor of {result}", path=where)
+        target = _view(parent, span)
+        if tensor.dtype != target.dtype and part != "index":
+            raise CheckpointError(f"{where}: {key!r} is {tensor.dtype}, {name} is "
+                                  f"{target.dtype}", path=where)
+        if part == "whole":
+            if tensor.numel() != target.numel():
+                raise CheckpointError(f"{where}: {key!r} has {tensor.numel()} elements, "
+                                      f"{name} {target.numel()}", path=where)
+            target.copy_(tensor.flatten())
+        elif part == "index":
+            value = parts.get(f"{name}{SEP}value")
+            index = tensor.to(torch.int64).flatten()
+            if value is None or value.numel() != index.numel() or (
+                    index.numel() and not 0 <= int(index.min()) <= int(index.max())
+                    < target.numel()):
+                raise CheckpointError(f"{where}: {name}'s indices and values do not match "
+                                      "its elements", path=where)
+            target[index] = value.flatten()
+    actual = tensor_digests(parent, spans)
+    for name in sorted(spans):
+        if digests.get(name) != actual[name]:
+            raise CheckpointError(
+                f"{where}: tensor {name} of {result} has SHA-256 {actual[name][:16]}... after "
+                f"the delta, its manifest says {str(digests.get(name))[:16]}...: the delta "
+                "or the parent it applies to is altered", path=where)

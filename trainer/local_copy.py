@@ -1,0 +1,212 @@
+"""A node's verified copy of a published checkpoint, on its own disk.
+
+    copy_to_local_cache(iter-N on the share, cache root)
+        cached copy sealed with iter-N's manifest?  -- yes --> use it (not hashed again)
+          | no
+          v
+        full checkpoint:  every file copied (all at once), hashed as it is read
+        delta checkpoint: the parent's copy first (the same call: cached, or made from
+                          its own parent, down to the full base), then its plain files
+                          copied as above, and each delta/<file> read once and applied
+                          to the parent's file (trainer/delta.py), every tensor and the
+                          whole file checked against the manifest
+          v
+        manifest.json written last (the seal), the directory renamed into place
+
+Each byte crosses the shared filesystem once per node (docs/PROTOCOL.md, "How a
+checkpoint's bytes travel").  A copy cut short (a node killed while copying or
+applying) is a hidden temporary directory, never the cache's name: removed and
+made again at the next use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Final
+
+import filelock
+
+from coordinator import routing
+from coordinator.errors import MalformedRecordError
+from coordinator.fsio import FILE_MODE, ensure_dir, fsync_dir, remove_tree, rename
+from coordinator.verified import copy_verified, in_parallel, read_verified
+from rollout.errors import CheckpointError
+from trainer import delta
+from trainer.checkpoint import seal_files, tmp_sibling, verify_checkpoint
+from trainer.manifest import MANIFEST_NAME, FileEntry, Manifest, list_files
+
+log = logging.getLogger(__name__)
+
+# A copy takes seconds to minutes; waiting an hour for another copier means it is stuck.
+COPY_LOCK_S: Final = 3600.0
+# A chain longer than this is refused: checkpoint.full_every bounds a run's chains.
+MAX_CHAIN: Final = 1000
+
+
+def sealed_copy_of(local: Path, manifest: Manifest, *, only: bool = True) -> bool:
+    """Whether `local`, a copy on this node's disk, holds `manifest`'s checkpoint: its own
+    manifest (written last, once every file was verified as it was made) has the same
+    bytes, and every file is there, a regular file of the listed size (and, `only`, no
+    other file).  Trusted this way, not hashed again at every use: the copy is this
+    user's (mode 0700, rl/node_local.py), and a copy cut short has no manifest or a
+    short file.  Plain local reads: beneath a bucket's node-local root too."""
+    expected = manifest.to_bytes()
+    files = manifest.local_files()
+    try:
+        with open(local / MANIFEST_NAME, "rb") as handle:
+            if handle.read(len(expected) + 1) != expected:
+                return False
+        for name, entry in files.items():
+            st = os.lstat(local / name)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+                return False
+        return not only or set(list_files(local)) == files.keys()
+    except (CheckpointError, OSError):
+        return False
+
+
+def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:
+    """A verified copy of the published checkpoint `src_dir` in `cache_root`, made or
+    reused (module docstring); CheckpointError naming the file that is wrong."""
+    manifest = verify_checkpoint(src_dir, contents=False)
+    ensure_dir(cache_root)
+    # One copier per cache: the local ranks of a trainer share one (a flock: node-local).
+    with filelock.FileLock(str(cache_root / ".copy.lock"), timeout=COPY_LOCK_S):
+        return _local_copy(src_dir, manifest, cache_root, 0)
+
+
+def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int) -> Path:
+    dest = cache_root / f"{src_dir.name}-{manifest.digest}"
+    if dest.exists():
+        if sealed_copy_of(dest, manifest):
+            return dest
+        log.warning("cached copy %s does not match its manifest (cut short or altered): "
+                    "making it again", dest)
+        remove_tree(dest)
+    parent = _parent_copy(src_dir, manifest, cache_root, depth)
+    for stale in cache_root.glob(f".{dest.name}.tmp-*"):  # a copier killed mid-copy
+        remove_tree(stale)  # (one copier per cache at a time: copy_to_local_cache's lock)
+    tmp = tmp_sibling(dest)
+    try:
+        made = manifest.delta.results if manifest.delta is not None else {}
+        plain = {name: entry for name, entry in manifest.local_files().items()
+                 if name not in made}
+        for name in plain:
+            ensure_dir((tmp / name).parent)
+        in_parallel({name: functools.partial(_copy, src_dir / name, tmp / name, entry)
+                     for name, entry in plain.items()})
+        for result, entry in sorted(made.items()):  # one at a time: each is held in memory
+            assert parent is not None and manifest.delta is not None
+            _apply(src_dir, manifest, parent / result, tmp / result, result, entry)
+        seal_files(tmp, manifest)
+        rename(tmp, dest)
+        fsync_dir(cache_root)
+        return dest
+    finally:
+        remove_tree(tmp)
+
+
+def _parent_copy(src_dir: Path, manifest: Manifest, cache_root: Path,
+                 depth: int) -> Path | None:
+    """A delta checkpoint's parent, copied (or found) first; None for a full one."""
+    if manifest.delta is None:
+        return None
+    info = manifest.delta
+    parent_dir = src_dir.parent / info.parent
+    if depth >= MAX_CHAIN:
+        raise CheckpointError(f"{src_dir}: its chain of deltas is longer than {MAX_CHAIN}: "
+                              "publish a full checkpoint (checkpoint.full_every)", path=src_dir)
+    try:
+        parent = verify_checkpoint(parent_dir, contents=False)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"{src_dir} is a delta of {info.parent}, which cannot be used ({exc}): the "
+            f"chain back to its base {info.base} must stay published", path=parent_dir) from exc
+    if parent.digest != info.parent_digest:
+        raise CheckpointError(
+            f"{src_dir} is a delta of {info.parent} as published with manifest "
+            f"{info.parent_digest}, but {parent_dir} now has manifest {parent.digest} (it was "
+            "published again): the chain is broken; rerun the training of "
+            f"iteration {manifest.iteration} (coordinator recover)", path=parent_dir)
+    return _local_copy(parent_dir, parent, cache_root, depth + 1)
+
+
+def _copy(src: Path, dst: Path, entry: FileEntry) -> None:
+    try:
+        copy_verified(src, dst, size=entry.size, sha256=entry.sha256)
+    except MalformedRecordError as exc:
+        raise CheckpointError(f"{exc}; retry", path=src) from exc
+
+
+def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, result: str,
+           entry: FileEntry) -> None:
+    """delta/<result> read once from the share (checked against its manifest entry),
+    applied to the parent's file, the result checked and written (fsynced)."""
+    assert manifest.delta is not None
+    name = manifest.delta.delta_file(result)
+    listed = manifest.files[name]
+    try:
+        with read_verified(src_dir / name, size=listed.size, sha256=listed.sha256,
+                           allow_map=False) as verified:
+            data = verified.data
+    except MalformedRecordError as exc:
+        raise CheckpointError(str(exc), path=src_dir / name) from exc
+    assert data is not None
+    try:
+        buffer = bytearray(parent_file.read_bytes())
+    except OSError as exc:
+        raise CheckpointError(f"{parent_file}: the parent's copy cannot be read ({exc})",
+                              path=parent_file) from exc
+    delta.apply(buffer, data, result=result, where=src_dir / name,
+                digests=manifest.delta.tensors)
+    digest = hashlib.sha256(buffer).hexdigest()
+    if len(buffer) != entry.size or digest != entry.sha256:
+        raise CheckpointError(
+            f"{src_dir / name}: applied to {parent_file.name}, it makes {len(buffer)} bytes with "
+            f"SHA-256 {digest[:16]}..., its manifest says {entry.size} bytes, "
+            f"{entry.sha256[:16]}...: the delta or the parent is altered", path=src_dir / name)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(buffer)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def local_view(directory: Path) -> Path:
+    """`directory` with its files readable as plain local files (what transformers and
+    safetensors open).  On a filesystem, the directory itself.  Beneath a bucket's
+    node-local root, every file of the published checkpoint is fetched to its own path
+    there (all at once) and checked against the manifest as it is fetched; the manifest
+    is written there last, and a copy whose manifest and sizes match is used as it is
+    (sealed_copy_of)."""
+    if routing.routed(directory) is None:
+        return directory
+    manifest = verify_checkpoint(directory, contents=False)
+    if manifest.delta is not None:
+        raise CheckpointError(f"{directory} is a delta checkpoint: make its copy with "
+                              "copy_to_local_cache", path=directory)
+    if sealed_copy_of(directory, manifest, only=False):
+        return directory  # fetched and verified before; its manifest was written last
+
+    def fetch(name: str, entry: FileEntry) -> None:
+        path = directory / name
+        try:  # fetches the object to `path`, then hashes what it fetched
+            read_verified(path, size=entry.size, sha256=entry.sha256, allow_map=False).close()
+        except MalformedRecordError as exc:
+            raise CheckpointError(str(exc), path=path) from exc
+
+    # The local manifest goes first, and comes back once every file is verified.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(directory / MANIFEST_NAME)
+    in_parallel({name: functools.partial(fetch, name, entry)
+                 for name, entry in manifest.files.items()})
+    local_manifest = directory / MANIFEST_NAME
+    local_manifest.write_bytes(manifest.to_bytes())
+    os.chmod(local_manifest, FILE_MODE)
+    return directory

@@ -1,0 +1,187 @@
+"""How the trainer's checkpoint reaches the share: staged on its disk, copied once.
+
+    stage       the checkpoint written into a private directory on this node's disk
+                (TMPDIR: the run's node-local .tmp/ for the trainer, rl/node_local.py)
+    with_delta  with a parent this node published last (its files kept in
+                `last-published/`, named by published.json), each weights file is
+                encoded as its delta from the parent's (trainer/delta.py) into a
+                sibling directory; a file whose header changed goes whole
+    upload      every file to publish copied into the hidden temporary directory on
+                the share, hashed as it is copied (every file at once): the
+                publisher never reads the share back
+    remember    once sealed, the staged full files become `last-published/`, the
+                parent of the next delta
+
+Without room on this node's disk the checkpoint is written to the share directly
+and read back to hash it (logged); the next publication is then full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import json
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from coordinator.fsio import ensure_dir, publish_bytes, remove_tree, rename
+from coordinator.verified import copy_hashed, in_parallel
+from rollout.errors import CheckpointError
+from trainer import delta
+from trainer.manifest import (
+    DeltaInfo,
+    FileEntry,
+    Manifest,
+    delta_file,
+    list_files,
+    read_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+LAST_PUBLISHED: Final = "last-published"
+RECORD: Final = "published.json"  # in last-published/: {"name", "digest", "base", "length"}
+
+
+def default_last() -> Path:
+    """Where this process keeps the files it published last: beside its staging."""
+    return Path(tempfile.gettempdir()) / LAST_PUBLISHED
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A checkpoint written on this node's disk, and what of it goes to the share."""
+
+    full: Path  # every file of the checkpoint, weights whole
+    upload: dict[str, Path]  # relative name on the share -> the local file to copy there
+    delta: DeltaInfo | None = None
+    deltas: Path | None = None  # the delta files' directory
+
+    def remove(self) -> None:
+        remove_tree(self.full)
+        if self.deltas is not None:
+            remove_tree(self.deltas)
+
+
+def stage(tmp: Path, write: Callable[[Path], None]) -> Staged | None:
+    """`write` into a new private directory on this node's disk; None when there is no
+    room there: then written into `tmp` on the share directly (logged)."""
+    staging = Path(tempfile.mkdtemp(prefix="publish-"))
+    try:
+        write(staging)
+    except OSError as exc:
+        remove_tree(staging)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        log.warning("no room to stage the checkpoint in %s (%s): writing it to %s directly "
+                    "and reading it back to hash it; give TMPDIR (or checkpoint.local_cache) "
+                    "room for two checkpoints", staging, exc, tmp)
+        write(tmp)
+        return None
+    except BaseException:
+        remove_tree(staging)
+        raise
+    return Staged(full=staging, upload={rel: staging / rel for rel in list_files(staging)})
+
+
+def _parent_record(parent: Path, last: Path) -> tuple[str, int] | str:
+    """(base, length) of `parent` when `last` holds its files, else why not."""
+    try:
+        record = json.loads((last / RECORD).read_bytes())
+        name, digest = record["name"], record["digest"]
+        base, length = str(record["base"]), int(record["length"])
+    except FileNotFoundError:
+        return "this process has published nothing it kept"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{last / RECORD} is unreadable ({exc})"
+    if name != parent.name:
+        return f"the files kept are {name}'s"
+    try:
+        published = read_manifest(parent)
+    except CheckpointError as exc:
+        return f"its manifest cannot be read ({exc})"
+    if published.digest != digest:
+        return f"it was published again (manifest {published.digest}, kept {digest})"
+    return base, length
+
+
+def with_delta(staged: Staged, final_dir: Path, parent: Path | None,
+               last: Path | None) -> Staged:
+    """`staged` with its weights files as deltas from `parent`'s, where this node kept
+    the parent's files; as it is otherwise (a full checkpoint, the reason logged)."""
+    if parent is None or last is None:
+        return staged
+    if parent.parent != final_dir.parent:
+        raise CheckpointError(f"delta parent {parent} is not a sibling of {final_dir}",
+                              path=parent)
+    found = _parent_record(parent, last)
+    if isinstance(found, str):
+        log.info("%s is published full, not as a delta of %s: %s", final_dir.name,
+                 parent.name, found)
+        return staged
+    base, length = found
+    deltas = Path(tempfile.mkdtemp(prefix="delta-", dir=staged.full.parent))
+    upload = dict(staged.upload)
+    results: dict[str, FileEntry] = {}
+    tensors: dict[str, str] = {}
+    changed = elements = 0
+    try:
+        for name in sorted(upload):
+            if "/" in name or not name.endswith(".safetensors") or not (last / name).is_file():
+                continue
+            encoded = delta.encode(staged.full / name, last / name)
+            if encoded is None:
+                log.info("%s: %s goes whole (its header differs from %s's)", final_dir.name,
+                         name, parent.name)
+                continue
+            delta.write(encoded, deltas / name, result=name)
+            del upload[name]
+            upload[delta_file(name)] = deltas / name
+            results[name] = FileEntry(sha256=encoded.sha256, size=encoded.size)
+            tensors.update(encoded.digests)
+            changed, elements = changed + encoded.changed, elements + encoded.elements
+    except BaseException:
+        remove_tree(deltas)
+        raise
+    if not results:
+        remove_tree(deltas)
+        return staged
+    info = DeltaInfo(parent=parent.name, parent_digest=read_manifest(parent).digest, base=base,
+                     length=length + 1, results=results, tensors=tensors)
+    log.info("%s is a delta of %s (link %d from %s): %d of %d elements changed (%.2f %%)",
+             final_dir.name, parent.name, info.length, base, changed, elements,
+             100.0 * changed / max(elements, 1))
+    return dataclasses.replace(staged, upload=upload, delta=info, deltas=deltas)
+
+
+def upload(staged: Staged, tmp: Path) -> dict[str, tuple[int, str]]:
+    """Every file to publish copied into `tmp` on the share, hashed as it is copied:
+    (size, SHA-256) by relative name."""
+    for rel in staged.upload:
+        ensure_dir((tmp / rel).parent)
+    return in_parallel({rel: functools.partial(copy_hashed, src, tmp / rel)
+                        for rel, src in staged.upload.items()})
+
+
+def remember(staged: Staged | None, name: str, manifest: Manifest, last: Path) -> None:
+    """The staged full files become `last` (the next delta's parent), or `last` goes
+    when nothing was staged."""
+    remove_tree(last)
+    if staged is None:
+        return
+    if staged.deltas is not None:
+        remove_tree(staged.deltas)
+    try:
+        rename(staged.full, last)
+    except OSError as exc:  # another filesystem: the next publication is full
+        log.info("the published files are not kept for a delta (%s)", exc)
+        remove_tree(staged.full)
+        return
+    base, length = (manifest.delta.base, manifest.delta.length) if manifest.delta else (name, 0)
+    publish_bytes(last / RECORD, json.dumps({"name": name, "digest": manifest.digest,
+                                             "base": base, "length": length}).encode())
