@@ -271,6 +271,11 @@ class CheckpointSection(Section):
         2, "Published checkpoints kept (the initial model is never removed).", ge=1,
         flag="--keep-checkpoints",
         fix="the newest checkpoint is the policy the next iteration samples from; keep 1 or more")
+    full_every: int = setting(
+        10, "Publish a full checkpoint every N iterations (0, N, 2N, ...); the others are "
+        "deltas of the previous one, each weights file as the elements that changed "
+        "(trainer/delta.py). 1: every checkpoint full.", unit="iterations", ge=1,
+        fix="give 1 for full checkpoints only, or N > 1 for a full one every N iterations")
     keep_best: str = setting(
         "", "An eval metric: the best checkpoint by it is kept beside the newest `keep` ones "
         "and named in checkpoints/best.json; eval/accuracy or eval/reward_mean (higher is "

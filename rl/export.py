@@ -38,6 +38,7 @@ from rl import keep_best, layout
 from rl.keep_best import Metric
 from rollout.errors import CheckpointError
 from trainer.checkpoint import FileEntry, verify_checkpoint
+from trainer.local_copy import copy_to_local_cache
 
 log = logging.getLogger(__name__)
 # What makes a directory a model transformers and vLLM load: a config and weights.
@@ -153,22 +154,31 @@ def export(chosen: Chosen, out: Path, *, force: bool) -> Exported:
     """Copy the chosen checkpoint, verified, to `out` (checked by `check_out`)."""
     started = time.monotonic()
     manifest = verify_checkpoint(chosen.path, contents=False)  # names; contents as copied
-    files = dict(manifest.files)
+    files = manifest.local_files()
     _check_model(chosen.path, files)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
     os.mkdir(tmp, DIR_MODE)
+    made = out.parent / f".{out.name}.whole-{os.getpid()}-{secrets.token_hex(4)}"
     try:
+        source = chosen.path
+        if manifest.delta is not None:  # made whole from its chain (trainer/local_copy.py)
+            try:
+                source = copy_to_local_cache(chosen.path, made)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{exc}; nothing was written to --out",
+                                      path=exc.path) from exc
         for name, entry in sorted(files.items()):
             target = tmp / name
             target.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-            _copy(chosen.path / name, target, entry)
+            _copy(source / name, target, entry)
         dtypes = sorted({d for name in files if name.endswith(_WEIGHTS)
                          for d in _dtypes(tmp / name)})
         _fsync_dirs(tmp)
         _place(tmp, out, force=force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing left once renamed
+        shutil.rmtree(made, ignore_errors=True)
     return Exported(chosen=chosen, out=out, files=tuple(sorted(files)),
                     size=sum(e.size for e in files.values()), dtypes=tuple(dtypes),
                     seconds=time.monotonic() - started)

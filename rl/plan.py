@@ -208,8 +208,12 @@ def prune(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         chosen = keep_best.record_best(loop.run_dir, ctx.iteration,
                                        loop.s.checkpoint.best_metric, present=present)
         best = chosen.iteration if chosen is not None else None
-    for k in keep_best.prunable(present, iteration=ctx.iteration, keep=keep, best=best):
+    doomed = keep_best.prunable(present, iteration=ctx.iteration, keep=keep, best=best)
+    needed = _chains(loop.run_dir, [k for k in present if k not in doomed])
+    for k in doomed:
         path = layout.checkpoint(loop.run_dir, k)
+        if needed is None or path.name in needed:
+            continue  # a kept delta checkpoint's parent or base (or unknown: kept)
         if _remove_unless_busy(path):
             log.info("pruned %s (checkpoint.keep=%d)", path, keep)
     prune_train_states(loop, ctx.iteration)
@@ -219,6 +223,24 @@ def prune(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
             if child.name.startswith(".superseded-"):
                 _remove_unless_busy(child)
     return {}
+
+
+def _chains(run_dir: Path, kept: list[int]) -> set[str] | None:
+    """The checkpoints the kept ones are deltas of, down to their full bases
+    (trainer/local_copy.py chain); None, pruning nothing, when a manifest on the
+    way cannot be read."""
+    from trainer.checkpoint import CheckpointError
+    from trainer.local_copy import chain
+
+    needed: set[str] = set()
+    for k in kept:
+        try:
+            needed.update(chain(layout.checkpoint(run_dir, k)))
+        except CheckpointError as exc:
+            log.warning("no checkpoint pruned this iteration: the chain of iteration %d's "
+                        "cannot be read (%s)", k, exc)
+            return None
+    return needed
 
 
 def _remove_unless_busy(path: Path) -> bool | None:

@@ -84,6 +84,8 @@ def write_train_job(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         resume_model_dir=loop.initial_model() if found is None else None,
         replay=tuple(layout.train_job(run_dir, k) for k in range(since, i)),
         off_policy=loop.placement.asynchronous,
+        delta_parent=layout.checkpoint(run_dir, i - 1)
+        if i > 0 and i % loop.s.checkpoint.full_every else None,
     )
     path = layout.train_job(run_dir, i)
     job.save(path, run_dir=run_dir)

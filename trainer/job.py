@@ -85,6 +85,9 @@ class TrainJob:
     # The batch may come from older policies (an asynchronous run): correct the
     # loss with truncated importance sampling (TrainConfig.tis_cap).
     off_policy: bool = False
+    # The checkpoint to publish this one as a delta of (trainer/publisher.py: only when
+    # this node kept its files); None: a full checkpoint.
+    delta_parent: Path | None = None
 
     def __post_init__(self) -> None:
         check(
@@ -95,7 +98,7 @@ class TrainJob:
         )
         for name in ("model_dir", "batch_path", "out_dir", "state_dir", "metrics_path"):
             check(isinstance(getattr(self, name), Path), f"{name} must be a pathlib.Path")
-        for name in ("ref_model_dir", "resume_state", "resume_model_dir"):
+        for name in ("ref_model_dir", "resume_state", "resume_model_dir", "delta_parent"):
             check(getattr(self, name) is None or isinstance(getattr(self, name), Path),
                    f"{name} must be a pathlib.Path or None")
         check(isinstance(self.replay, tuple) and all(isinstance(p, Path) for p in self.replay),
@@ -180,6 +183,7 @@ class TrainJob:
             f"train job {source} has version {data.get('version')!r}; this trainer reads "
             f"version {JOB_VERSION}: run matching coordinator and trainer versions",
         )
+        data = {"delta_parent": None, **data}  # added since version 2: absent means full
         try:
             paths = {name: _path_field(data, name, run_dir=run_dir,
                                        optional=name in _OPTIONAL_PATHS) for name in _PATHS}
@@ -223,5 +227,6 @@ class TrainJob:
 
 # The job's path fields, in the file's order; those that may be null.
 _PATHS: Final = ("model_dir", "ref_model_dir", "batch_path", "out_dir", "state_dir",
-                 "metrics_path", "resume_state", "resume_model_dir")
-_OPTIONAL_PATHS: Final = frozenset({"ref_model_dir", "resume_state", "resume_model_dir"})
+                 "metrics_path", "resume_state", "resume_model_dir", "delta_parent")
+_OPTIONAL_PATHS: Final = frozenset({"ref_model_dir", "resume_state", "resume_model_dir",
+                                    "delta_parent"})

@@ -39,7 +39,7 @@ from coordinator.verified import copy_verified, in_parallel, read_verified
 from rollout.errors import CheckpointError
 from trainer import delta
 from trainer.checkpoint import seal_files, tmp_sibling, verify_checkpoint
-from trainer.manifest import MANIFEST_NAME, FileEntry, Manifest, list_files
+from trainer.manifest import MANIFEST_NAME, FileEntry, Manifest, list_files, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,18 @@ def sealed_copy_of(local: Path, manifest: Manifest, *, only: bool = True) -> boo
         return not only or set(list_files(local)) == files.keys()
     except (CheckpointError, OSError):
         return False
+
+
+def chain(checkpoint: Path) -> list[str]:
+    """The directory names a checkpoint needs besides its own: a delta's parent, its
+    parent's, down to the full base (none for a full checkpoint).  CheckpointError
+    when a manifest on the way cannot be read."""
+    names: list[str] = []
+    manifest = read_manifest(checkpoint)
+    while manifest.delta is not None and len(names) < MAX_CHAIN:
+        names.append(manifest.delta.parent)
+        manifest = read_manifest(checkpoint.parent / manifest.delta.parent)
+    return names
 
 
 def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:

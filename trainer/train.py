@@ -41,6 +41,7 @@ import json
 import logging
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ from trainer.policy import (
     policy_logprobs,
 )
 from trainer.probes import ProbeSet, make_probe_set
+from trainer.publisher import LAST_PUBLISHED
 from trainer.session import Session, open_session
 from trainer.sharded_save import stage_sharded_weights
 from trainer.update import Inputs, Sums, optimizer_step, plan
@@ -350,6 +352,10 @@ def finish(job: TrainJob, session: Session, metrics: dict[str, Any], started: fl
             probes=probes,
             weights_from=staged,
             dtype=dtype,
+            # A delta of the checkpoint this node published last (trainer/publisher.py),
+            # whose files it keeps on its disk: TMPDIR is the run's node-local .tmp/.
+            delta_parent=job.delta_parent,
+            last_published=Path(tempfile.gettempdir()) / LAST_PUBLISHED,
         )
         metrics["checkpoint_digest"] = manifest.digest
         metrics["params_sha256"] = digest

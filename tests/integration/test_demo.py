@@ -30,6 +30,8 @@ from safetensors.torch import load_file
 from rollout.train_batch import load_train_batch
 from tests.integration.usage import assert_reloaded_in_place
 from tests.rollout.test_vllm_real import VLLM
+from trainer.local_copy import copy_to_local_cache
+from trainer.manifest import read_manifest
 
 # 80-99 s on 2 idle cores; the suite's 300 s is too little on a loaded machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -73,7 +75,12 @@ def test_the_demo_on_vllm_trains_two_nodes_reloading_in_place_and_draws_its_rewa
     assert_reloaded_in_place(run, ranks=2)  # the vLLM engines stayed up
     # A Qwen2 model in bf16, prompted through its chat template, published in bf16.
     assert json.loads((run / "model-init/config.json").read_text())["model_type"] == "qwen2"
-    weights = load_file(run / "checkpoints/iter-000001/model.safetensors")
+    # Iteration 1's checkpoint is a delta of iteration 0's (checkpoint.full_every):
+    # made whole as a node makes it.
+    published = run / "checkpoints/iter-000001"
+    assert read_manifest(published).delta is not None
+    whole = copy_to_local_cache(published, tmp_path / "node-cache")
+    weights = load_file(whole / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
     batch = load_train_batch(run / "iterations/000001/batch.pt")
     assert {ids[0] for ids in batch.prompt_ids} == {1}  # <|im_start|>: the template's

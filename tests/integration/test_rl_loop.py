@@ -105,8 +105,14 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
     t0 = json.loads((run / "iterations/000000/metrics/train.json").read_text())
     t1 = json.loads((run / "iterations/000001/metrics/train.json").read_text())
     assert t1["optimizer_step_start"] == t0["optimizer_step_end"] > 0
-    weights = [verify_checkpoint(run / f"checkpoints/iter-{it:06d}").files for it in (0, 1)]
-    assert weights[0] != weights[1]
+    weights = [verify_checkpoint(run / f"checkpoints/iter-{it:06d}") for it in (0, 1)]
+    assert weights[0].files != weights[1].files
+    # Iteration 1's checkpoint is a delta of iteration 0's, the full base
+    # (checkpoint.full_every 10, trainer/delta.py): the trainer kept 0's files.
+    assert weights[0].delta is None and weights[1].delta is not None
+    assert (weights[1].delta.parent, weights[1].delta.parent_digest) == (
+        "iter-000000", weights[0].digest)
+    assert "delta/model.safetensors" in weights[1].files
     # Every node served iteration 1 from iteration 0's checkpoint.
     for rank in range(3):
         log = (run / f"ranks/{rank}/logs/hf_server.log").read_text()

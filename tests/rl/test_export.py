@@ -236,3 +236,32 @@ def test_an_os_error_is_told_as_the_outs_or_the_checkpoints_by_its_path(tmp_path
                           (out.parent / "run/checkpoints/iter-000001/config.json", False)):
         assert writes_to(OSError(28, "No space left on device", str(name)), out) is writing, name
     assert not writes_to(OSError(5, "Input/output error"), out)  # names no path
+
+
+def test_a_delta_checkpoint_exports_whole_as_the_trainer_wrote_it(
+        run_dir: Path, tmp_path: Path) -> None:
+    """The newest checkpoint of a run with checkpoint.full_every > 1 is usually a delta
+    (trainer/delta.py): it is made whole from its chain, never exported as a delta."""
+    import shutil
+
+    run, last = tmp_path / "run", tmp_path / "trainer-disk"
+    shutil.copytree(layout.checkpoints(run_dir), layout.checkpoints(run))
+    model = AutoModelForCausalLM.from_pretrained(layout.checkpoint(run, 4), dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(layout.checkpoint(run, 4))
+    publish_checkpoint(model, tokenizer, layout.checkpoint(run, 5), iteration=5,
+                       last_published=last)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.view(-1)[::50] += 0.25  # 2 % of the elements: an RL step
+    manifest = publish_checkpoint(model, tokenizer, layout.checkpoint(run, 6), iteration=6,
+                                  last_published=last, delta_parent=layout.checkpoint(run, 5))
+    assert manifest.delta is not None
+    out = tmp_path / "exports" / "newest"
+    done = export("--log-path", str(run), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "checkpoints/iter-000006 (the newest published checkpoint)" in done.stdout
+    assert "model.safetensors" in {p.name for p in out.iterdir()} and not (out / "delta").exists()
+    assert (out / "model.safetensors").read_bytes() == (last / "model.safetensors").read_bytes()
+    with torch.no_grad():
+        assert torch.equal(logits(out), model.eval()(input_ids=INPUT).logits)
+    assert [p.name for p in out.parent.iterdir()] == ["newest"]  # no staging left
