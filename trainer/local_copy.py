@@ -119,6 +119,10 @@ def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int)
         seal_files(tmp, manifest)
         rename(tmp, dest)
         fsync_dir(cache_root)
+        if manifest.delta is not None:
+            log.info("made %s whole: its delta applied to %s's copy (link %d of the chain "
+                     "from %s)", src_dir.name, manifest.delta.parent, manifest.delta.length,
+                     manifest.delta.base)
         return dest
     finally:
         remove_tree(tmp)

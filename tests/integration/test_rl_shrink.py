@@ -53,11 +53,13 @@ def shrinking_cluster(tmp_path: Path, fs: NetFs, model: Path, *, iterations: int
 def lose_node_2_then_restart_it(c: LocalCluster, it_dir: Path, *,
                                 phase: tuple[int, int] | None,
                                 back_after: tuple[int, int] | None,
+                                fresh_disk: Path | None = None,
                                 ) -> tuple[dict, dict[Path, tuple[str, int]]]:
     """SIGKILL node 2 mid-rollout of `it_dir`'s train shard (at `phase`, if given),
     wait for the group to go on without it, restart it (once the master is past
     `back_after`, if given) and run to the end.  Returns the train plan as it was
-    and node 2's chunks saved before the kill."""
+    and node 2's chunks saved before the kill.  With `fresh_disk`, node 2 comes back
+    with that empty directory as its TMPDIR: a replaced node, its cache gone."""
     run = c.log_path
     manifest = it_dir / "rollout/rank-2/manifest.json"
     try:
@@ -70,7 +72,10 @@ def lose_node_2_then_restart_it(c: LocalCluster, it_dir: Path, *,
         if back_after is not None:
             c.wait_until(lambda: past(c, *back_after), 300,
                          f"the master past iteration {back_after[0]} phase {back_after[1]}")
-        c.start(2, c.command(2, log_path=c.mount_paths[2]))  # type: ignore[attr-defined]
+        if fresh_disk is not None:
+            fresh_disk.mkdir(mode=0o700)
+        c.start(2, c.command(2, log_path=c.mount_paths[2]),  # type: ignore[attr-defined]
+                env=None if fresh_disk is None else {"TMPDIR": str(fresh_disk)})
         codes = c.wait_all(timeout=900)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
     finally:
@@ -111,13 +116,15 @@ def merged_task_ids(it_dir: Path, plan: dict) -> list[str]:
 def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
     tmp_path: Path, warm_model: Path
 ) -> None:
+    iterations = ITERATIONS + 1  # back at iteration 3 or 4: the newest policy is a delta
     with NetFs(tmp_path / "fs", mounts=3) as fs:
-        c = shrinking_cluster(tmp_path, fs, warm_model, iterations=ITERATIONS, tasks=TASKS)
+        c = shrinking_cluster(tmp_path, fs, warm_model, iterations=iterations, tasks=TASKS)
         run = fs.export / "run"
         it0 = run / "iterations/000000"
-        # Restarted once the group went on without it: taken back at the next
+        # Restarted once the group is past iteration 2's start: taken back at the next
         # iteration boundary after its daemon is up.
-        planned, saved = lose_node_2_then_restart_it(c, it0, phase=None, back_after=None)
+        planned, saved = lose_node_2_then_restart_it(c, it0, phase=None, back_after=(2, 0),
+                                                     fresh_disk=tmp_path / "node-2-new-disk")
 
         # Taking node 2 back is no failure: nobody took the master for gone meanwhile.
         assert "to re-form the group: no reason given" not in c.output(1), c.output(1)[-3000:]
@@ -133,19 +140,25 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
         # Node 2 worked from the boundary it was taken back at to the end, never before.
         timings = {int(p.parent.parent.name) for p in run.glob("iterations/*/timings/rank-2.json")}
         back = min(timings)
-        assert 1 <= back < ITERATIONS and timings == set(range(back, ITERATIONS)), timings
+        assert 3 <= back < iterations and timings == set(range(back, iterations)), timings
+        # Back on a new disk, its cache empty: the newest policy, a delta
+        # (checkpoint.full_every 10), was made whole from the full base and the chain.
+        log = (run / "ranks/2/logs/daemon.log").read_text()
+        for link in range(1, back):
+            assert f"made iter-{link:06d} whole: its delta applied to iter-{link - 1:06d}'s " \
+                f"copy (link {link} of the chain from iter-000000)" in log, log[-3000:]
         # Training ran on the members only, then on all three once 2 was back.
         sizes = [read(run / f"iterations/{it:06d}/metrics/train.json")["world_size"]
-                 for it in range(ITERATIONS)]
-        assert sizes == [2] * back + [3] * (ITERATIONS - back), (back, sizes)
-        for it in range(1, ITERATIONS):
+                 for it in range(iterations)]
+        assert sizes == [2] * back + [3] * (iterations - back), (back, sizes)
+        for it in range(1, iterations):
             plan_n = read(run / f"iterations/{it:06d}/shard-train.json")
             assert plan_n["frozen"] == []
             assert len(plan_n["assignments"][2]) == (TASKS // 3 if it >= back else 0), it
             assert sorted(merged_task_ids(run / f"iterations/{it:06d}", plan_n)) == sorted(
                 t for a in plan_n["assignments"] for t in a)
         journal = read(run / "ranks/2/journal.json")
-        assert journal["completed_iteration"] == ITERATIONS - 1
+        assert journal["completed_iteration"] == iterations - 1
 
 
 def test_async_a_rollout_node_lost_while_rolling_out_ahead_is_left_out_then_rejoins(
