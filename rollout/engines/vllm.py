@@ -6,7 +6,7 @@ node without vllm installed can still load this module and test it.
 The project pins vllm==0.29.0 (the `vllm` extra; its torch pin is ours).
 Every flag was read in that release's argument parser, and
 tests/rollout/test_vllm_flags.py checks the command flag by flag against a
-fixture extracted from it (scripts/extract_vllm_flags.py):
+fixture extracted from it (tests/support/vllm_flags/extract_vllm_flags.py):
   - frontend: --host, --port (entrypoints/launchers/cli_args.py FrontendArgs);
     the positional model directory (entrypoints/cli/serve.py)
   - engine (engine/arg_utils.py EngineArgs.add_cli_args): --served-model-name,

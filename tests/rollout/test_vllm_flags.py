@@ -4,7 +4,7 @@ rollout/engines/vllm.py never imports vllm, so a renamed flag, a value of the
 wrong type or a --x/--no-x switch given a value would only show when a GPU
 node starts the server.  fixtures/vllm_serve_0.29.0.json records what the
 pinned release's `vllm serve` parser accepts; it is extracted from the wheel's
-source by scripts/extract_vllm_flags.py, and the last tests re-run that
+source by tests/support/vllm_flags/extract_vllm_flags.py, and the last tests re-run that
 extraction when the unpacked wheel is on this machine.  To move to another
 vLLM release: unpack its wheel, run the script into a new fixture, point
 FIXTURE at it and change the pin in pyproject.toml.
@@ -33,7 +33,7 @@ else:  # pragma: no cover - Python 3.10
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_serve_0.29.0.json"
-EXTRACTOR = ROOT / "scripts" / "extract_vllm_flags.py"
+EXTRACTOR = ROOT / "tests" / "support" / "vllm_flags" / "extract_vllm_flags.py"
 WHEEL_SOURCE = Path("/tmp/vllm_wheels/src_v0.29.0/vllm")
 WHEEL_HOWTO = (
     "cd /tmp && mkdir -p vllm_wheels && cd vllm_wheels && pip download vllm==0.29.0 "
@@ -92,7 +92,7 @@ def _parse_argv(argv: list[str], fixture: dict[str, Any]) -> dict[str, tuple[str
         option = argv[i]
         assert option in canonical, (
             f"{option} is not among the vLLM {fixture['vllm_version']} options in {FIXTURE.name} "
-            f"({sorted(canonical)}): add it to FLAGS in scripts/extract_vllm_flags.py and "
+            f"({sorted(canonical)}): add it to FLAGS in tests/support/vllm_flags/extract_vllm_flags.py and "
             "regenerate the fixture, or fix rollout/engines/vllm.py"
         )
         name = canonical[option]
@@ -134,7 +134,7 @@ def test_fixture_is_from_the_release_pyproject_pins(fixture: dict[str, Any]) -> 
     assert pins == [fixture["vllm_version"]], (
         f"pyproject.toml's vllm extra is {requirements} but {FIXTURE.name} describes vLLM "
         f"{fixture['vllm_version']}: pin vllm=={fixture['vllm_version']}, or extract a fixture "
-        "for the pinned release with scripts/extract_vllm_flags.py"
+        "for the pinned release with tests/support/vllm_flags/extract_vllm_flags.py"
     )
 
 
@@ -246,7 +246,7 @@ def test_extractor_reproduces_the_committed_fixture(
 ) -> None:
     extracted = json.loads(json.dumps(_load_extractor().extract(wheel_source)))
     assert extracted == fixture, (
-        f"{FIXTURE.name} is stale: regenerate it with python scripts/extract_vllm_flags.py "
+        f"{FIXTURE.name} is stale: regenerate it with python tests/support/vllm_flags/extract_vllm_flags.py "
         f"--source {wheel_source} --out {FIXTURE.relative_to(ROOT)}"
     )
 

@@ -39,7 +39,7 @@ vllm_hints.py (what a field's annotation lets a flag accept), vllm_routes.py
 the flags and writes the fixture.
 
 Usage:
-    python scripts/extract_vllm_flags.py --source /tmp/vllm_wheels/src_v0.29.0/vllm \\
+    python tests/support/vllm_flags/extract_vllm_flags.py --source /tmp/vllm_wheels/src_v0.29.0/vllm \\
         --out tests/rollout/fixtures/vllm_serve_0.29.0.json
 """
 
@@ -314,7 +314,7 @@ def extract(package_dir: Path, flags: tuple[str, ...] = FLAGS) -> dict[str, Any]
     fixture: dict[str, Any] = {
         "vllm_version": version,
         "commit": commit,
-        "generated_by": "scripts/extract_vllm_flags.py",
+        "generated_by": "tests/support/vllm_flags/extract_vllm_flags.py",
         "sources": [],  # filled in last, when every file has been read
         "subcommand": subcommand(src),
         "positionals": index.positionals,

@@ -1,4 +1,4 @@
-"""vLLM's source as scripts/extract_vllm_flags.py reads it: files parsed with `ast`,
+"""vLLM's source as tests/support/vllm_flags/extract_vllm_flags.py reads it: files parsed with `ast`,
 names resolved across modules, and the small AST queries the extractor needs.
 
 vllm is never imported; only the standard library is used.

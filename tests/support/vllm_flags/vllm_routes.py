@@ -1,5 +1,5 @@
 """The `serve` subcommand, the VLLM_SERVER_DEV_MODE switch and the development routes,
-as scripts/extract_vllm_flags.py reads them from vLLM's source (with `ast`)."""
+as tests/support/vllm_flags/extract_vllm_flags.py reads them from vLLM's source (with `ast`)."""
 
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def accepts(hints: frozenset[Hint], flag: str, where: str) -> dict[str, Any]:
 
     def unsupported(what: str) -> ExtractError:
         return ExtractError(f"{where}: {flag} is {what}, which the fixture does not describe; "
-                            "extend scripts/extract_vllm_flags.py before using this flag")
+                            "extend tests/support/vllm_flags/extract_vllm_flags.py before using this flag")
 
     if "config" in kinds:
         raise unsupported(f"a nested config ({by_kind['config'].name}) given as JSON")
