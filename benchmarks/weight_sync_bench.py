@@ -525,7 +525,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     modes["c"] = delta_mode(model, model_dir, it, nodes, Meter(server),
                                             previous_copies)
                 except NotImplementedError as exc:
-                    modes["c"] = {"status": f"not built: {exc}"}
+                    modes["c"] = {"status": f"not measured: delta_mode here raises ({exc}), "
+                                  "while trainer.checkpoint publishes deltas: write the hook"}
             else:
                 modes["c"] = {"status": "not built (trainer.checkpoint publishes no deltas)"}
             source = nodes[0].local / "src" / f"iter-{it}"
