@@ -19,9 +19,11 @@ Each iteration, on the same trained weights, one mode after the other:
       again (one file after the other): every node reads the checkpoint twice.
   (b) full, now: `publish_checkpoint` (staged on node 0's disk, hashed as it is
       copied to the share) and `copy_to_local_cache` on the 3 nodes at once.
-  (c) delta: not built yet.  `delta_mode` is the hook; it runs once
-      trainer.checkpoint publishes deltas (a `publish_delta`, or publish_checkpoint's
-      `delta_parent`), and (c) reads "not built" until it is written.
+  (c) delta: iteration 1 published full (the chain's base), each later one as a
+      delta of the one before (publish_checkpoint's delta_parent, the publisher's
+      files kept on node 0's disk, trainer/delta.py); every node makes it whole in
+      its own cache from the previous copy (copy_to_local_cache).  Its floor is
+      /bin/cp of the bytes it moves (the delta checkpoint), each way, as (d).
   (d) floor: /bin/cp of the same files, node 0's disk -> share (mount 0), then the
       share -> each node's disk through its own mount, the 3 at once.  No fsync
       (the other modes fsync every file they write, as the protocol requires).
@@ -46,8 +48,9 @@ reload from the local copy is not measured here.
 
 The last line reads
     weight sync: delta bytes/model X, delta update/floor Y, full update/floor Z
-Z: (b)'s update time over (d)'s, the median over the iterations after the first;
-X and Y are `n/a` while deltas are not built.
+X: the bytes (c) writes to the share over the model's; Y: (c)'s update time over
+its own floor; Z: (b)'s update time over (d)'s; each the median over the
+iterations after the first (deltas, for (c)).
 """
 
 from __future__ import annotations
@@ -361,18 +364,25 @@ def current_mode(model: Any, model_dir: Path, it: int, nodes: list[Node],
 
 
 def delta_mode(model: Any, model_dir: Path, it: int, nodes: list[Node],
-               meter: Meter, previous: list[Path] | None) -> dict[str, Any]:
-    """(c) delta: THE HOOK for issue 34, done when 2.
-
-    To write: publish (through nodes[0].share) only what changed since the previous
-    published policy, or a full base every checkpoint.full_every iterations; on every
-    node at once (`on_all`), apply it to that node's local copy through its own
-    `node.share` and verify the result; call meter.mark() at the start, once
-    published and once every node holds the verified result; return
-    meter.result(bytes the delta writes, bytes its fetches read), as the other modes.
-    `previous`: each node's local copy of the previous iteration from mode (b).
-    """
-    raise NotImplementedError("delta updates are not built yet (issue 34, done when 2)")
+               meter: Meter) -> dict[str, Any]:
+    """(c) delta: iteration 1 full (the base), each later one a delta of the one before
+    (publish_checkpoint with delta_parent and the publisher's kept files on node 0's
+    disk); every node makes it whole in its own cache, which holds the previous one."""
+    final = nodes[0].share / "c" / f"iter-{it}"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    parent = nodes[0].share / "c" / f"iter-{it - 1}" if it > 1 else None
+    meter.mark()
+    manifest = publish_checkpoint(model, None, final, iteration=it, carry_files_from=model_dir,
+                                  dtype=DTYPE, delta_parent=parent,
+                                  last_published=nodes[0].local / "c-last")
+    meter.mark()
+    on_all(nodes, lambda node: copy_to_local_cache(node.share / "c" / f"iter-{it}",
+                                                   node.local / "c-cache"))
+    meter.mark()
+    if it > 1 and manifest.delta is None:
+        raise RuntimeError(f"iteration {it} was published full, not as a delta")
+    size = sum(e.size for e in manifest.files.values())
+    return meter.result(size, size * len(nodes))
 
 
 def delta_available() -> bool:
@@ -381,24 +391,25 @@ def delta_available() -> bool:
         "delta_parent" in inspect.signature(publish_checkpoint).parameters
 
 
-def floor_mode(source: Path, it: int, nodes: list[Node], meter: Meter) -> dict[str, Any]:
+def floor_mode(source: Path, it: int, nodes: list[Node], meter: Meter,
+               tag: str = "d") -> dict[str, Any]:
     """(d) /bin/cp of the checkpoint's files each way, on the same mounts."""
     name = f"iter-{it}"
-    (nodes[0].share / "d").mkdir(parents=True, exist_ok=True)
+    (nodes[0].share / tag).mkdir(parents=True, exist_ok=True)
     for node in nodes:
-        (node.local / "d").mkdir(parents=True, exist_ok=True)
+        (node.local / tag).mkdir(parents=True, exist_ok=True)
     meter.mark()
-    subprocess.run(["/bin/cp", "-r", str(source), str(nodes[0].share / "d" / name)], check=True)
+    subprocess.run(["/bin/cp", "-r", str(source), str(nodes[0].share / tag / name)], check=True)
     meter.mark()
-    procs = [subprocess.Popen(["/bin/cp", "-r", str(node.share / "d" / name),
-                               str(node.local / "d" / name)]) for node in nodes]
+    procs = [subprocess.Popen(["/bin/cp", "-r", str(node.share / tag / name),
+                               str(node.local / tag / name)]) for node in nodes]
     codes = [p.wait() for p in procs]
     meter.mark()
     if any(codes):
         raise RuntimeError(f"cp failed: exit codes {codes}")
     size = tree_bytes(source)
     for node in nodes:
-        if tree_bytes(node.local / "d" / name) != size:
+        if tree_bytes(node.local / tag / name) != size:
             raise RuntimeError(f"node {node.index}: cp copied a different number of bytes")
     return meter.result(size, size * len(nodes))
 
@@ -510,7 +521,6 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             print(f"server bytes cannot be measured ({server.problem}): counting them from "
                   "what each mode reads and writes", flush=True)
         delta_built = delta_available()
-        previous_copies: list[Path] | None = None
         previous_weights = model_dir
         for it in range(1, args.iterations + 1):
             row: dict[str, Any] = {"iteration": it, "load": os.getloadavg()}
@@ -521,12 +531,14 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             modes["a"] = legacy_mode(model, model_dir, it, nodes, Meter(server))
             modes["b"], copies = current_mode(model, model_dir, it, nodes, Meter(server))
             if delta_built:
-                try:
-                    modes["c"] = delta_mode(model, model_dir, it, nodes, Meter(server),
-                                            previous_copies)
-                except NotImplementedError as exc:
-                    modes["c"] = {"status": f"not measured: delta_mode here raises ({exc}), "
-                                  "while trainer.checkpoint publishes deltas: write the hook"}
+                modes["c"] = delta_mode(model, model_dir, it, nodes, Meter(server))
+                # The floor of the bytes the delta moves: cp of its checkpoint each way.
+                delta_src = nodes[0].local / "src-c" / f"iter-{it}"
+                delta_src.parent.mkdir(parents=True, exist_ok=True)
+                subprocess.run(["/bin/cp", "-r", str(nodes[0].share / "c" / f"iter-{it}"),
+                                str(delta_src)], check=True)
+                modes["cd"] = floor_mode(delta_src, it, nodes, Meter(server), tag="cd")
+                remove(delta_src)
             else:
                 modes["c"] = {"status": "not built (trainer.checkpoint publishes no deltas)"}
             source = nodes[0].local / "src" / f"iter-{it}"
@@ -545,12 +557,18 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             for node in nodes:
                 remove(node.local / "a")
                 remove(node.local / "d")
-                for old in (node.local / "cache").glob(f"iter-{it - 1}-*"):
-                    remove(old)
+                remove(node.local / "cd")
+                for cache in ("cache", "c-cache"):
+                    for old in (node.local / cache).glob(f"iter-{it - 1}-*"):
+                        remove(old)
             remove(nodes[0].share / "a")
             remove(nodes[0].share / "d")
+            remove(nodes[0].share / "cd")
             remove(nodes[0].share / "checkpoints" / f"iter-{it - 1}")
-            previous_copies, previous_weights = copies, copies[0]
+            # (c)'s chain: iteration 1 is its base; later links go once superseded.
+            if it > 2:
+                remove(nodes[0].share / "c" / f"iter-{it - 1}")
+            previous_weights = copies[0]
         result["server_bytes"] = "measured at the sshd (rchar/wchar and TCP counters)" \
             if server.problem is None else f"counted from file sizes: {server.problem}"
     result["load_end"] = os.getloadavg()
@@ -565,15 +583,19 @@ def print_iteration(row: dict[str, Any], *, flush: bool = False) -> None:
     print(f"  {'mode':<26}{'publish s':>10}{'fetch s':>9}{'update s':>10}{'MB written':>12}"
           f"{'MB read':>9}{'update/floor':>14}")
     for key, label in (("a", "(a) full, before issue 34"), ("b", "(b) full, now"),
-                       ("c", "(c) delta"), ("d", "(d) floor: cp")):
-        m = row["modes"][key]
+                       ("c", "(c) delta"), ("cd", "    floor of (c): cp"),
+                       ("d", "(d) floor: cp")):
+        m = row["modes"].get(key)
+        if m is None:
+            continue
         if "status" in m:
             print(f"  {label:<26}{m['status']}")
             continue
         star = "" if m["measured"] else " (counted)"
+        own = row["modes"]["cd"]["update_s"] if key == "c" else floor
         print(f"  {label:<26}{m['publish_s']:>10.2f}{m['fetch_s']:>9.2f}{m['update_s']:>10.2f}"
               f"{m['written'] / MB:>12.1f}{m['read'] / MB:>9.1f}"
-              f"{ratio(m['update_s'], floor):>14.2f}{star}")
+              f"{ratio(m['update_s'], own):>14.2f}{star}")
     c = row["changed"]
     print(f"  changed since {row['changed_since']}: {c['changed_fraction']:.4f} of bf16 elements"
           f" ({c['tensors_changed']}/{c['tensors']} tensors); delta estimates: sparse "
@@ -590,13 +612,16 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         return statistics.median(values) if values else None
 
     def over_floor(key: str) -> float | None:
-        values = [ratio(r["modes"][key]["update_s"], r["modes"]["d"]["update_s"])
+        floor = "cd" if key == "c" else "d"  # the floor of the bytes each mode moves
+        values = [ratio(r["modes"][key]["update_s"], r["modes"][floor]["update_s"])
                   for r in later if "update_s" in r["modes"][key]]
         return statistics.median(values) if values else None
 
     model_bytes = statistics.median(r["modes"]["d"]["counted_written"] for r in rows)
     summary: dict[str, Any] = {"iterations_used": [r["iteration"] for r in later]}
-    for key in "abcd":
+    for key in ("a", "b", "c", "cd", "d"):
+        if key not in rows[0]["modes"]:
+            continue
         if median(key, "update_s") is None:
             summary[key] = {"status": rows[0]["modes"][key].get("status", "not measured")}
             continue

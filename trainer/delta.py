@@ -31,6 +31,7 @@ import hashlib
 import json
 import mmap
 import struct
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,11 +141,9 @@ def encode(new: Path, old: Path) -> Encoded | None:
         tensors: dict[str, Any] = {}
         changed = elements = 0
         for name, span in spans.items():
-            # A writable copy of each: torch.frombuffer over a read-only map warns.
-            now = _view(bytearray(nm[span.begin:span.end]), Span(name, span.int_dtype, 0,
-                                                                 span.end - span.begin))
-            was = _view(bytearray(om[span.begin:span.end]), Span(name, span.int_dtype, 0,
-                                                                 span.end - span.begin))
+            with warnings.catch_warnings():  # read-only maps: nothing here writes to them
+                warnings.simplefilter("ignore", UserWarning)
+                now, was = _view(nm, span), _view(om, span)
             index = torch.nonzero(now != was).flatten()
             elements += now.numel()
             changed += index.numel()

@@ -175,21 +175,30 @@ def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, resu
         raise CheckpointError(str(exc), path=src_dir / name) from exc
     assert data is not None
     try:
-        buffer = bytearray(parent_file.read_bytes())
+        with open(parent_file, "rb") as source:
+            buffer = bytearray(os.fstat(source.fileno()).st_size)
+            if source.readinto(buffer) != len(buffer):
+                raise OSError(f"read short of its {len(buffer)} bytes")
     except OSError as exc:
         raise CheckpointError(f"{parent_file}: the parent's copy cannot be read ({exc})",
                               path=parent_file) from exc
     delta.apply(buffer, data, result=result, where=src_dir / name,
                 digests=manifest.delta.tensors)
-    digest = hashlib.sha256(buffer).hexdigest()
-    if len(buffer) != entry.size or digest != entry.sha256:
-        raise CheckpointError(
-            f"{src_dir / name}: applied to {parent_file.name}, it makes {len(buffer)} bytes with "
-            f"SHA-256 {digest[:16]}..., its manifest says {entry.size} bytes, "
-            f"{entry.sha256[:16]}...: the delta or the parent is altered", path=src_dir / name)
+    # The whole file's hash runs beside its write (both free the GIL).
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "wb") as handle:
-        handle.write(buffer)
+        def write() -> str:
+            handle.write(buffer)
+            return ""
+
+        digest = in_parallel({"hash": lambda: hashlib.sha256(buffer).hexdigest(),
+                              "write": write})["hash"]
+        if len(buffer) != entry.size or digest != entry.sha256:
+            raise CheckpointError(
+                f"{src_dir / name}: applied to {parent_file.name}, it makes {len(buffer)} bytes "
+                f"with SHA-256 {digest[:16]}..., its manifest says {entry.size} bytes, "
+                f"{entry.sha256[:16]}...: the delta or the parent is altered",
+                path=src_dir / name)
         handle.flush()
         os.fsync(handle.fileno())
 
