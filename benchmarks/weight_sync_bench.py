@@ -81,6 +81,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 import trainer.checkpoint as checkpoint  # noqa: E402
+from coordinator.verified import file_digest  # noqa: E402
 from trainer.architectures import create_model, preset  # noqa: E402
 from trainer.checkpoint import (  # noqa: E402
     MANIFEST_NAME,
@@ -249,16 +250,9 @@ def tree_bytes(root: Path) -> int:
 
 
 def sha256_file(path: Path) -> tuple[int, str]:
-    """Sequential SHA-256 in 4 MiB blocks: how the old path hashed."""
-    digest, size = hashlib.sha256(), 0
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        while block := os.read(fd, BLOCK):
-            digest.update(block)
-            size += len(block)
-    finally:
-        os.close(fd)
-    return size, digest.hexdigest()
+    """Sequential SHA-256 in 4 MiB blocks, how the old path hashed: the project's own
+    file_digest, which is unchanged."""
+    return file_digest(path)
 
 
 def copy_hashing(src: Path, dst: Path) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from coordinator import routing
 from rollout.errors import CheckpointError
 from tests.support.buckets import Bucket, Server
-from trainer.checkpoint import MANIFEST_NAME, seal_directory, tmp_sibling
+from trainer.checkpoint import MANIFEST_NAME, Manifest, seal_directory, tmp_sibling
 from trainer.local_copy import copy_to_local_cache
 
 
@@ -33,19 +33,25 @@ def node(bucket: Bucket, root: Path) -> Iterator[Path]:
         routing.unmount(root)
 
 
+def publish_files(model: Path, final: Path, *, iteration: int) -> Manifest:
+    """`model`'s files published as checkpoint `final` (a bucket path), by its manifest."""
+    tmp = tmp_sibling(final)
+    for src in model.iterdir():
+        if src.name != MANIFEST_NAME and src.is_file():
+            (tmp / src.name).write_bytes(src.read_bytes())
+    manifest = seal_directory(tmp, final, iteration=iteration)
+    assert not tmp.exists()
+    return manifest
+
+
 def test_a_checkpoint_in_a_bucket_is_published_by_its_manifest_and_verified_on_copy(
         server: Server, tmp_path: Path, tiny_model: Path) -> None:
     bucket = server.bucket("ckpt")
     with node(bucket, tmp_path / "writer") as writer:
         final = writer / "checkpoints/iter-000000"
-        tmp = tmp_sibling(final)
-        for src in tiny_model.iterdir():
-            if src.name != MANIFEST_NAME and src.is_file():
-                (tmp / src.name).write_bytes(src.read_bytes())
         # An interrupted earlier publish left objects but no manifest: cleared.
         bucket.put("checkpoints/iter-000000/stale.bin", b"half")
-        manifest = seal_directory(tmp, final, iteration=0)
-        assert not tmp.exists()
+        manifest = publish_files(tiny_model, final, iteration=0)
     names = bucket.store.list_files("checkpoints/iter-000000")
     assert MANIFEST_NAME in names and "stale.bin" not in names
     assert set(names) == {MANIFEST_NAME, *manifest.files}
@@ -78,12 +84,7 @@ def test_coordinator_export_takes_the_runs_bucket_url_and_verifies_what_it_fetch
 
     bucket = azurite.bucket("export")
     with node(bucket, tmp_path / "writer") as writer:
-        final = writer / "checkpoints/iter-000002"
-        tmp = tmp_sibling(final)
-        for src in tiny_model.iterdir():
-            if src.name != MANIFEST_NAME and src.is_file():
-                (tmp / src.name).write_bytes(src.read_bytes())
-        manifest = seal_directory(tmp, final, iteration=2)
+        manifest = publish_files(tiny_model, writer / "checkpoints/iter-000002", iteration=2)
     env = bucket.node_env(tmp_path, "exporter")
 
     def export(out: Path) -> subprocess.CompletedProcess[str]:
