@@ -64,13 +64,19 @@ def report(exc: CoordinatorError) -> typer.Exit:
     return typer.Exit(int(exc.exit_code))
 
 
+# The run directory: one option, one help, for every command that takes a run
+# (demo makes its own, under runs/).
+RunDir = Annotated[str | None, typer.Option(
+    "--log-path", help="The run directory on the shared filesystem (a path every node "
+    "mounts), or its bucket URL (s3://, gs://, az://).")]
+
 # The options that set a config key come from rl/cli_flags.py (CONFIG_FLAGS);
 # the others are declared here, as typer wants them.  The body validates them
 # and starts the daemon.
 @app.command()
 @with_config_flags
 def run(
-    log_path: Annotated[str | None, typer.Option(help="Run directory on the shared filesystem.")] = None,
+    log_path: RunDir = None,
     master: Annotated[bool, typer.Option("--master", help="This node is rank 0.")] = False,
     worker: Annotated[int | None, typer.Option(help="This node is worker rank R (1..N-1).")] = None,
     num_nodes: Annotated[int | None, typer.Option(help="Number of nodes (master; workers read it).")] = None,
@@ -179,7 +185,7 @@ def show_config(
 
 @app.command()
 def status(
-    log_path: Annotated[str | None, typer.Option(help="Run directory.")] = None,
+    log_path: RunDir = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     window: Annotated[float, typer.Option(help="Seconds to watch heartbeats advance (0: one read).")] = 0.0,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until every daemon has stopped.")] = False,
@@ -221,7 +227,7 @@ def status(
 
 @app.command()
 def doctor(
-    log_path: Annotated[str | None, typer.Option(help="Run directory, as `run` will use it.")] = None,
+    log_path: RunDir = None,
     master: Annotated[bool, typer.Option("--master", help="This node is the master (rank 0).")] = False,
     worker: Annotated[int | None, typer.Option(help="This node is worker rank R (1..N-1).")] = None,
     num_nodes: Annotated[int | None, typer.Option(help="Number of nodes (master).")] = None,
@@ -258,7 +264,7 @@ def doctor(
 
 @app.command()
 def timeline(
-    log_path: Annotated[str | None, typer.Option(help="Run directory.")] = None,
+    log_path: RunDir = None,
     out: Annotated[Path, typer.Option(help="Output file: .png or .html.")] = Path("timeline.html"),
 ) -> None:
     """Draw every rank's phases in every iteration (action and barrier wait), with recoveries."""
@@ -284,7 +290,7 @@ def timeline(
 
 @app.command()
 def recover(
-    log_path: Annotated[str | None, typer.Option(help="Run directory.")] = None,
+    log_path: RunDir = None,
     iteration: Annotated[int | None, typer.Option(help="The iteration that failed (default: found from the journals).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List, do not remove.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Proceed even if daemons still heartbeat.")] = False,
@@ -311,7 +317,7 @@ def recover(
 
 @app.command()
 def export(
-    log_path: Annotated[str | None, typer.Option(help="Run directory (or its bucket URL).")] = None,
+    log_path: RunDir = None,
     out: Annotated[Path | None, typer.Option(help="Directory to write the Hugging Face model to: new or empty (see --force).")] = None,
     iteration: Annotated[int | None, typer.Option(help="Export checkpoints/iter-N (default: the newest published checkpoint).")] = None,
     best: Annotated[str | None, typer.Option(help="Export the checkpoint best by this eval metric (as checkpoint.keep_best): eval/accuracy or eval/reward_mean (higher is better), eval/num_failed (lower), NAME:max or NAME:min.")] = None,
