@@ -26,8 +26,9 @@ from coordinator.actions import StepContext
 from coordinator.errors import ActionError
 from coordinator.fsio import remove_tree
 from rl import layout, node_local
-from rl.config import RlSections, requests_in_flight
+from rl.config import RlSections
 from rl.node_local import lock_dir, node_lock
+from rl.sections import requests_in_flight
 from rl.served_weights import checkpoint_probes, verify_served_weights
 from rollout.agents import EngineEndpoint
 from rollout.client import CompletionClient

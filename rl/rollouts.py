@@ -40,13 +40,13 @@ from coordinator.errors import ActionError
 from coordinator.records import Arrival
 from coordinator.store import read_document
 from rl import layout
-from rl.config import requests_in_flight
 from rl.contracts import PolicyChoice, policy_version
 from rl.engines import serve_chosen_policy
 from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
 from rl.reward_check import BUILTIN_AGENT, same_agents
+from rl.sections import requests_in_flight
 from rollout.agents import Agent, GroupAgent, load_agent, run_groups
 from rollout.budget import check_failures, check_failures_so_far
 from rollout.errors import BudgetError

@@ -26,7 +26,8 @@ def test_the_readme_opens_with_the_demo_and_test_commands_and_ci_runs_the_latter
 
 
 def test_the_cluster_example_in_the_readme_resolves_to_settings_for_a_real_model() -> None:
-    from rl.config import parse_sections, requests_in_flight
+    from rl.config import parse_sections
+    from rl.sections import requests_in_flight
 
     block = re.search(r"```toml\n(.*?)```", README, re.S)
     assert block is not None

@@ -12,10 +12,10 @@ import pytest
 
 from coordinator.config import RunSection, deep_merge
 from coordinator.errors import UsageError
-from rl import preflight
+from rl import preflight, setting_rules
 from rl.config import TINY_MODEL_DEFAULTS, parse_sections, resolve_sections, with_model_defaults
 from rl.layout import Split
-from rl.preflight import Facts, ModelFacts, TaskFacts
+from rl.setting_rules import Facts, ModelFacts, TaskFacts
 
 
 def facts(sections: dict[str, Any] | None = None, *, context: int | None = 128,
@@ -30,7 +30,7 @@ def facts(sections: dict[str, Any] | None = None, *, context: int | None = 128,
 
 
 def test_the_tiny_models_defaults_pass_every_rule() -> None:
-    assert preflight.problems(facts()) == []
+    assert setting_rules.problems(facts()) == []
 
 
 def test_the_tiny_models_defaults_give_way_to_any_value_a_config_sets() -> None:
@@ -81,44 +81,44 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = [
                          [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_each_rule_names_the_setting_its_limit_and_the_fix(
         changed: dict[str, Any], overrides: dict[str, Any], words: tuple[str, ...]) -> None:
-    found = preflight.problems(facts(changed, **overrides))
+    found = setting_rules.problems(facts(changed, **overrides))
     assert len(found) == 1, found
     for word in words:
         assert word in found[0], (word, found[0])
     with pytest.raises(UsageError, match="cannot work with this model"):
-        preflight.check(facts(changed, **overrides))
+        setting_rules.check(facts(changed, **overrides))
 
 
 def test_every_rule_has_a_case() -> None:
     caught = set()
     for _, changed, overrides, _words in CASES:
         f = facts(changed, **overrides)
-        caught |= {rule for rule in preflight.RULES if rule(f) is not None}
-    assert caught == set(preflight.RULES)
+        caught |= {rule for rule in setting_rules.RULES if rule(f) is not None}
+    assert caught == set(setting_rules.RULES)
 
 
 def test_several_problems_are_listed_together() -> None:
     with pytest.raises(UsageError, match=r"\(2 problems\)") as info:
-        preflight.check(facts({"rollout": {"max_tokens": 500, "eval_tasks": 99}}))
+        setting_rules.check(facts({"rollout": {"max_tokens": 500, "eval_tasks": 99}}))
     assert "rollout.max_tokens=500" in str(info.value) and "rollout.eval_tasks=99" in str(info.value)
 
 
 def test_max_tokens_does_not_bound_an_agent_which_asks_for_its_own_lengths() -> None:
     agent = {"rollout": {"agent": "pkg.mod:Agent", "max_tokens": 1024}}
-    assert preflight.problems(facts(agent, prompt=None)) == []
+    assert setting_rules.problems(facts(agent, prompt=None)) == []
 
 
 def test_eval_limits_do_not_apply_to_a_run_that_never_evaluates() -> None:
     never = {"eval_interval": 0, "eval_before_train": False}
-    assert preflight.problems(facts({"rollout": {"eval_tasks": 99}, "schedule": never},
+    assert setting_rules.problems(facts({"rollout": {"eval_tasks": 99}, "schedule": never},
                                     eval_=0)) == []
     train_only = {"rollout_split": "train-only"}
-    assert preflight.problems(facts({"schedule": train_only}, eval_=0)) == []
+    assert setting_rules.problems(facts({"schedule": train_only}, eval_=0)) == []
     rollout_only = {"rl_phase": "rollout"}
-    assert preflight.problems(facts({"train": {"mini_batch_size": 4096},
+    assert setting_rules.problems(facts({"train": {"mini_batch_size": 4096},
                                      "schedule": rollout_only})) == []
     eval_only = {"rollout_split": "eval-only"}
-    assert preflight.problems(facts({"rollout": {"tasks_per_iteration": 999},
+    assert setting_rules.problems(facts({"rollout": {"tasks_per_iteration": 999},
                                      "schedule": eval_only})) == []
 
 
@@ -244,10 +244,10 @@ def test_a_chat_prompt_of_the_users_data_is_measured_through_the_chat_template(
 
 
 def test_tensor_parallel_size_binds_only_vllm_and_only_when_the_heads_are_known() -> None:
-    assert preflight.problems(facts({"engine": {"tensor_parallel_size": 3}}, heads=28)) == []
+    assert setting_rules.problems(facts({"engine": {"tensor_parallel_size": 3}}, heads=28)) == []
     vllm = {"engine": {"kind": "vllm", "tensor_parallel_size": 4}}
-    assert preflight.problems(facts(vllm, heads=28)) == []
-    assert preflight.problems(facts(vllm, heads=None)) == []
+    assert setting_rules.problems(facts(vllm, heads=28)) == []
+    assert setting_rules.problems(facts(vllm, heads=None)) == []
 
 
 # --- a 7 B recipe checked on its model's config.json and tokenizer, no weights --------
