@@ -60,7 +60,7 @@ from coordinator.records import (
 )
 from coordinator.runplan import RunPlan
 from coordinator.runtime import Runtime, install_signal_handlers, pending_interrupt
-from coordinator.stepper import PhaseStepper, publish_timings
+from coordinator.stepper import PhaseStepper
 from coordinator.store import FsStore, publish_record
 from coordinator.waker import Waker
 
@@ -375,19 +375,9 @@ class Daemon:
             beat_s=self.coord.heartbeat_interval_s, extra_release=self._admission,
         )
         for iteration in range(self.session.start_iteration, self.session.end_iteration):
-            releases: dict[int, Mapping[str, Any]] = {}
-            timings: dict[str, dict[str, float]] = {}
-            self.timings = timings  # what actions see of the phases passed (StepContext)
-            started = time.monotonic()
-            for phase in self.phases:
-                timings[str(int(phase))] = stepper.step(iteration, phase, releases)
-            self.journal.complete(iteration)
-            # A group re-formed after a failure starts where its members' journals say.
-            self.heartbeat.set(resume_iteration=self.journal.resume_iteration)
-            total = time.monotonic() - started
-            publish_timings(self.store, run_id=self.manifest.run_id, iteration=iteration,
-                            rank=self.rank, phases=timings, total_s=total)
-            log.info("rank %d completed iteration %d in %.2f s", self.rank, iteration, total)
+            self.timings = {}  # what actions see of the phases passed (StepContext)
+            releases = stepper.iteration(iteration, store=self.store,
+                                         run_id=self.manifest.run_id, timings=self.timings)
             admit = releases.get(int(self.phases[-1]), {}).get(ADMIT)
             if admit and iteration + 1 < self.session.end_iteration:
                 log.info("rank %d: the group takes back rank(s) %s before iteration %d",

@@ -93,6 +93,24 @@ class PhaseStepper:
         # Master: what the daemon adds to a release (ranks a shrunk group takes back).
         self.extra_release = extra_release
 
+    def iteration(self, iteration: int, *, store: Store, run_id: str,
+                  timings: dict[str, dict[str, float]]) -> dict[int, Mapping[str, Any]]:
+        """Every phase of `iteration` on this rank, then its journal entry, the
+        heartbeat's resume point and the iteration's timings (filled into `timings`,
+        which the actions see); returns the phases' releases."""
+        releases: dict[int, Mapping[str, Any]] = {}
+        started = time.monotonic()
+        for phase in self.phases:
+            timings[str(int(phase))] = self.step(iteration, phase, releases)
+        self.journal.complete(iteration)
+        # A group re-formed after a failure starts where its members' journals say.
+        self.heartbeat.set(resume_iteration=self.journal.resume_iteration)
+        total = time.monotonic() - started
+        publish_timings(store, run_id=run_id, iteration=iteration, rank=self.rank,
+                        phases=timings, total_s=total)
+        log.info("rank %d completed iteration %d in %.2f s", self.rank, iteration, total)
+        return releases
+
     def step(self, iteration: int, phase: Phase,
              releases: dict[int, Mapping[str, Any]]) -> dict[str, float]:
         """One phase on this rank; returns its timings (action, barrier wait)."""

@@ -8,7 +8,9 @@ that into exit code 2.  Nothing here touches the run directory except
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +24,17 @@ from coordinator.records import MAX_RANKS
 from coordinator.weights import Weights
 
 RANK_ENV_VARS = ("RANK", "NODE_RANK", "SLURM_PROCID", "SKYPILOT_NODE_RANK")
+
+
+def setup_logging(verbose: bool, rank: int | None = None) -> str:
+    """Log to stderr; the format, for a daemon's log file too (coordinator/daemon_log.py)."""
+    level = logging.DEBUG if verbose else logging.INFO
+    who = f"rank {rank} " if rank is not None else ""
+    form = f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
+    logging.basicConfig(level=level, stream=sys.stderr, format=form)
+    for noisy in ("watchdog", "urllib3", "filelock", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return form
 
 
 def fail_usage(message: str) -> typer.Exit:
