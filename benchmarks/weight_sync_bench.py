@@ -56,9 +56,8 @@ iterations after the first (deltas, for (c)).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
-import importlib
-import inspect
 import itertools
 import json
 import os
@@ -68,7 +67,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -76,12 +74,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-import trainer.checkpoint as checkpoint  # noqa: E402
-from coordinator.verified import file_digest  # noqa: E402
+from coordinator.verified import file_digest, in_parallel  # noqa: E402
 from trainer.architectures import create_model, preset  # noqa: E402
 from trainer.checkpoint import (  # noqa: E402
     MANIFEST_NAME,
@@ -92,24 +91,12 @@ from trainer.checkpoint import (  # noqa: E402
     tmp_sibling,
     write_model_files,
 )
+from trainer.local_copy import copy_to_local_cache  # noqa: E402
 
-
-def _find(name: str, *modules: str) -> Any:
-    """`name` from the first of `modules` that has it (trainer/checkpoint.py is being
-    split into modules: the benchmark runs before and after)."""
-    for module in modules:
-        try:
-            found = getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    raise ImportError(f"none of {modules} has {name}")
-
-
-copy_to_local_cache: Callable[[Path, Path], Path] = _find(
-    "copy_to_local_cache", "trainer.local_copy", "trainer.checkpoint")
 BLOCK = 4 << 20
+# What reading the server's counters may meet (ss missing or refused, a process
+# gone, an unexpected line): the bytes are then counted, and the output says why.
+MEASURE_ERRORS = (OSError, RuntimeError, ValueError, subprocess.SubprocessError, psutil.Error)
 DTYPE = "bfloat16"
 LR = 1e-6
 BATCH, SEQ = 2, 64
@@ -159,7 +146,7 @@ class ServerIo:
         self.problem: str | None = None
         try:
             self.sample()
-        except Exception as exc:  # any failure: fall back, and say why
+        except MEASURE_ERRORS as exc:  # fall back to counting, and say why
             self.problem = f"{type(exc).__name__}: {exc}"
 
     def _tcp(self) -> tuple[int, int]:
@@ -184,8 +171,6 @@ class ServerIo:
         return tcp_in, tcp_out
 
     def sample(self) -> ServerSample:
-        import psutil
-
         for proc in psutil.Process(self.sshd_pid).children(recursive=True):
             self.seen.setdefault(proc.pid, proc)
         counts = {"sftp_r": 0, "sftp_w": 0, "session_r": 0, "session_w": 0}
@@ -218,7 +203,7 @@ class Meter:
         if self.server.problem is None:
             try:
                 sample = self.server.sample()
-            except Exception as exc:
+            except MEASURE_ERRORS as exc:
                 self.server.problem = f"{type(exc).__name__}: {exc}"
         self.marks.append((time.perf_counter(), sample))
 
@@ -277,24 +262,11 @@ def copy_hashing(src: Path, dst: Path) -> tuple[int, str]:
 
 
 def on_all(nodes: list[Node], work: Callable[[Node], Any]) -> list[Any]:
-    """`work` on every node at once (a thread each); the first failure is raised."""
-    results: list[Any] = [None] * len(nodes)
-    errors: list[BaseException] = []
-
-    def run(node: Node) -> None:
-        try:
-            results[node.index] = work(node)
-        except BaseException as exc:  # raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(n,), name=f"node{n.index}") for n in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    """`work` on every node at once (a thread each: coordinator/verified.py in_parallel);
+    the first failure is raised once every node has ended."""
+    done = in_parallel({f"{n.index:04d}": functools.partial(work, n) for n in nodes},
+                       threads=len(nodes))
+    return [done[f"{n.index:04d}"] for n in nodes]
 
 
 def remove(path: Path) -> None:
@@ -377,12 +349,6 @@ def delta_mode(model: Any, model_dir: Path, it: int, nodes: list[Node],
         raise RuntimeError(f"iteration {it} was published full, not as a delta")
     size = sum(e.size for e in manifest.files.values())
     return meter.result(size, size * len(nodes))
-
-
-def delta_available() -> bool:
-    """Whether trainer.checkpoint publishes deltas: then (c) runs delta_mode."""
-    return hasattr(checkpoint, "publish_delta") or \
-        "delta_parent" in inspect.signature(publish_checkpoint).parameters
 
 
 def floor_mode(source: Path, it: int, nodes: list[Node], meter: Meter,
@@ -514,7 +480,6 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         if server.problem:
             print(f"server bytes cannot be measured ({server.problem}): counting them from "
                   "what each mode reads and writes", flush=True)
-        delta_built = delta_available()
         previous_weights = model_dir
         for it in range(1, args.iterations + 1):
             row: dict[str, Any] = {"iteration": it, "load": os.getloadavg()}
@@ -524,17 +489,14 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             modes: dict[str, Any] = {}
             modes["a"] = legacy_mode(model, model_dir, it, nodes, Meter(server))
             modes["b"], copies = current_mode(model, model_dir, it, nodes, Meter(server))
-            if delta_built:
-                modes["c"] = delta_mode(model, model_dir, it, nodes, Meter(server))
-                # The floor of the bytes the delta moves: cp of its checkpoint each way.
-                delta_src = nodes[0].local / "src-c" / f"iter-{it}"
-                delta_src.parent.mkdir(parents=True, exist_ok=True)
-                subprocess.run(["/bin/cp", "-r", str(nodes[0].share / "c" / f"iter-{it}"),
-                                str(delta_src)], check=True)
-                modes["cd"] = floor_mode(delta_src, it, nodes, Meter(server), tag="cd")
-                remove(delta_src)
-            else:
-                modes["c"] = {"status": "not built (trainer.checkpoint publishes no deltas)"}
+            modes["c"] = delta_mode(model, model_dir, it, nodes, Meter(server))
+            # The floor of the bytes the delta moves: cp of its checkpoint each way.
+            delta_src = nodes[0].local / "src-c" / f"iter-{it}"
+            delta_src.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["/bin/cp", "-r", str(nodes[0].share / "c" / f"iter-{it}"),
+                            str(delta_src)], check=True)
+            modes["cd"] = floor_mode(delta_src, it, nodes, Meter(server), tag="cd")
+            remove(delta_src)
             source = nodes[0].local / "src" / f"iter-{it}"
             t = time.perf_counter()
             write_model_files(model, None, source, carry_files_from=model_dir, dtype=DTYPE)
@@ -579,12 +541,7 @@ def print_iteration(row: dict[str, Any], *, flush: bool = False) -> None:
     for key, label in (("a", "(a) full, before issue 34"), ("b", "(b) full, now"),
                        ("c", "(c) delta"), ("cd", "    floor of (c): cp"),
                        ("d", "(d) floor: cp")):
-        m = row["modes"].get(key)
-        if m is None:
-            continue
-        if "status" in m:
-            print(f"  {label:<26}{m['status']}")
-            continue
+        m = row["modes"][key]
         star = "" if m["measured"] else " (counted)"
         own = row["modes"]["cd"]["update_s"] if key == "c" else floor
         print(f"  {label:<26}{m['publish_s']:>10.2f}{m['fetch_s']:>9.2f}{m['update_s']:>10.2f}"
@@ -614,11 +571,6 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     model_bytes = statistics.median(r["modes"]["d"]["counted_written"] for r in rows)
     summary: dict[str, Any] = {"iterations_used": [r["iteration"] for r in later]}
     for key in ("a", "b", "c", "cd", "d"):
-        if key not in rows[0]["modes"]:
-            continue
-        if median(key, "update_s") is None:
-            summary[key] = {"status": rows[0]["modes"][key].get("status", "not measured")}
-            continue
         summary[key] = {
             "update_s": median(key, "update_s"), "publish_s": median(key, "publish_s"),
             "fetch_s": median(key, "fetch_s"), "update_over_floor": over_floor(key),
@@ -662,10 +614,7 @@ def main() -> None:
           f"{a['read_per_model']:.2f} x the checkpoint through the server; full now (b): "
           f"update/floor {b['update_over_floor']:.2f}, reads {b['read_per_model']:.2f} x; "
           f"(a)/(b) update time {a['update_s'] / b['update_s']:.2f}x; wall {result['wall_s']:.0f} s")
-    if "update_over_floor" in c:
-        delta = f"{c['written_per_model']:.3f}, delta update/floor {c['update_over_floor']:.2f}"
-    else:
-        delta = "n/a, delta update/floor n/a"
+    delta = f"{c['written_per_model']:.3f}, delta update/floor {c['update_over_floor']:.2f}"
     print(f"weight sync: delta bytes/model {delta}, full update/floor "
           f"{b['update_over_floor']:.2f}")
 

@@ -233,7 +233,9 @@ def _chains(run_dir: Path, kept: list[int]) -> set[str] | None:
     from trainer.local_copy import chain
 
     needed: set[str] = set()
-    for k in kept:
+    for k in sorted(kept, reverse=True):  # newest first: an older kept one is often in
+        if layout.checkpoint(run_dir, k).name in needed:  # a newer one's chain already
+            continue
         try:
             needed.update(chain(layout.checkpoint(run_dir, k)))
         except CheckpointError as exc:

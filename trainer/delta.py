@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from safetensors import SafetensorError
+
 from coordinator.verified import in_parallel
 from rollout.errors import CheckpointError
 
@@ -186,7 +188,7 @@ def apply(parent: bytearray, delta: bytes, *, result: str, where: Path,
     _, spans = header(parent, where)
     try:
         parts = load_parts(delta)
-    except Exception as exc:  # safetensors raises its own error types on a bad file
+    except (SafetensorError, ValueError) as exc:  # what safetensors raises on a bad file
         raise CheckpointError(f"{where}: not a readable delta ({exc})", path=where) from None
     for key, tensor in parts.items():
         name, _, part = key.rpartition(SEP)

@@ -89,8 +89,9 @@ def stage(tmp: Path, write: Callable[[Path], None]) -> Staged | None:
     return Staged(full=staging, upload={rel: staging / rel for rel in list_files(staging)})
 
 
-def _parent_record(parent: Path, last: Path) -> tuple[str, int] | str:
-    """(base, length) of `parent` when `last` holds its files, else why not."""
+def _parent_record(parent: Path, last: Path) -> tuple[str, int, str] | str:
+    """(base, length, manifest digest) of `parent` when `last` holds its files (its
+    manifest read once from the share), else why not."""
     try:
         record = json.loads((last / RECORD).read_bytes())
         name, digest = record["name"], record["digest"]
@@ -107,7 +108,7 @@ def _parent_record(parent: Path, last: Path) -> tuple[str, int] | str:
         return f"its manifest cannot be read ({exc})"
     if published.digest != digest:
         return f"it was published again (manifest {published.digest}, kept {digest})"
-    return base, length
+    return base, length, published.digest
 
 
 def with_delta(staged: Staged, final_dir: Path, parent: Path | None,
@@ -124,7 +125,7 @@ def with_delta(staged: Staged, final_dir: Path, parent: Path | None,
         log.info("%s is published full, not as a delta of %s: %s", final_dir.name,
                  parent.name, found)
         return staged
-    base, length = found
+    base, length, parent_digest = found
     deltas = Path(tempfile.mkdtemp(prefix="delta-", dir=staged.full.parent))
     upload = dict(staged.upload)
     results: dict[str, FileEntry] = {}
@@ -151,7 +152,7 @@ def with_delta(staged: Staged, final_dir: Path, parent: Path | None,
     if not results:
         remove_tree(deltas)
         return staged
-    info = DeltaInfo(parent=parent.name, parent_digest=read_manifest(parent).digest, base=base,
+    info = DeltaInfo(parent=parent.name, parent_digest=parent_digest, base=base,
                      length=length + 1, results=results, tensors=tensors)
     log.info("%s is a delta of %s (link %d from %s): %d of %d elements changed (%.2f %%)",
              final_dir.name, parent.name, info.length, base, changed, elements,
