@@ -39,7 +39,14 @@ from coordinator.verified import copy_verified, in_parallel, read_verified
 from rollout.errors import CheckpointError
 from trainer import delta
 from trainer.checkpoint import seal_files, tmp_sibling, verify_checkpoint
-from trainer.manifest import MANIFEST_NAME, FileEntry, Manifest, list_files, read_manifest
+from trainer.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    delta_file,
+    list_files,
+    read_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +172,7 @@ def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, resu
     """delta/<result> read once from the share (checked against its manifest entry),
     applied to the parent's file, the result checked and written (fsynced)."""
     assert manifest.delta is not None
-    name = manifest.delta.delta_file(result)
+    name = delta_file(result)
     listed = manifest.files[name]
     try:
         with read_verified(src_dir / name, size=listed.size, sha256=listed.sha256,

@@ -118,9 +118,6 @@ class DeltaInfo(Record):
             if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
                 raise ValueError(f"tensor {tensor!r}: sha256 {digest!r} is not 64 hex digits")
 
-    def delta_file(self, result: str) -> str:
-        return delta_file(result)
-
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest(Record):
@@ -144,9 +141,9 @@ class Manifest(Record):
             _check_file_name(name)
         if self.delta is not None:
             for result in self.delta.results:
-                if self.delta.delta_file(result) not in self.files or result in self.files:
+                if delta_file(result) not in self.files or result in self.files:
                     raise ValueError(f"result {result!r} is not listed as "
-                                     f"{self.delta.delta_file(result)!r} alone")
+                                     f"{delta_file(result)!r} alone")
 
     @classmethod
     def from_json(cls, obj: object, path: Path) -> Manifest:
@@ -165,7 +162,7 @@ class Manifest(Record):
         the weights files it makes in place of delta/<file>."""
         if self.delta is None:
             return dict(self.files)
-        made = {self.delta.delta_file(r) for r in self.delta.results}
+        made = {delta_file(r) for r in self.delta.results}
         return {**{n: e for n, e in self.files.items() if n not in made}, **self.delta.results}
 
     def to_bytes(self) -> bytes:
