@@ -230,7 +230,7 @@ def _train_metrics(loop: Loop, iteration: int) -> dict[str, Any]:
 def verify_new_checkpoint(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 11 (master): the new checkpoint's manifest reads and names exactly its files.
     Their contents are checked by every node as it copies them at phase 12 (each byte
-    crosses the shared filesystem once per node, trainer/checkpoint.py
+    crosses the shared filesystem once per node, trainer/local_copy.py
     copy_to_local_cache); a file altered on the share fails phase 12 naming it."""
     from trainer.checkpoint import CheckpointError, verify_checkpoint
 
