@@ -8,8 +8,8 @@
         delta checkpoint: the parent's copy first (the same call: cached, or made from
                           its own parent, down to the full base), then its plain files
                           copied as above, and each delta/<file> read once and applied
-                          to the parent's file (trainer/delta.py), every tensor and the
-                          whole file checked against the manifest
+                          to the parent's file (trainer/delta.py), every tensor checked
+                          against the manifest (which makes the whole file checked)
           v
         manifest.json written last (the seal), the directory renamed into place
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import os
 import stat
@@ -191,21 +190,14 @@ def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, resu
                               path=parent_file) from exc
     delta.apply(buffer, data, result=result, where=src_dir / name,
                 digests=manifest.delta.tensors)
-    # The whole file's hash runs beside its write (both free the GIL).
+    if len(buffer) != entry.size:
+        raise CheckpointError(
+            f"{src_dir / name}: applied to {parent_file.name}, it makes {len(buffer)} bytes, "
+            f"its manifest says {entry.size}: the delta or the parent is altered",
+            path=src_dir / name)
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "wb") as handle:
-        def write() -> str:
-            handle.write(buffer)
-            return ""
-
-        digest = in_parallel({"hash": lambda: hashlib.sha256(buffer).hexdigest(),
-                              "write": write})["hash"]
-        if len(buffer) != entry.size or digest != entry.sha256:
-            raise CheckpointError(
-                f"{src_dir / name}: applied to {parent_file.name}, it makes {len(buffer)} bytes "
-                f"with SHA-256 {digest[:16]}..., its manifest says {entry.size} bytes, "
-                f"{entry.sha256[:16]}...: the delta or the parent is altered",
-                path=src_dir / name)
+        handle.write(buffer)
         handle.flush()
         os.fsync(handle.fileno())
 

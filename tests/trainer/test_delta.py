@@ -239,3 +239,32 @@ def test_a_node_killed_while_applying_a_delta_makes_it_again_at_the_next_use(
     assert hashlib.sha256((copy / "model.safetensors").read_bytes()).hexdigest() == \
         read_manifest(share / "iter-000001").local_files()["model.safetensors"].sha256
     assert not [p for p in node.iterdir() if p.name.startswith(".iter-000001")]
+
+
+def test_a_file_with_bytes_outside_its_tensors_is_no_file_a_delta_applies_to(
+        tmp_path: Path) -> None:
+    """The node checks the result by its tensors' digests alone: that decides the whole
+    file only when the tensors tile every byte after the header, as safetensors
+    writes them.  A gap between two tensors, or bytes after the last, are refused."""
+    import json
+    import struct
+
+    path = tmp_path / "model.safetensors"
+    save_file(weights(), str(path))
+    data = path.read_bytes()
+    _, spans = delta.header(data, path)  # safetensors' own file: accepted
+    assert sum(s.end - s.begin for s in spans.values()) == len(data) - 8 - struct.unpack(
+        "<Q", data[:8])[0]
+    with pytest.raises(CheckpointError, match="the file at"):
+        delta.header(data + b"\0\0", path)
+    (length,) = struct.unpack("<Q", data[:8])
+    table = json.loads(data[8:8 + length])
+    last = max((k for k in table if k != "__metadata__"),
+               key=lambda k: table[k]["data_offsets"][0])
+    begin, end = table[last]["data_offsets"]
+    table[last]["data_offsets"] = [begin + 2, end + 2]  # two bytes no tensor covers
+    head = json.dumps(table).encode()
+    body = data[8 + length:]
+    gapped = struct.pack("<Q", len(head)) + head + body[:begin] + b"\0\0" + body[begin:]
+    with pytest.raises(CheckpointError, match=f"tensor '{last}' starts at byte"):
+        delta.header(gapped, path)
