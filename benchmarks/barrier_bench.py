@@ -12,7 +12,7 @@ the directory, count flags, every 5 s).  Ours is the real thing: N
 
 Latency of one barrier = last release seen by any rank - last arrival.
 Filesystem operations per rank per barrier: ours from the instrumented layer
-(coordinator/fsio.py, every call the daemon makes, heartbeats and lease
+(coordinator/storage/fsio.py, every call the daemon makes, heartbeats and lease
 checks included); peers from `strace -c` attached to one rank.  The second
 table is the long wait: N-1 ranks wait --wait-s seconds for a late rank.
 """

@@ -14,7 +14,7 @@ each rank with its own node-local root; the other on the sshfs network fixture
    the same run without the sleep; the difference per worker, per minute of
    waiting.  On Azurite these are HTTP requests (GET, PUT, ...); on sshfs
    filesystem operations (open, read, rename, ...), counted the same way
-   (coordinator/fsio.py's STATS, dumped per daemon through COORDINATOR_FS_STATS).
+   (coordinator/storage/fsio.py's STATS, dumped per daemon through COORDINATOR_FS_STATS).
 3. What the bucket's requests would cost per 1,000 rank-hours of waiting at
    S3 Standard's list prices (PRICES).
 """

@@ -43,7 +43,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from coordinator import layout  # noqa: E402
+from coordinator.records import layout  # noqa: E402
 from rl.demo import iteration_rows  # noqa: E402
 
 NODES = 3

@@ -83,7 +83,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.verified import file_digest, in_parallel  # noqa: E402
+from coordinator.storage.verified import file_digest, in_parallel  # noqa: E402
 from trainer.architectures import create_model, preset  # noqa: E402
 from trainer.checkpoint import (  # noqa: E402
     MANIFEST_NAME,
@@ -265,7 +265,7 @@ def copy_hashing(src: Path, dst: Path) -> tuple[int, str]:
 
 
 def on_all(nodes: list[Node], work: Callable[[Node], Any]) -> list[Any]:
-    """`work` on every node at once (a thread each: coordinator/verified.py in_parallel);
+    """`work` on every node at once (a thread each: coordinator/storage/verified.py in_parallel);
     the first failure is raised once every node has ended."""
     done = in_parallel({f"{n.index:04d}": functools.partial(work, n) for n in nodes},
                        threads=len(nodes))

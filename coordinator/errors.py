@@ -122,7 +122,7 @@ class StorageError(CoordinatorError):
 
 
 class BucketError(CoordinatorError):
-    """A bucket run directory cannot be used (coordinator/objstore.py); no credential in it."""
+    """A bucket run directory cannot be used (coordinator/storage/objstore.py); no credential in it."""
 
     exit_code = ExitCode.BUCKET_UNUSABLE
 

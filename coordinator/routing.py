@@ -1,8 +1,8 @@
 """Where a path of the run directory lives: on a filesystem, or in a bucket.
 
-A bucket run directory (coordinator/objstore.py) stands on each node as a
+A bucket run directory (coordinator/storage/objstore.py) stands on each node as a
 node-local root, mounted here with the object store behind it (`Backend`).
-`routed` tells the functions of coordinator/fsio.py and coordinator/trees.py
+`routed` tells the functions of coordinator/storage/fsio.py and coordinator/storage/trees.py
 whether a path is beneath such a root, and its key there; on a filesystem the
 answer costs one check of an empty table.  `display` gives the name messages
 use: the bucket's URL, never the local root.  A writer's hidden staging names
@@ -21,7 +21,7 @@ TMP_SUFFIX: Final = ".tmp"
 
 
 class Backend(Protocol):
-    """A run directory that is not a filesystem (coordinator/objstore.py): what the
+    """A run directory that is not a filesystem (coordinator/storage/objstore.py): what the
     functions below do to a path beneath a mounted root, by key."""
 
     def publish(self, key: str, data: bytes) -> None: ...

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator.actions import ActionKind, StepContext
-from coordinator.config import RunConfig
-from coordinator.phases import Phase
-from coordinator.placement import Placement
-from coordinator.records import Arrival
+from coordinator.config.placement import Placement
+from coordinator.config.run_config import RunConfig
+from coordinator.machine.actions import ActionKind, StepContext
+from coordinator.records.phases import Phase
+from coordinator.records.records import Arrival
 from rl import (
     aggregation,
     engines,

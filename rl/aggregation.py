@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coordinator import fsio
-from coordinator.actions import StepContext
 from coordinator.errors import ActionError
-from coordinator.records import Arrival
+from coordinator.machine.actions import StepContext
+from coordinator.records.records import Arrival
+from coordinator.storage import fsio
 from rl import layout
 from rl.contracts import PinnedManifests
 from rl.layout import Split
@@ -108,7 +108,7 @@ def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
                                       max_failed_fraction=loop.s.rollout.max_failed_fraction,
                                       min_batch_fraction=loop.s.rollout.min_batch_fraction,
                                       oldest_version=loop.placement.oldest_version(ctx.iteration)
-                                      if loop.placement.asynchronous else 0)
+                                      if loop.layout.off_policy else 0)
     except (AggregationError, BudgetError) as exc:
         raise ActionError(f"aggregation refused iteration {ctx.iteration}: {exc}") from exc
     fsio.publish_bytes(layout.metrics(loop.run_dir, ctx.iteration, "rollout"),
@@ -117,7 +117,7 @@ def aggregate_train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
              ctx.iteration, metrics.reward_mean or 0.0, metrics.accuracy or 0.0,
              metrics.num_samples, time.monotonic() - started)
     warn_reward_timeouts(ctx.iteration, "train", metrics)
-    if loop.placement.asynchronous:
+    if loop.layout.off_policy:
         log.info("iteration %d: samples per policy version %s, staleness max %d mean %.2f, "
                  "%d stale groups dropped and generated again", ctx.iteration,
                  metrics.policy_versions, metrics.staleness_max, metrics.staleness_mean,

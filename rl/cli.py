@@ -78,10 +78,12 @@ def run(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Run this node's daemon until every iteration is done (or something fails)."""
-    from coordinator import beneath, daemon_log, netaddr, refusal, routing
-    from coordinator.daemon import Daemon
-    from coordinator.runplan import RunRequest, make_plan
-    from coordinator.storage_check import check_run_directory
+    from coordinator import routing
+    from coordinator.machine import daemon_log, netaddr, refusal
+    from coordinator.machine.daemon import Daemon
+    from coordinator.machine.runplan import RunRequest, make_plan
+    from coordinator.storage import beneath
+    from coordinator.storage.storage_check import check_run_directory
 
     rank: int | None = None
     usable: Path | None = None  # the run directory, once proven usable
@@ -124,7 +126,7 @@ def run(
     checkpoint = plan.config.sections.get("checkpoint", {})
     try:
         if log_path is not None and routing.routed(path) is not None:
-            from coordinator import bucket_url, objstore
+            from coordinator.storage import bucket_url, objstore
 
             # What was fetched from the bucket goes with the run.
             node_local.hold(objstore.local_dir(bucket_url.parse(log_path)))
@@ -144,7 +146,8 @@ def run(
 def send_logs(run_dir: Path, rank: int) -> None:
     """In a bucket, this rank's processes' logs (node-local files) as objects, however
     the daemon ended: before its local root may go.  Logs what fails, never raises."""
-    from coordinator import routing, trees
+    from coordinator import routing
+    from coordinator.storage import trees
 
     try:
         trees.send_local_files(layout.logs(run_dir, rank), replace=True)
@@ -182,8 +185,8 @@ def status(
     """Show every rank (host, address, iteration, phase, state, heartbeat age, what it waits
     for) and every iteration (samples trained, failed samples, reward, recoveries)."""
 
-    from coordinator import beneath
     from coordinator.ops import status as status_mod
+    from coordinator.storage import beneath
 
     try:
         path = existing_run_dir(log_path)
@@ -224,8 +227,9 @@ def doctor(
     ifname: Annotated[str | None, typer.Option(help="Master: interface whose IPv4 address to use.")] = None,
 ) -> None:
     """Prove the run directory is shared and coherent among the nodes (start it on every node)."""
-    from coordinator import beneath, netaddr
+    from coordinator.machine import netaddr
     from coordinator.ops.doctor import Doctor
+    from coordinator.storage import beneath
 
     setup_logging(False)
     try:
@@ -255,8 +259,8 @@ def timeline(
     out: Annotated[Path, typer.Option(help="Output file: .png or .html.")] = Path("timeline.html"),
 ) -> None:
     """Draw every rank's phases in every iteration (action and barrier wait), with recoveries."""
-    from coordinator import beneath
     from coordinator.ops import timeline as timeline_mod
+    from coordinator.storage import beneath
 
     setup_logging(False)
     try:
@@ -284,8 +288,8 @@ def recover(
     window: Annotated[float | None, typer.Option(help="Seconds to watch heartbeats advance (default: heartbeat interval + 1).")] = None,
 ) -> None:
     """Clean up a failed iteration so that restarting every node resumes the run."""
-    from coordinator import beneath
     from coordinator.ops import recover as recover_mod
+    from coordinator.storage import beneath
 
     setup_logging(False)
     try:
@@ -313,7 +317,7 @@ def export(
     """Write a published checkpoint as a plain Hugging Face model directory (weights as
     trained, tokenizer, chat template; no manifest) that transformers and vLLM load.
     Exit 2: a bad choice or --out; 7: the checkpoint does not match its manifest."""
-    from coordinator import beneath
+    from coordinator.storage import beneath
     from rl import export as export_mod
     from rl.keep_best import parse_metric
     from rollout.errors import CheckpointError

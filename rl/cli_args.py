@@ -18,16 +18,17 @@ from typing import Any
 
 import typer
 
-from coordinator import bucket_url, fsio, weights
 from coordinator.errors import ExitCode, UsageError
-from coordinator.records import MAX_RANKS
-from coordinator.weights import Weights
+from coordinator.records import weights
+from coordinator.records.records import MAX_RANKS
+from coordinator.records.weights import Weights
+from coordinator.storage import bucket_url, fsio
 
 RANK_ENV_VARS = ("RANK", "NODE_RANK", "SLURM_PROCID", "SKYPILOT_NODE_RANK")
 
 
 def setup_logging(verbose: bool, rank: int | None = None) -> str:
-    """Log to stderr; the format, for a daemon's log file too (coordinator/daemon_log.py)."""
+    """Log to stderr; the format, for a daemon's log file too (coordinator/machine/daemon_log.py)."""
     level = logging.DEBUG if verbose else logging.INFO
     who = f"rank {rank} " if rank is not None else ""
     form = f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
@@ -43,7 +44,7 @@ def fail_usage(message: str) -> typer.Exit:
 
 
 def parse_weights(text: str | None, *, num_nodes: int | None) -> Weights | None:
-    """--rank-weights checked by the one rule (coordinator/weights.py), against
+    """--rank-weights checked by the one rule (coordinator/records/weights.py), against
     --num-nodes when given."""
     if text is None:
         return None
@@ -102,7 +103,7 @@ def log_path_arg(text: str | None) -> Path:
     """The --log-path as typed: required and never empty (an empty one would mean '.').
 
     A bucket URL (az://, s3://) is opened and checked here, and mounted at its
-    node-local root (coordinator/objstore.py), which the command then uses as the
+    node-local root (coordinator/storage/objstore.py), which the command then uses as the
     run directory's path: BucketError (exit 10) when it cannot be used.
     """
     if text is None:
@@ -110,7 +111,7 @@ def log_path_arg(text: str | None) -> Path:
                          "that every node mounts, e.g. --log-path /shared/runs/exp1, or a "
                          "bucket, e.g. --log-path az://runs/exp1")
     if bucket_url.is_bucket_url(text):
-        from coordinator import objstore  # obstore is loaded only for a bucket
+        from coordinator.storage import objstore  # obstore is loaded only for a bucket
 
         return objstore.attach(text)
     if not text.strip():
@@ -175,12 +176,12 @@ def set_dotted(target: dict[str, Any], key: str, value: Any, *, given: str = "")
 def parse_set(items: list[str],
               declared: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """--set items as a config tree.  `declared(key)` gives a setting's declared type:
-    its text is read as that type (coordinator/settings.py from_text: a string as it
+    its text is read as that type (coordinator/config/settings.py from_text: a string as it
     is, so --set model.path=123 is a path); a key without one is read as JSON, else
     as text (an unknown key is refused later, naming the closest setting)."""
     import json
 
-    from coordinator.settings import from_text
+    from coordinator.config.settings import from_text
 
     out: dict[str, Any] = {}
     for item in items:

@@ -1,6 +1,6 @@
 """The flags of `coordinator run` and `coordinator config`, and `--set`, from the declarations.
 
-A setting declared with `flag="--name"` (coordinator/settings.py) is an option:
+A setting declared with `flag="--name"` (coordinator/config/settings.py) is an option:
 its type, help and default (shown in `--help`, never applied: a flag not given
 leaves the config file's value) come from the declaration, so adding a flag is
 one `flag=` in the section.  `with_config_flags` gives a typer command one
@@ -23,9 +23,9 @@ from typing import Annotated, Any, Final
 
 import typer
 
-from coordinator.config import to_plain
-from coordinator.scripted import ScriptedConfig
-from coordinator.settings import iter_settings
+from coordinator.config.run_config import to_plain
+from coordinator.config.settings import iter_settings
+from coordinator.machine.scripted import ScriptedConfig
 from rl.cli_args import parse_set, set_dotted
 from rl.config import SECTION_CLASSES
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
-from coordinator.config import (
+from coordinator.config.run_config import (
     CoordinationConfig,
     RunSection,
     UnknownSettingError,
@@ -34,8 +34,8 @@ from coordinator.config import (
     to_plain,
     unknown_setting,
 )
+from coordinator.config.settings import iter_settings
 from coordinator.errors import UsageError
-from coordinator.settings import iter_settings
 from rl.data_source import without_eval_data
 from rl.schedule import RolloutSplit, ScheduleSection, schedule_of
 from rl.sections import (
@@ -98,7 +98,7 @@ def with_model_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
     return deep_merge({k: dict(v) for k, v in TINY_MODEL_DEFAULTS.items()}, raw)
 
 
-# Each section's dataclass; with [run] and [coordination] (coordinator/config.py),
+# Each section's dataclass; with [run] and [coordination] (coordinator/config/run_config.py),
 # every setting a config file or --set may give.
 SECTION_CLASSES: Final[Mapping[str, type]] = {
     "run": RunSection, "coordination": CoordinationConfig, "schedule": ScheduleSection,

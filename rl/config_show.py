@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from coordinator.actions import resolve_config
-from coordinator.config import deep_merge, load_file, to_plain
-from coordinator.settings import declared_fields
+from coordinator.config.run_config import deep_merge, load_file, to_plain
+from coordinator.config.settings import declared_fields
+from coordinator.machine.actions import resolve_config
 from rl import cli_flags
 from rl.cli_args import parse_set
 from rl.config import TINY_MODEL_DEFAULTS, uses_tiny_model

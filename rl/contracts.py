@@ -13,7 +13,7 @@ missing, mistyped or hostile value is refused with the release's path:
     phase 11  CheckpointAnnouncement  the checkpoint phase 12 serves
 
 (The collective `run` flags of phase 9 are the phase machine's:
-coordinator/decisions.py `RunFlags`.)
+coordinator/machine/decisions.py `RunFlags`.)
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from coordinator.actions import StepContext
-from coordinator.layout import release as release_key
-from coordinator.phases import Phase
-from coordinator.records import Record
+from coordinator.machine.actions import StepContext
+from coordinator.records.layout import release as release_key
+from coordinator.records.phases import Phase
+from coordinator.records.records import Record
 
 P = TypeVar("P", bound="Payload")
 

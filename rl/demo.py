@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator import layout
 from coordinator.errors import UsageError
-from coordinator.liveness import describe_phase
+from coordinator.machine.liveness import describe_phase
 from coordinator.ops.status import plain
+from coordinator.records import layout
 from rl import history
 
 # The demo's settings, the same file README's Slurm try-out runs with.

@@ -21,10 +21,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from coordinator import trees
-from coordinator.actions import StepContext
 from coordinator.errors import ActionError
-from coordinator.fsio import remove_tree
+from coordinator.machine.actions import StepContext
+from coordinator.storage import trees
+from coordinator.storage.fsio import remove_tree
 from rl import layout, node_local
 from rl.config import RlSections
 from rl.node_local import lock_dir, node_lock

@@ -13,7 +13,7 @@
               fails; then the served weights are checked against the
               checkpoint's probes.  The payload says how and which engine pid.
 
-With a disaggregated placement (coordinator/placement.py) the training nodes
+With a disaggregated placement (coordinator/config/placement.py) the training nodes
 run no engine, and the rollout nodes' engines stay up through training: phase
 7 leaves them serving (in an asynchronous run they roll out the next
 iteration during phase 10), and phase 12 updates their weights between
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.actions import StepContext
-from coordinator.phases import Phase
+from coordinator.machine.actions import StepContext
+from coordinator.records.phases import Phase
 from rl.contracts import CheckpointAnnouncement, PolicyChoice, announced, policy_version
 from rl.loop import Loop
 
@@ -46,7 +46,7 @@ def serve_chosen_policy(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
 def stop_engine(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     """Phase 7: free the GPU for training (colocated only: disaggregated, training
     has GPUs of its own)."""
-    if not loop.placement.colocated:
+    if not loop.layout.shares_gpus:
         return {}
     return loop.engines.release(ctx)
 

@@ -12,10 +12,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator import fsio
-from coordinator.actions import StepContext
 from coordinator.errors import ActionError
-from coordinator.records import Arrival
+from coordinator.machine.actions import StepContext
+from coordinator.records.records import Arrival
+from coordinator.storage import fsio
 from rl import layout
 from rl.aggregation import merge_inputs, warn_reward_timeouts
 from rl.contracts import EvalDecision, EvalResult

@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from coordinator import routing, trees
+from coordinator import routing
 from coordinator.errors import IntegrityError, MalformedRecordError, UsageError
-from coordinator.fsio import DIR_MODE, fsync_dir
-from coordinator.verified import copy_verified, file_digest
+from coordinator.storage import trees
+from coordinator.storage.fsio import DIR_MODE, fsync_dir
+from coordinator.storage.verified import copy_verified, file_digest
 from rl import keep_best, layout
 from rl.keep_best import Metric
 from rollout.errors import CheckpointError

@@ -13,7 +13,7 @@
                                    on a batch within rollout.max_failed_fraction
 
 Files written by the master on another node are read like every shared record
-(coordinator.store.read_document); a missing or unreadable one is shown as
+(coordinator.storage.store.read_document); a missing or unreadable one is shown as
 unknown, never as zero.  The summary a daemon exits with retries a failed
 read for up to SUMMARY_READ_S before it counts the file as unreadable (and
 names it): a transient EIO at the end of a good run is not a failed run.
@@ -29,10 +29,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator.actions import RunSummary
-from coordinator.config import RunConfig
-from coordinator.phases import Phase
-from coordinator.store import read_document
+from coordinator.config.run_config import RunConfig
+from coordinator.machine.actions import RunSummary
+from coordinator.records.phases import Phase
+from coordinator.storage.store import read_document
 from rl import layout
 from rl.schedule import RolloutSplit, schedule_of
 

@@ -39,10 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Final
 
-from coordinator import fsio, routing, trees
+from coordinator import routing
 from coordinator.errors import MalformedRecordError, UsageError
-from coordinator.records import Record
-from coordinator.store import read_document
+from coordinator.records.records import Record
+from coordinator.storage import fsio, trees
+from coordinator.storage.store import read_document
 from rl import layout
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Where the RL loop keeps its files in the run directory (docs/PROTOCOL.md, layout).
 
 Every path the loop reads or writes inside the run directory is built here,
-from numbers checked by coordinator/layout.py, so no action code joins path
+from numbers checked by coordinator/records/layout.py, so no action code joins path
 pieces by hand.
 
     iterations/<N>/shard-{train,eval}.json       phase 0, master
@@ -27,8 +27,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Final
 
-from coordinator import layout
-from coordinator.records import check_rank
+from coordinator.records import layout
+from coordinator.records.records import check_rank
 
 INITIAL_MODEL: Final = "model-init"
 TRAIN_STATE_DIR: Final = "train_state"

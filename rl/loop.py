@@ -15,20 +15,21 @@ import os
 from pathlib import Path
 from typing import Any
 
-from coordinator import fsio
-from coordinator.actions import StepContext
-from coordinator.beneath import relative_inside
-from coordinator.config import RunConfig
+from coordinator.config.placement import Placement, Role
+from coordinator.config.run_config import RunConfig
 from coordinator.errors import ActionError, UnsafeFileError, UsageError
-from coordinator.layout import release as release_key
-from coordinator.netaddr import Listener
-from coordinator.placement import Placement, Role
-from coordinator.store import read_document
+from coordinator.machine.actions import StepContext
+from coordinator.machine.netaddr import Listener
+from coordinator.records.layout import release as release_key
+from coordinator.storage import fsio
+from coordinator.storage.beneath import relative_inside
+from coordinator.storage.store import read_document
 from rl import layout
 from rl.config import RlSections, parse_sections
 from rl.contracts import INITIAL_POLICY
 from rl.data_source import task_source
 from rl.engine_host import EngineHost
+from rl.run_layouts import LayoutRule, rule_of
 from rl.trainer_host import TrainerHost
 from rollout.errors import TaskDataError
 from rollout.sharding import ShardPlan
@@ -73,7 +74,7 @@ def placed_on_gpus(s: RlSections, placement: Placement, rank: int,
     of its own), and CUDA_VISIBLE_DEVICES for its trainer (None: the daemon's
     own), the indices taken from the daemon's own CUDA_VISIBLE_DEVICES when set."""
     check_gpu_placement(s, placement, (rank,))
-    if not placement.colocated and s.train.offload is Offload.AUTO:
+    if not rule_of(placement).shares_gpus and s.train.offload is Offload.AUTO:
         # Training has GPUs of its own: its state stays on them between jobs.
         s = dataclasses.replace(s, train=dataclasses.replace(s.train, offload=Offload.OFF))
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -122,8 +123,10 @@ class Loop:
         self.num_nodes = num_nodes
         self.run_dir = run_dir
         # Which nodes roll out and which train, and how far rollout runs ahead
-        # (coordinator/placement.py); checked by the master at its start.
+        # (coordinator/config/placement.py); checked by the master at its start.
         self.placement = config.run.placement(num_nodes)
+        # What each phase does in this layout (rl/run_layouts.py): asked, not branched on.
+        self.layout: LayoutRule = rule_of(self.placement)
         self.s, train_devices = placed_on_gpus(self.s, self.placement, rank)
         self.engines = EngineHost(self.s, rank=rank, run_dir=run_dir)
         coordination = config.coordination
@@ -131,7 +134,7 @@ class Loop:
                                     beat_s=coordination.heartbeat_interval_s,
                                     lease_s=coordination.lease_s,
                                     cuda_visible_devices=train_devices,
-                                    shares_gpus=self.placement.colocated)
+                                    shares_gpus=self.layout.shares_gpus)
         self.listener: Listener | None = None  # master, phases 9-10: the training port
         self._tasks: TaskSource | None = None
         self._by_id: dict[str, dict[str, Task]] = {}

@@ -34,9 +34,9 @@ from typing import Final, TypeVar
 
 import tenacity
 
-from coordinator import fsio
 from coordinator.errors import ActionError, MalformedRecordError
-from coordinator.store import read_document
+from coordinator.storage import fsio
+from coordinator.storage.store import read_document
 from rl import layout
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@
 Per user, under the temporary directory the job was given (TMPDIR, as Slurm
 jobs expect): every directory here is this user's, mode 0700, and one found
 otherwise (another user's, open to others, a symlink) is refused by name
-(coordinator/private_dir.py).  A bucket run directory's local root
-(coordinator/objstore.py) is held and removed the same way.
+(coordinator/storage/private_dir.py).  A bucket run directory's local root
+(coordinator/storage/objstore.py) is held and removed the same way.
 
 Every daemon that uses the directory registers as a holder; the last one to
 leave (its daemon exiting, however it exits short of SIGKILL) removes the
@@ -56,10 +56,10 @@ from typing import Final
 import filelock
 import psutil
 
-from coordinator import private_dir
 from coordinator.errors import ActionError
-from coordinator.private_dir import PrivateDir
-from coordinator.records import check_run_id
+from coordinator.records.records import check_run_id
+from coordinator.storage import private_dir
+from coordinator.storage.private_dir import PrivateDir
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def run_root(run_id: str, local_cache: str = "") -> Path:
 
 def hold(place: PrivateDir) -> Path:
     """Register this process as a holder of a node-local directory of the run (its
-    cache, or a bucket run directory's local root: coordinator/objstore.py); the
+    cache, or a bucket run directory's local root: coordinator/storage/objstore.py); the
     last holder to leave removes it (leave_all)."""
     root = place.path
     known = root in _joined

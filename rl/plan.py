@@ -24,11 +24,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from coordinator import fsio, trees
-from coordinator.actions import StepContext
 from coordinator.errors import ActionError
-from coordinator.records import Arrival
-from coordinator.store import read_document
+from coordinator.machine.actions import StepContext
+from coordinator.records.records import Arrival
+from coordinator.storage import fsio, trees
+from coordinator.storage.store import read_document
 from rl import keep_best, layout, newest_policy, node_local
 from rl.contracts import INITIAL_POLICY, PolicyChoice
 from rl.layout import Split
@@ -64,7 +64,7 @@ def publish_shard_plans(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         if not loop.tasks(split):
             continue  # an empty split that is needed was refused by the check above
         publish_plan(loop, ctx, split, ctx.iteration, weights)
-        if split is Split.TRAIN and loop.placement.asynchronous \
+        if split is Split.TRAIN and loop.layout.rolls_out_ahead \
                 and ctx.iteration + 1 < loop.config.run.iterations:
             # Rolled out by the rollout nodes during this iteration's phase 10.
             publish_plan(loop, ctx, split, ctx.iteration + 1, weights)
@@ -80,7 +80,7 @@ def publish_plan(loop: Loop, ctx: StepContext, split: Split, iteration: int,
     it could move tasks whose groups a rank has already saved.  A member lost
     since is handled as within an iteration (rl/takeover.py)."""
     path = layout.shard_plan(loop.run_dir, iteration, split)
-    if split is Split.TRAIN and loop.placement.asynchronous:
+    if split is Split.TRAIN and loop.layout.rolls_out_ahead:
         found = loop.find_shard_plan(iteration, split)
         if found is not None and found.iteration == iteration:
             return

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
 from coordinator.errors import UsageError
 from rl.config import RlSections, parse_sections
 from rl.data_source import task_source

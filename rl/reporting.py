@@ -29,9 +29,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator import trees
-from coordinator.actions import StepContext
-from coordinator.phases import Phase
+from coordinator.machine.actions import StepContext
+from coordinator.records.phases import Phase
+from coordinator.storage import trees
 from rl import history, layout, plan
 from rl.loop import Loop
 from rollout.rewards import METRIC_NAME

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from typing import Final
 
 from coordinator.errors import UsageError
-from coordinator.records import Arrival
+from coordinator.records.records import Arrival
 from rl.config import RlSections
 from rl.loop import Loop
 from rollout.errors import RewardFileError

@@ -35,10 +35,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from coordinator.actions import StepContext
 from coordinator.errors import ActionError
-from coordinator.records import Arrival
-from coordinator.store import read_document
+from coordinator.machine.actions import StepContext
+from coordinator.records.records import Arrival
+from coordinator.storage.store import read_document
 from rl import layout
 from rl.contracts import PolicyChoice, policy_version
 from rl.engines import serve_chosen_policy
@@ -120,7 +120,7 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split, *,
     group_size = s.rollout.group_size if split is Split.TRAIN else s.rollout.eval_group_size
     version = policy_version(PolicyChoice.read(ctx).policy)
     oldest = loop.placement.oldest_version(target) \
-        if loop.placement.asynchronous and split is Split.TRAIN else 0
+        if loop.layout.off_policy and split is Split.TRAIN else 0
     if tasks and version < oldest:
         raise ActionError(
             f"rank {ctx.rank} serves policy version {version}, but iteration {target}'s batch "

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from coordinator.config import RunConfig, from_mapping
-from coordinator.phases import Phase
-from coordinator.settings import Section, setting
+from coordinator.config.run_config import RunConfig, from_mapping
+from coordinator.config.settings import Section, setting
+from coordinator.records.phases import Phase
 
 
 class RlPhase(str, enum.Enum):

@@ -1,5 +1,5 @@
 """The RL actions' own configuration sections, each setting declared once (its type,
-default, bounds, unit and help: coordinator/settings.py), validated on construction.
+default, bounds, unit and help: coordinator/config/settings.py), validated on construction.
 
     [model]       which model to start from
     [data]        where tasks come from, which reward
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from coordinator.settings import Section, SettingError, setting
+from coordinator.config.settings import Section, SettingError, setting
 from rl.keep_best import Metric, parse_metric
 from rollout.engines.engine import EngineConfig
 from rollout.reward_file import DEFAULT_FUNCTION, FileReward

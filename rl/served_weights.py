@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator import trees
 from coordinator.errors import ActionError
+from coordinator.storage import trees
 from rollout.engines.control import EngineControl
 from rollout.engines.engine import EngineConfig, EngineKind
 from trainer.checkpoint import MANIFEST_NAME, read_manifest

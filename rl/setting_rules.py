@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from coordinator.config import RunSection
+from coordinator.config.run_config import RunSection
 from coordinator.errors import UsageError
-from coordinator.phases import Phase
+from coordinator.records.phases import Phase
 from rl.config import RlSections
 from rollout.engines.engine import EngineKind
 

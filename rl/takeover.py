@@ -1,7 +1,7 @@
 """After a shrink: the tasks of the ranks the group went on without.
 
 With coordination.on_failure "shrink" the group may go on without a lost
-worker in the middle of an iteration (coordinator/group.py).  Its rollout is
+worker in the middle of an iteration (coordinator/machine/group.py).  Its rollout is
 then cut in two, at phase 0's decision of the resumed iteration (the master):
 
     for each split's plan, each rank with tasks that is not in the session
@@ -29,10 +29,10 @@ import dataclasses
 import logging
 from typing import Any
 
-from coordinator import fsio
-from coordinator.actions import StepContext
-from coordinator.decisions import RERUN
-from coordinator.phases import Phase
+from coordinator.machine.actions import StepContext
+from coordinator.machine.decisions import RERUN
+from coordinator.records.phases import Phase
+from coordinator.storage import fsio
 from rl import layout
 from rl.layout import Split
 from rl.loop import Loop

@@ -24,10 +24,10 @@
                    IDLE, BUSY ──death, hang, failure, stop──► NONE
 
 While it trains, the torchrun tree is one of the daemon's children (a lost
-peer kills it at once, coordinator/runtime.py); between jobs it is not, so a
+peer kills it at once, coordinator/machine/runtime.py); between jobs it is not, so a
 failure elsewhere leaves an idle, consistent trainer alone.  A daemon that
 dies takes it along: torchrun gets PR_SET_PDEATHSIG tied to the daemon's
-lifetime (forked by its spawner thread, coordinator/lifetime.py), each
+lifetime (forked by its spawner thread, coordinator/machine/lifetime.py), each
 trainer process from torchrun's main thread (trainer/lifeline.py), and a
 trainer whose channel closes exits.
 """
@@ -45,10 +45,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator import fsio
-from coordinator.actions import StepContext
-from coordinator.beneath import RUN_DIR_ENV
 from coordinator.errors import ActionError
+from coordinator.machine.actions import StepContext
+from coordinator.storage import fsio
+from coordinator.storage.beneath import RUN_DIR_ENV
 from rl import layout
 from rl.config import RlSections
 from rl.trainer_group import TrainerGroup

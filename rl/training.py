@@ -38,13 +38,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator import fsio, routing
-from coordinator.actions import StepContext
+from coordinator import routing
 from coordinator.errors import ActionError
-from coordinator.netaddr import Listener
-from coordinator.records import Arrival
-from coordinator.store import read_document
-from coordinator.verified import file_digest
+from coordinator.machine.actions import StepContext
+from coordinator.machine.netaddr import Listener
+from coordinator.records.records import Arrival
+from coordinator.storage import fsio
+from coordinator.storage.store import read_document
+from coordinator.storage.verified import file_digest
 from rl import layout
 from rl.config import RlSections
 from rl.contracts import CheckpointAnnouncement, PolicyChoice, TrainRendezvous
@@ -83,7 +84,7 @@ def write_train_job(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
         resume_state=state_dir(root, found[0]) if found is not None else None,
         resume_model_dir=loop.initial_model() if found is None else None,
         replay=tuple(layout.train_job(run_dir, k) for k in range(since, i)),
-        off_policy=loop.placement.asynchronous,
+        off_policy=loop.layout.off_policy,
         delta_parent=layout.checkpoint(run_dir, i - 1)
         if i > 0 and i % loop.s.checkpoint.full_every else None,
     )
@@ -145,8 +146,8 @@ def train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     (some GPUs train, others roll out) both at once (rl/ahead.py)."""
     if not loop.trains:
         return {}
-    ahead = loop.placement.carries_next_rollout(ctx.phase, loop.rank, ctx.iteration,
-                                                loop.config.run.iterations)
+    ahead = loop.layout.rolls_out_ahead and loop.rolls_out \
+        and ctx.iteration + 1 < loop.config.run.iterations
     if not loop.trains_here:
         if ahead:
             from rl.rollouts import roll_out_next

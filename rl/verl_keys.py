@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from coordinator.settings import iter_settings
+from coordinator.config.settings import iter_settings
 
 
 @dataclass(frozen=True)

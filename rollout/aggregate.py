@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from coordinator.errors import MalformedRecordError
-from coordinator.store import read_document
+from coordinator.storage.store import read_document
 from rollout.accumulator import Accumulator, AggregateMetrics
 from rollout.budget import check_batch, check_failures, check_failures_so_far
 from rollout.chunk_format import Chunk, read_verified_chunk

@@ -28,7 +28,7 @@ from typing import Any, Final
 import torch
 
 from coordinator.errors import MalformedRecordError
-from coordinator.verified import read_verified
+from coordinator.storage.verified import read_verified
 from rollout.manifest import ChunkEntry
 from rollout.rewards import MAX_METRICS, METRIC_NAME, check_metrics
 from rollout.tensor_files import load_tensors
@@ -369,7 +369,7 @@ def read_verified_chunk(path: Path, entry: ChunkEntry, *,
     """The chunk at `path` if it is the file `entry` lists; decoded and validated.
 
     Size and SHA-256 are checked on the same descriptor torch.load then reads
-    (coordinator/verified.py), so a rename over the path in between cannot
+    (coordinator/storage/verified.py), so a rename over the path in between cannot
     swap in unverified content.  Where the filesystem can map files the
     tensors stay mapped (MAP_PRIVATE, zero-copy: hashing from the page cache
     and not copying is about twice as fast as read() + torch.load); where it

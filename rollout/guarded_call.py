@@ -21,7 +21,7 @@ deadline that always holds.
     starts a new child.
 
 The child belongs to the process, not to the thread that first called: it is
-forked by the process's spawner thread (coordinator/lifetime.py) with
+forked by the process's spawner thread (coordinator/machine/lifetime.py) with
 PR_SET_PDEATHSIG, so it dies with the process, even mid-computation, and
 outlives the episode threads of agent plugins (rollout/agents.py), which
 end after each episode.  EOF on the child's stdin (the parent gone) ends it
@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any, Final
 
-from coordinator.lifetime import describe_exit, spawn
+from coordinator.machine.lifetime import describe_exit, spawn
 
 # Importing math-verify (sympy, antlr) takes 2-3 s on an idle core; a loaded
 # 2-core machine running four daemons can take several times that.

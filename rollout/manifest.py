@@ -9,7 +9,7 @@
 Only a chunk listed here counts; its checksum is what makes a truncated or
 altered file detectable.  The rank and iteration inside fence against a
 directory left over from another rank or an older iteration.  Both classes are
-coordinator records (coordinator/records.py): decoding is strict by type,
+coordinator records (coordinator/records/records.py): decoding is strict by type,
 unknown fields are ignored, and anything else wrong is a MalformedRecordError
 naming the file.
 """
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
-from coordinator.records import Record
-from coordinator.store import read_document
+from coordinator.records.records import Record
+from coordinator.storage.store import read_document
 
 MANIFEST_NAME: Final = "manifest.json"
 MANIFEST_SCHEMA: Final = "coordinator/rank-manifest"
@@ -142,7 +142,7 @@ class RankManifest(Record):
 def read_manifest(directory: Path, *, retry_s: float | None = None) -> RankManifest | None:
     """The manifest in a rank directory, None if there is none yet.
 
-    Read like every record (coordinator.store.read_document): a torn or stale
+    Read like every record (coordinator.storage.store.read_document): a torn or stale
     read is retried until `retry_s`, then the manifest is reported malformed.
     """
     return read_document(directory / MANIFEST_NAME, RankManifest.from_bytes, retry_s=retry_s)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import ClassVar, Final
 
-from coordinator.records import Record
-from coordinator.weights import check as check_weights
+from coordinator.records.records import Record
+from coordinator.records.weights import check as check_weights
 from rollout.errors import ShardingError
 
 SHARD_PLAN_SCHEMA: Final = "coordinator/shard-plan"
@@ -34,7 +34,7 @@ MIN_RELATIVE_WEIGHT: Final = 0.05
 
 
 def validate_weights(weights: Sequence[float]) -> tuple[float, ...]:
-    """Weights as floats by the run's one rule (coordinator/weights.py), as a ShardingError."""
+    """Weights as floats by the run's one rule (coordinator/records/weights.py), as a ShardingError."""
     try:
         return check_weights(weights)
     except ValueError as exc:
@@ -85,7 +85,7 @@ def shard_tasks(
 class ShardPlan(Record):
     """Which rank rolls out which tasks in one iteration; published by the master.
 
-    A coordinator record (coordinator/records.py): written with to_bytes(),
+    A coordinator record (coordinator/records/records.py): written with to_bytes(),
     read with from_bytes(data, path), which reports a ShardingError of the
     decoded plan as a MalformedRecordError naming the file.
     """

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator.fsio import open_regular
+from coordinator.storage.fsio import open_regular
 from rollout.errors import TaskDataError
 from rollout.task import SPLITS, Task
 

@@ -14,7 +14,7 @@ from typing import IO, Any
 import torch
 
 from coordinator.errors import MalformedRecordError
-from coordinator.fsio import STATS
+from coordinator.storage.fsio import STATS
 
 
 def load_tensors(path: Path, source: str | IO[bytes], *, mmap: bool) -> Any:

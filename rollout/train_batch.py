@@ -22,9 +22,9 @@ from typing import Any, Final
 
 import torch
 
-from coordinator import beneath
 from coordinator.errors import MalformedRecordError
-from coordinator.fsio import (
+from coordinator.storage import beneath
+from coordinator.storage.fsio import (
     FILE_MODE,
     STATS,
     ensure_dir,
@@ -34,7 +34,7 @@ from coordinator.fsio import (
     rename,
     temp_name,
 )
-from coordinator.verified import read_verified
+from coordinator.storage.verified import read_verified
 from rollout.batch_format import (
     FLAT,
     PER_SAMPLE,
@@ -113,7 +113,7 @@ class TrainBatchWriter:
         ensure_dir(self.path.parent)
         self._tmp: Path | None = temp_name(self.path)
         STATS.count("open")
-        # Beneath the run directory, never through a symlink (coordinator/beneath.py).
+        # Beneath the run directory, never through a symlink (coordinator/storage/beneath.py).
         self._fd = beneath.open_file(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
             self._lay_out(self._tmp, payload, tensors)
@@ -274,7 +274,7 @@ def load_train_batch(path: Path, *, size: int | None = None,
     """Load with weights_only=True and validate strictly; TrainBatchError naming path.
 
     With `size` and `sha256` (what the master recorded in the train job), the
-    file is loaded only if it is exactly that file (coordinator/verified.py);
+    file is loaded only if it is exactly that file (coordinator/storage/verified.py);
     an altered one raises TrainBatchError.  FileNotFoundError when there is
     no file, so callers can tell "not yet" from "bad".
     """

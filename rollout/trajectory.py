@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
-from coordinator import trees
 from coordinator.errors import IntegrityError, MalformedRecordError, UnsafeFileError
-from coordinator.fsio import ensure_dir, publish_bytes
-from coordinator.verified import read_verified
+from coordinator.storage import trees
+from coordinator.storage.fsio import ensure_dir, publish_bytes
+from coordinator.storage.verified import read_verified
 from rollout.chunk_format import (
     TrajectorySample,
     encode_chunk,

@@ -16,9 +16,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordinator import on_failure  # noqa: E402
-from coordinator.config import CoordinationConfig, to_plain  # noqa: E402
-from coordinator.settings import iter_settings  # noqa: E402
+from coordinator.config import on_failure  # noqa: E402
+from coordinator.config.run_config import CoordinationConfig, to_plain  # noqa: E402
+from coordinator.config.settings import iter_settings  # noqa: E402
+from rl import run_layouts  # noqa: E402
+from rollout.engines import weight_updates  # noqa: E402
 
 DOC = ROOT / "docs" / "PROTOCOL.md"
 
@@ -33,7 +35,7 @@ def timeouts_table() -> str:
 
 def node_local_table() -> str:
     """The node-local keys of every registered action kind (declared node_local=True)."""
-    from coordinator.actions import kind, kind_names
+    from coordinator.machine.actions import kind, kind_names
 
     keys = [key for name in kind_names() for key in kind(name).node_local]
     return "\n".join(["| key |", "|---|", *(f"| `{key}` |" for key in keys)])
@@ -41,7 +43,9 @@ def node_local_table() -> str:
 
 GENERATED: dict[str, Callable[[], str]] = {"on-failure": on_failure.markdown_table,
                                            "timeouts": timeouts_table,
-                                           "node-local": node_local_table}
+                                           "node-local": node_local_table,
+                                           "run-layouts": run_layouts.markdown_table,
+                                           "weight-updates": weight_updates.markdown_table}
 
 
 def render(text: str) -> str:

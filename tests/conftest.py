@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from coordinator import fsio
+from coordinator.storage import fsio
 
 
 @pytest.fixture

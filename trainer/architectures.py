@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator.fsio import publish_bytes
+from coordinator.storage.fsio import publish_bytes
 
 WEIGHTS_DTYPE: Final = "bfloat16"  # what models of these architectures ship in
 

@@ -9,7 +9,7 @@ reported with the name of the file instead of being loaded.
 
     write files -> manifest.json -> fsync all -> rename tmp -> final -> fsync parent
 
-The manifest is a coordinator record (coordinator/records.py), on disk:
+The manifest is a coordinator record (coordinator/records/records.py), on disk:
 
     {"schema": "coordinator/checkpoint-manifest", "version": 1, "iteration": 3,
      "files": {"model.safetensors": {"sha256": "<64 hex>", "size": 81920}, ...},
@@ -32,9 +32,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator import routing, trees
+from coordinator import routing
 from coordinator.errors import MalformedRecordError
-from coordinator.fsio import (
+from coordinator.storage import trees
+from coordinator.storage.fsio import (
     DIR_MODE,
     FILE_MODE,
     ensure_dir,
@@ -43,7 +44,7 @@ from coordinator.fsio import (
     remove_tree,
     rename,
 )
-from coordinator.verified import (
+from coordinator.storage.verified import (
     file_digest,
     in_parallel,
     read_verified,

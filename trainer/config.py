@@ -11,9 +11,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
-from coordinator.config import to_plain
+from coordinator.config.run_config import to_plain
+from coordinator.config.settings import Section, SettingError, from_mapping, setting
 from coordinator.errors import UsageError
-from coordinator.settings import Section, SettingError, from_mapping, setting
 
 # Supervised steps of the tiny model's warm start (trainer/warmstart.py): 70
 # give a sampled accuracy of 12-20 % on the built-in task's eval prompts over

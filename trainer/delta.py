@@ -40,7 +40,7 @@ from typing import Any, Final
 
 from safetensors import SafetensorError
 
-from coordinator.verified import in_parallel
+from coordinator.storage.verified import in_parallel
 from rollout.errors import CheckpointError
 
 # safetensors dtype -> the integer dtype of the same width the elements are compared as.

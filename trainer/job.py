@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator.fsio import publish_bytes
-from coordinator.store import read_document
+from coordinator.storage.fsio import publish_bytes
+from coordinator.storage.store import read_document
 from trainer.config import ConfigError, TrainConfig, check
 
 JOB_SCHEMA: Final = "coordinator/train-job"

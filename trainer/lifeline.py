@@ -32,7 +32,7 @@ def die_with_parent() -> None:
     elastic agent starts and restarts its workers from its main thread
     (`_invoke_run`), which ends only with torchrun, so this is torchrun's
     death.  (The daemon's own children are forked by a thread that lives as
-    long as the daemon: coordinator/lifetime.py.)
+    long as the daemon: coordinator/machine/lifetime.py.)
 
     Without it a rank whose torchrun agent was killed keeps its process group
     and memory until its next collective times out, minutes later.  prctl only

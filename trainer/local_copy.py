@@ -33,8 +33,8 @@ import filelock
 
 from coordinator import routing
 from coordinator.errors import MalformedRecordError
-from coordinator.fsio import FILE_MODE, ensure_dir, fsync_dir, remove_tree, rename
-from coordinator.verified import copy_verified, in_parallel, read_verified
+from coordinator.storage.fsio import FILE_MODE, ensure_dir, fsync_dir, remove_tree, rename
+from coordinator.storage.verified import copy_verified, in_parallel, read_verified
 from rollout.errors import CheckpointError
 from trainer import delta
 from trainer.checkpoint import seal_files, tmp_sibling, verify_checkpoint

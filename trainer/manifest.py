@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Final
 
-from coordinator import trees
 from coordinator.errors import MalformedRecordError, UnsafeFileError
-from coordinator.records import JsonObject, Record
-from coordinator.store import read_document
+from coordinator.records.records import JsonObject, Record
+from coordinator.storage import trees
+from coordinator.storage.store import read_document
 from rollout.errors import CheckpointError
 from trainer.probes import ProbeSet
 

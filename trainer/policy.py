@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from coordinator import routing, trees
+from coordinator import routing
+from coordinator.storage import trees
 from rollout.batch_format import TrainBatch
 from trainer import grpo
 from trainer.checkpoint import MANIFEST_NAME, read_manifest, verify_checkpoint

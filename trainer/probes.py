@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
-from coordinator.records import Record
+from coordinator.records.records import Record
 
 PROBE_COUNT: Final = 4
 PROBE_LENGTH: Final = 16

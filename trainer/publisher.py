@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from coordinator.fsio import ensure_dir, publish_bytes, remove_tree, rename
-from coordinator.verified import copy_hashed, in_parallel
+from coordinator.storage.fsio import ensure_dir, publish_bytes, remove_tree, rename
+from coordinator.storage.verified import copy_hashed, in_parallel
 from rollout.errors import CheckpointError
 from trainer import delta
 from trainer.manifest import (

@@ -4,7 +4,7 @@ torchrun's built-in static rendezvous makes node rank 0's agent bind the
 store port itself, on every interface, long after the master announced the
 port: in between, any process on the host may take it.  Here the master's
 daemon binds the port on the address it discovered when it announces it at
-phase 9 (coordinator/netaddr.py `Listener`) and hands the listening socket
+phase 9 (coordinator/machine/netaddr.py `Listener`) and hands the listening socket
 to torchrun; this handler builds the store on that very socket
 (TCPStore's `master_listen_fd`).  Workers' agents connect to the announced
 address as clients; their connections wait in the socket's backlog until the

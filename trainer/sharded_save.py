@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from coordinator.fsio import remove_tree
+from coordinator.storage.fsio import remove_tree
 from trainer.checkpoint import cast_state
 from trainer.distributed import DistContext
 

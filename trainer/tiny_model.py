@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator.fsio import publish_bytes
+from coordinator.storage.fsio import publish_bytes
 
 PAD_TOKEN: Final = "<pad>"
 BOS_TOKEN: Final = "<bos>"

@@ -51,8 +51,8 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 
-from coordinator.fsio import publish_bytes
-from coordinator.store import read_document
+from coordinator.storage.fsio import publish_bytes
+from coordinator.storage.store import read_document
 from rollout.batch_format import TrainBatch
 from trainer import grpo, worker
 from trainer.batch import check_vocab, load_batch

@@ -19,7 +19,7 @@ Shards: one for a single process or DDP (replicas are equal, so trainer rank
 rank under FSDP2 (each rank's own slices; they fit only a group of the same
 size).  A state is complete when every shard's index is readable and they
 agree; a shard is loaded only if its file still has the size and SHA-256 its
-index gives (coordinator/verified.py) and passes torch.load(weights_only=True).
+index gives (coordinator/storage/verified.py) and passes torch.load(weights_only=True).
 Reading a state never trusts a directory listing: a listing only proposes
 candidates, each checked by opening its indexes.
 """
@@ -38,10 +38,10 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
-from coordinator import fsio, trees
 from coordinator.errors import IntegrityError, MalformedRecordError
-from coordinator.store import read_document
-from coordinator.verified import read_verified
+from coordinator.storage import fsio, trees
+from coordinator.storage.store import read_document
+from coordinator.storage.verified import read_verified
 from rollout.errors import CheckpointError
 from rollout.tensor_files import load_tensors
 

@@ -21,8 +21,8 @@ from typing import Final
 import torch
 import torch.distributed
 
-from coordinator import beneath, fsio
-from coordinator.beneath import RUN_DIR_ENV
+from coordinator.storage import beneath, fsio
+from coordinator.storage.beneath import RUN_DIR_ENV
 from rollout.errors import CheckpointError
 from trainer.config import TrainerError
 from trainer.distributed import DistContext, init_distributed
@@ -54,7 +54,7 @@ def prepare_process() -> Path | None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     fsio.read_retry_from_env()  # the daemon's coordination.read_retry_s
     if os.environ.get("COORDINATOR_BUCKET_URL"):  # a bucket run directory: the daemon's mount
-        from coordinator import objstore
+        from coordinator.storage import objstore
 
         objstore.attach_from_env()
     import transformers.utils.logging as hf_logging

@@ -22,7 +22,7 @@ Started on every node the way `run` is; everything goes through <P>/doctor/:
 
 Clock skew is estimated from the answers' wall times (for information only:
 the protocol never compares clocks).  Mount options are read from
-/proc/self/mountinfo and explained by coordinator/mounts.py.
+/proc/self/mountinfo and explained by coordinator/storage/mounts.py.
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from coordinator import fsio, mounts, netaddr, routing
+from coordinator import routing
 from coordinator.errors import MalformedRecordError, PeerLostError, WaitTimeout
+from coordinator.machine import netaddr
+from coordinator.machine.polling import Backoff, Wait
 from coordinator.ops.doctor_verdict import (
     BUCKET,
     KINDS,
@@ -53,9 +55,9 @@ from coordinator.ops.doctor_verdict import (
     Probed,
     judge,
 )
-from coordinator.polling import Backoff, Wait
-from coordinator.records import Record
-from coordinator.store import FsStore, publish_record, read_record
+from coordinator.records.records import Record
+from coordinator.storage import fsio, mounts
+from coordinator.storage.store import FsStore, publish_record, read_record
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class Doctor:
     def run(self) -> bool:
         """This node's part; True when the directory can carry a run."""
         if routing.routed(self.log_path) is not None:
-            # A bucket (coordinator/objstore.py): no mount, no free-space figure.
+            # A bucket (coordinator/storage/objstore.py): no mount, no free-space figure.
             self.mount = f"{BUCKET} {routing.display(self.log_path)}"
             self.risks, self.free = [], 0
         else:

@@ -13,8 +13,9 @@ import statistics
 from pathlib import Path
 from typing import ClassVar, Final
 
-from coordinator import mounts, routing
-from coordinator.records import Record, check_rank
+from coordinator import routing
+from coordinator.records.records import Record, check_rank
+from coordinator.storage import mounts
 
 BUCKET: Final = "bucket"  # how a node's mount reads when the run directory is one
 KINDS: Final = ("replace", "new", "list")

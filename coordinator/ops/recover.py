@@ -23,14 +23,16 @@ import os
 import re
 from pathlib import Path
 
-from coordinator import fsio, layout, routing
-from coordinator.actions import kind, resolve_config
-from coordinator.config import RunConfig
+from coordinator import routing
+from coordinator.config.run_config import RunConfig
 from coordinator.errors import UsageError
+from coordinator.machine.actions import kind, resolve_config
 from coordinator.ops.status import collect
-from coordinator.phases import Phase
-from coordinator.records import MAX_ITERATIONS, Heartbeat, Journal, Manifest, Session
-from coordinator.store import FsStore, publish_record, read_record
+from coordinator.records import layout
+from coordinator.records.phases import Phase
+from coordinator.records.records import MAX_ITERATIONS, Heartbeat, Journal, Manifest, Session
+from coordinator.storage import fsio
+from coordinator.storage.store import FsStore, publish_record, read_record
 
 log = logging.getLogger(__name__)
 _RECORD = re.compile(r"^(arrive-\d+|release)\.json$")

@@ -20,11 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from coordinator import daemon_log, layout, routing
-from coordinator.actions import kind
+from coordinator import routing
 from coordinator.errors import MalformedRecordError, UsageError
-from coordinator.liveness import describe_phase
-from coordinator.records import (
+from coordinator.machine import daemon_log
+from coordinator.machine.actions import kind
+from coordinator.machine.liveness import describe_phase
+from coordinator.machine.regroup import Recovery, RecoveryLog
+from coordinator.records import layout
+from coordinator.records.records import (
     LIVE_STATES,
     Claim,
     Heartbeat,
@@ -33,8 +36,7 @@ from coordinator.records import (
     Release,
     Session,
 )
-from coordinator.regroup import Recovery, RecoveryLog
-from coordinator.store import FsStore, Store, read_record
+from coordinator.storage.store import FsStore, Store, read_record
 
 if TYPE_CHECKING:
     from rich.text import Text

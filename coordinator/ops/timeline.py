@@ -27,12 +27,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator import layout, routing
+from coordinator import routing
 from coordinator.errors import MalformedRecordError, UsageError
-from coordinator.phases import Phase
-from coordinator.records import Manifest, check_iteration
-from coordinator.regroup import Recovery, read_log
-from coordinator.store import FsStore, read_document, read_record
+from coordinator.machine.regroup import Recovery, read_log
+from coordinator.records import layout
+from coordinator.records.phases import Phase
+from coordinator.records.records import Manifest, check_iteration
+from coordinator.storage.store import FsStore, read_document, read_record
 
 log = logging.getLogger(__name__)
 FORMATS: Final = (".png", ".html")

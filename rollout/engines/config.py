@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Final
 
-from coordinator.settings import Section, SettingError, setting
+from coordinator.config.settings import Section, SettingError, setting
 from rollout.engines import process as proc_mod
+from rollout.engines.weight_updates import WEIGHT_UPDATES, UpdateRule, WeightUpdate
 from rollout.errors import RolloutError
 
 DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -139,11 +140,6 @@ def _is_loopback(host: str) -> bool:
 class EngineKind(str, enum.Enum):
     HF = "hf"
     VLLM = "vllm"
-
-
-class WeightUpdate(str, enum.Enum):
-    RELOAD = "reload"
-    RESTART = "restart"
 
 
 class EngineState(str, enum.Enum):
@@ -276,11 +272,9 @@ class EngineConfig(Section):
                 f"{self.ready_timeout_s}", key="engine.ready_poll_s", value=self.ready_poll_s)
 
     @property
-    def reloads_in_place(self) -> bool:
-        """The one reading of weight_update: True keeps the engine's process between
-        iterations (asleep during training, new weights loaded in place) and starts
-        its server with the sleep and reload endpoints; False stops and restarts it."""
-        return self.weight_update is WeightUpdate.RELOAD
+    def update(self) -> UpdateRule:
+        """The one reading of weight_update: its rule (rollout/engines/weight_updates.py)."""
+        return WEIGHT_UPDATES[self.weight_update]
 
     @property
     def gpus(self) -> int:

@@ -70,8 +70,7 @@ class HfEngine(ServerEngine):
         ]
         if c.max_model_len is not None:
             argv += ["--max-model-len", str(c.max_model_len)]
-        if c.reloads_in_place:
-            argv.append("--enable-sleep-mode")
+        argv += c.update.sleep_mode_flags  # the hf server always has sleep mode
         return argv + list(c.extra_args)
 
     def environment(self, api_key: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ the process group), and not a CUDA context held by a zombie.
 Orphans: each child gets PR_SET_PDEATHSIG=SIGKILL, so if the daemon that
 started it is SIGKILLed the server dies with it.  Linux delivers that signal
 when the parent *thread* exits, so every child is forked by the process's
-spawner thread (coordinator/lifetime.py), which ends only with the process:
+spawner thread (coordinator/machine/lifetime.py), which ends only with the process:
 an engine started from a thread that returns (the rollout ahead of training,
 rl/ahead.py) stays up.  Grandchildren do not inherit it; a SIGKILLed daemon
 can leave vLLM workers behind, which the next stop cannot see.  That is a
@@ -36,11 +36,11 @@ from typing import Final
 import psutil
 
 from coordinator.errors import UnsafeFileError
-from coordinator.fsio import open_append, open_regular
-from coordinator.lifetime import (
+from coordinator.machine.lifetime import (
     describe_exit as describe_exit,  # re-exported: callers import it here
 )
-from coordinator.lifetime import spawn
+from coordinator.machine.lifetime import spawn
+from coordinator.storage.fsio import open_append, open_regular
 
 log = logging.getLogger(__name__)
 

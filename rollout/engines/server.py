@@ -48,7 +48,7 @@ from typing import Final
 
 import tenacity
 
-from coordinator.fsio import publish_bytes
+from coordinator.storage.fsio import publish_bytes
 from rollout.engines import process as proc_mod
 from rollout.engines.config import (
     EngineConfig,
@@ -61,8 +61,6 @@ from rollout.engines.config import (
     GpuNotReleased,
 )
 from rollout.engines.control import EngineControl, WeightUpdateError
-
-DEV_MODE_ENV: Final = "VLLM_SERVER_DEV_MODE"  # as vLLM's envs.py reads it (an integer)
 
 # The logger of the public module, as before the split: log filters and
 # greps of daemon logs for "rollout.engines.engine" keep matching lifecycle lines.
@@ -126,8 +124,7 @@ class ServerEngine:
     def environment(self, api_key: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-        if self.config.reloads_in_place:
-            env[DEV_MODE_ENV] = "1"  # registers /sleep, /wake_up, /collective_rpc
+        env.update(self.config.update.server_env)  # reload: the sleep and reload routes
         if self.config.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.cuda_visible_devices
         env.update(dict(self.config.env))
@@ -335,7 +332,7 @@ class ServerEngine:
         if self._state is not state:
             raise EngineStateError(f"{what} while {self._state.value}: the engine must be "
                                    f"{state.value}")
-        if not self.config.reloads_in_place:
+        if not self.config.update.keeps_process:
             raise EngineStateError(f"{what} with weight_update='restart': the server was "
                                    "started without sleep mode")
 

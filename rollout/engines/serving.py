@@ -17,9 +17,10 @@
         RESTARTED  a ready engine on another model that cannot reload in place
                    (weight_update "restart"), stopped and started again
 
-Which verb does what is a pure decision of (engine state, engine.weight_update
-as EngineConfig.reloads_in_place reads it, whether the model is the one
-served): `park_step` and `serve_step`, each a table tested entry by entry.
+Which verb does what is a pure decision of (engine state, engine.weight_update's
+rule as EngineConfig.update gives it: rollout/engines/weight_updates.py, whether
+the model is the one served): `park_step` and `serve_step`, each a table tested
+entry by entry.
 The RL loop calls the verbs (rl/engine_host.py) and never decides between
 sleeping and stopping itself.  Where vLLM has no sleep mode (its CPU build) sleeping
 pauses the engine and keeps its weights: the decisions are the same.
@@ -27,50 +28,32 @@ pauses the engine and keeps its weights: the decisions are the same.
 
 from __future__ import annotations
 
-import enum
 import logging
 from pathlib import Path
 
 from rollout.engines.config import EngineError, EngineState
 from rollout.engines.engine import Engine
+from rollout.engines.weight_updates import Parked, Served, UpdateRule
+
+__all__ = ["Parked", "Served", "park", "park_step", "serve", "serve_step"]
 
 log = logging.getLogger("rollout.engines.engine")
 
 
-class Parked(str, enum.Enum):
-    """How phase 7 left the engine (its value is what phase 7's payload says)."""
-
-    ASLEEP = "asleep"
-    STOPPED = "stopped"
-    IDLE = "idle"
-
-
-class Served(str, enum.Enum):
-    """How the engine came to serve a model (its value is phase 12's payload)."""
-
-    KEPT = "kept"
-    RELOADED = "reloaded"
-    UPDATED = "updated in place"
-    STARTED = "started"
-    RESTARTED = "restarted"
-    RESTARTED_AFTER_FAILED_RELOAD = "restarted after a failed reload"
-
-
-def park_step(state: EngineState | None, *, reloads_in_place: bool) -> Parked:
-    """Phase 7's decision: only a ready engine is parked, asleep if its weights are
-    reloaded in place later (EngineConfig.reloads_in_place), else stopped."""
+def park_step(state: EngineState | None, update: UpdateRule) -> Parked:
+    """Phase 7's decision: only a ready engine is parked, as the weight-update mode's
+    rule says (asleep, or stopped)."""
     if state is not EngineState.READY:
         return Parked.IDLE
-    return Parked.ASLEEP if reloads_in_place else Parked.STOPPED
+    return update.park
 
 
-def serve_step(state: EngineState | None, *, same_model: bool,
-               reloads_in_place: bool = False) -> Served:
+def serve_step(state: EngineState | None, update: UpdateRule, *, same_model: bool) -> Served:
     """Phase 12's decision (and the first start's): keep, update or reload in place, start."""
     if state is EngineState.READY:
         if same_model:
             return Served.KEPT
-        return Served.UPDATED if reloads_in_place else Served.RESTARTED
+        return update.serve
     if state is EngineState.SLEEPING:
         return Served.RELOADED
     return Served.STARTED
@@ -80,7 +63,7 @@ def park(engine: Engine | None) -> Parked:
     """Free the accelerator: sleep, or stop (restart mode, or a sleep that failed)."""
     if engine is None:
         return Parked.IDLE
-    step = park_step(engine.state, reloads_in_place=engine.config.reloads_in_place)
+    step = park_step(engine.state, engine.config.update)
     if step is Parked.IDLE:
         return Parked.IDLE
     if step is Parked.ASLEEP:
@@ -98,8 +81,7 @@ def serve(engine: Engine, model_dir: Path, *, serving: Path | None) -> Served:
     """Make `engine` serve `model_dir`; EngineError when it cannot start.  A reload
     that fails is logged and replaced by a restart (RFC 48920: a failed reload
     may leave a mix of old and new weights, which must not be served)."""
-    step = serve_step(engine.state, same_model=serving == model_dir,
-                      reloads_in_place=engine.config.reloads_in_place)
+    step = serve_step(engine.state, engine.config.update, same_model=serving == model_dir)
     if step is Served.KEPT:
         engine.check_alive()
         return step

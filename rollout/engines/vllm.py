@@ -82,8 +82,8 @@ def build_vllm_command(cfg: EngineConfig, model_dir: Path, port: int, *,
         # and the like as server-wide defaults; RL needs samples from the plain
         # policy at the temperature/top_p it asks for, so ignore it.
         argv += ["--generation-config", "vllm"]
-    if cfg.reloads_in_place and sleep_mode:
-        argv.append("--enable-sleep-mode")
+    if sleep_mode:
+        argv += cfg.update.sleep_mode_flags
     return argv + list(cfg.extra_args)
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import beneath, fsio
 from coordinator.errors import IntegrityError, UnsafeFileError
-from coordinator.store import read_retrying
-from coordinator.verified import read_verified
+from coordinator.storage import beneath, fsio
+from coordinator.storage.store import read_retrying
+from coordinator.storage.verified import read_verified
 
 
 @pytest.fixture(params=["openat2", "walk"])
@@ -156,7 +156,7 @@ def test_a_binary_file_is_loaded_only_as_its_manifest_lists_it(tmp_path: Path) -
 def test_an_io_error_is_reported_as_one_never_as_corruption(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from coordinator import verified
+    from coordinator.storage import verified
 
     data = b"payload" * 100
     path = tmp_path / "f"

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from coordinator import bucket_url
-from coordinator.phases import Phase
+from coordinator.records.phases import Phase
+from coordinator.storage import bucket_url
 from tests.support.buckets import Bucket, Server
 from tests.support.cluster import LocalCluster, write_config
 from tests.support.users import other_user
@@ -228,7 +228,7 @@ def test_an_action_kind_not_declared_for_buckets_is_refused_before_anything_is_w
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"run.actions='plain' cannot run in a bucket run directory ({bucket.url})" \
         in done.stderr
-    # Only the refusal the workers waiting for this master read (coordinator/refusal.py):
+    # Only the refusal the workers waiting for this master read (coordinator/machine/refusal.py):
     # nothing of a run, nothing the refused kind would have written by other means.
     assert bucket.store.listdir("") == ["master-refusal.json"]
     refusal = json.loads(bucket.store.read("master-refusal.json") or b"{}")

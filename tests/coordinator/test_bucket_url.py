@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator import bucket_url
-from coordinator.bucket_url import Scheme
 from coordinator.errors import UsageError
+from coordinator.storage import bucket_url
+from coordinator.storage.bucket_url import Scheme
 
 
 def test_a_url_is_split_into_container_and_prefix() -> None:

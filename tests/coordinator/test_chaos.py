@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.phases import Phase
+from coordinator.records.phases import Phase
 from tests.support.cluster import LocalCluster, scripted_log, scripted_runs, write_config
 from tests.support.netfs import NetFs
 

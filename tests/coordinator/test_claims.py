@@ -1,4 +1,4 @@
-"""Taking over a dead holder's claim is a compare-and-swap (coordinator/claims.py).
+"""Taking over a dead holder's claim is a compare-and-swap (coordinator/machine/claims.py).
 
 Two daemons (threads here, each with its own view of one real store) both judge
 a claim's holder dead; the interleaving that used to let both run is forced at
@@ -20,14 +20,15 @@ from typing import Any
 
 import pytest
 
-from coordinator import layout, membership
-from coordinator.claims import Refused, after_refused_marker
 from coordinator.errors import RankHeldError
-from coordinator.liveness import HeartbeatPublisher
-from coordinator.polling import Backoff, Clock
-from coordinator.records import Claim, NodeState
-from coordinator.runtime import Runtime
-from coordinator.store import FsStore, MemoryStore, Store, read_record
+from coordinator.machine import membership
+from coordinator.machine.claims import Refused, after_refused_marker
+from coordinator.machine.liveness import HeartbeatPublisher
+from coordinator.machine.polling import Backoff, Clock
+from coordinator.machine.runtime import Runtime
+from coordinator.records import layout
+from coordinator.records.records import Claim, NodeState
+from coordinator.storage.store import FsStore, MemoryStore, Store, read_record
 from tests.support.cluster import LocalCluster, write_config
 
 RUN = "0123456789ab"
@@ -249,7 +250,7 @@ def test_a_hostile_token_never_shapes_a_path() -> None:
 # byte on stdin before the daemon acts on it: the exact call, in the real process.
 GATED_WORKER = (
     "import os, sys\n"
-    "from coordinator import claims\n"
+    "from coordinator.machine import claims\n"
     "real = claims.holder_alive\n"
     "gated = []\n"
     "def judged(store, claim, **kw):\n"

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.decisions import (
+from coordinator.errors import (
+    ActionError,
+    CoordinatorError,
+    Interrupted,
+    MalformedRecordError,
+    PeerLostError,
+    WaitTimeout,
+)
+from coordinator.machine.decisions import (
     MasterAction,
     RunFlags,
     StepAction,
@@ -16,16 +24,8 @@ from coordinator.decisions import (
     rerun_phases,
     step_action,
 )
-from coordinator.errors import (
-    ActionError,
-    CoordinatorError,
-    Interrupted,
-    MalformedRecordError,
-    PeerLostError,
-    WaitTimeout,
-)
-from coordinator.phases import Phase
-from coordinator.records import AbortKind, Arrival, ArrivalStatus
+from coordinator.records.phases import Phase
+from coordinator.records.records import AbortKind, Arrival, ArrivalStatus
 
 
 def arrival(rank: int, *, phase: Phase = Phase.READY_TO_TRAIN, done: tuple[int, ...] = (),

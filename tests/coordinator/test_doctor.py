@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.mounts import Level, mount_of, risks
 from coordinator.ops.doctor import Doctor
+from coordinator.storage.mounts import Level, mount_of, risks
 from tests.support.netfs import NetFs
 
 TIMEOUT = 30  # per wait; a loaded 2-core box answers a probe in well under a second

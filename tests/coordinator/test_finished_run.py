@@ -1,4 +1,4 @@
-"""A finished run stays finished (coordinator/finished.py): every node started again
+"""A finished run stays finished (coordinator/machine/finished.py): every node started again
 on it with the same settings exits 0 at once, saying so, and a raised
 --iterations still extends it.  The worker's pure decision, then real daemons."""
 
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import layout
 from coordinator.errors import RunCompleted
-from coordinator.finished import Verdict, WorkerWatch
-from coordinator.membership import wait_for_session
-from coordinator.phases import Phase
-from coordinator.polling import Backoff
-from coordinator.records import Heartbeat, NodeState
-from coordinator.store import MemoryStore, publish_record
+from coordinator.machine.finished import Verdict, WorkerWatch
+from coordinator.machine.membership import wait_for_session
+from coordinator.machine.polling import Backoff
+from coordinator.records import layout
+from coordinator.records.phases import Phase
+from coordinator.records.records import Heartbeat, NodeState
+from coordinator.storage.store import MemoryStore, publish_record
 from tests.support.cluster import LocalCluster, scripted_log, write_config
 
 LEASE = 3.0

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.records import Claim, Heartbeat, Journal, Manifest, NodeState
+from coordinator.records.records import Claim, Heartbeat, Journal, Manifest, NodeState
 from tests.support.cluster import write_config
 
 RUN_ID = "0123456789ab"
@@ -200,10 +200,10 @@ def test_recover_refuses_a_symlinked_iteration_directory_and_deletes_nothing_out
 def test_a_release_naming_a_model_outside_the_run_directory_is_refused(
     tmp_path: Path, sentinel: Path
 ) -> None:
-    from coordinator.actions import StepContext, resolve_config
     from coordinator.errors import UnsafeFileError
-    from coordinator.phases import Phase
-    from coordinator.runtime import Runtime
+    from coordinator.machine.actions import StepContext, resolve_config
+    from coordinator.machine.runtime import Runtime
+    from coordinator.records.phases import Phase
     from rl.actions import build
 
     run = tmp_path / "run"
@@ -225,8 +225,8 @@ def test_a_release_naming_a_model_outside_the_run_directory_is_refused(
 def test_a_symlinked_or_fifo_child_log_is_never_appended_to(
     tmp_path: Path, sentinel: Path
 ) -> None:
-    from coordinator import beneath
     from coordinator.errors import UnsafeFileError
+    from coordinator.storage import beneath
     from rollout.engines.process import ManagedProcess
 
     run = tmp_path / "run"
@@ -258,7 +258,7 @@ def _fake_live_rank(run: Path, rank: int, skew_s: float) -> subprocess.Popen[byt
     code = (
         "import json, sys, time\n"
         "from pathlib import Path\n"
-        "from coordinator.fsio import publish_bytes\n"
+        "from coordinator.storage.fsio import publish_bytes\n"
         f"hb = json.loads({json.dumps(json.dumps(hb))})\n"
         "n = 0\n"
         "while True:\n"
@@ -367,7 +367,7 @@ def test_under_umask_000_every_directory_is_0755_and_every_file_0644(
 def test_run_json_never_carries_node_local_keys_and_workers_use_their_own(
     tmp_path: Path, sentinel: Path
 ) -> None:
-    from coordinator.runplan import node_config
+    from coordinator.machine.runplan import node_config
 
     config = tmp_path / "rl.toml"
     config.write_text(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from coordinator.errors import PeerLostError, PhaseFailedError
-from coordinator.liveness import PeerTracker, rank_failed
-from coordinator.records import NodeState
+from coordinator.machine.liveness import PeerTracker, rank_failed
+from coordinator.records.records import NodeState
 from tests.coordinator.test_records import heartbeat
 
 
@@ -127,7 +127,7 @@ def test_workers_leave_the_attribution_to_the_master() -> None:
 
 
 def test_a_peer_regrouping_after_its_own_step_failed_is_that_failure_with_its_fault() -> None:
-    from coordinator.regroup import fault_of
+    from coordinator.machine.regroup import fault_of
 
     t = tracker()
     t.observe(1, heartbeat(counter=1), now=0.5)  # seen at work in the session

@@ -1,5 +1,5 @@
 """A master that refuses its own settings at start tells the workers waiting for it
-(coordinator/refusal.py): bare workers exit 2 with its message instead of waiting
+(coordinator/machine/refusal.py): bare workers exit 2 with its message instead of waiting
 for the join timeout, and an earlier refusal, since fixed, stops nobody.  The
 worker's pure decision as a table, its reads on a store, then real daemons."""
 
@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import layout, routing
+from coordinator import routing
 from coordinator.errors import UsageError
-from coordinator.phases import Phase
-from coordinator.records import Refusal
-from coordinator.refusal import WINDOW_S, Verdict, Watch, WorkerView, clear, refuse
-from coordinator.store import FsStore, MemoryStore, publish_record
+from coordinator.machine.refusal import WINDOW_S, Verdict, Watch, WorkerView, clear, refuse
+from coordinator.records import layout
+from coordinator.records.phases import Phase
+from coordinator.records.records import Refusal
+from coordinator.storage.store import FsStore, MemoryStore, publish_record
 from tests.support.cluster import LocalCluster, scripted_log, write_config
 
 START = 1_000_000.0  # the worker process's start, on its wall clock
@@ -83,7 +84,7 @@ def test_an_earlier_refusal_is_in_the_progress_line_and_a_new_one_stops_the_work
 
 
 def test_a_malformed_refusal_is_ignored_with_a_warning_naming_it(caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="coordinator.refusal")
+    caplog.set_level(logging.WARNING, logger="coordinator.machine.refusal")
     store = MemoryStore()
     forged = {**EARLIER.to_json(), "pid": "42"}
     store.publish(layout.MASTER_REFUSAL, json.dumps(forged).encode())

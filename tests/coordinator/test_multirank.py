@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.phases import Phase
+from coordinator.records.phases import Phase
 from tests.support.cluster import (
     LocalCluster,
     arrivals_on_disk,
@@ -88,7 +88,7 @@ def test_worker_started_before_master_waits_visibly_then_proceeds(cluster) -> No
 def test_second_daemon_for_a_held_rank_exits_2_naming_the_holder(cluster, tmp_path) -> None:
     # Rank 1 stays 6 s in its first rollout: the second daemon (seconds of imports
     # on a loaded machine) must find the run going on, not completed (it would
-    # rightly exit 0 then, coordinator/finished.py).
+    # rightly exit 0 then, coordinator/machine/finished.py).
     c = cluster(iterations=2, scripted='sleeps = ["1:0:1:6.0"]')
     c.start_all()
     c.wait_until(lambda: c.at_phase(1, 0, 1), 30, "worker 1 in its first rollout")

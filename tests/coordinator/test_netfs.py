@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.phases import Phase
+from coordinator.records.phases import Phase
 from tests.support.cluster import LocalCluster, arrivals_on_disk, scripted_log, write_config
 from tests.support.netfs import NetFs
 

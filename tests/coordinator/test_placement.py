@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config import RunSection
+from coordinator.config.placement import Placement, Role, parse_placement
+from coordinator.config.run_config import RunSection
 from coordinator.errors import UsageError
-from coordinator.phases import Phase
-from coordinator.placement import Placement, Role, parse_placement
+from coordinator.records.phases import Phase
 
 
 def placement(rollout: str = "", train: str = "", k: int = 0, n: int = 3) -> Placement:
@@ -110,7 +110,7 @@ def test_the_run_section_takes_a_single_node_as_a_number() -> None:
 
 def test_a_master_refuses_an_asynchronous_run_whose_phase_10_deadline_is_below_rollouts(
         tmp_path: Path) -> None:
-    from coordinator.runplan import RunRequest, make_plan
+    from coordinator.machine.runplan import RunRequest, make_plan
 
     request = RunRequest(log_path=tmp_path, rank=0, num_nodes=3, weights=None, config_file=None,
                          overrides={"run": {"train_nodes": "0", "max_off_policy_steps": 1},

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import fsio, layout
-from coordinator.barrier import Barrier, Membership
-from coordinator.liveness import HeartbeatPublisher, Monitor, PeerTracker
-from coordinator.polling import Backoff, Clock
-from coordinator.records import Arrival, ArrivalStatus, NodeState
-from coordinator.runtime import Runtime
-from coordinator.store import FsStore, publish_record
+from coordinator.machine.barrier import Barrier, Membership
+from coordinator.machine.liveness import HeartbeatPublisher, Monitor, PeerTracker
+from coordinator.machine.polling import Backoff, Clock
+from coordinator.machine.runtime import Runtime
+from coordinator.records import layout
+from coordinator.records.records import Arrival, ArrivalStatus, NodeState
+from coordinator.storage import fsio
+from coordinator.storage.store import FsStore, publish_record
 from tests.coordinator.test_records import heartbeat
 
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from coordinator.errors import WaitTimeout
-from coordinator.polling import Backoff, Clock, Wait
+from coordinator.machine.polling import Backoff, Clock, Wait
 
 
 class FakeClock(Clock):
@@ -40,7 +40,7 @@ def test_polls_start_fast_and_back_off_to_the_ceiling() -> None:
 
 def test_a_wait_reports_what_it_waits_for_at_most_once_per_interval(caplog) -> None:
     clock = FakeClock()
-    caplog.set_level(logging.INFO, logger="coordinator.polling")
+    caplog.set_level(logging.INFO, logger="coordinator.machine.polling")
     wait = Wait(deadline_s=30.5, backoff=BACKOFF, progress_interval_s=10,
                 describe=lambda: "rank 2 at phase 3", clock=clock)
     with pytest.raises(WaitTimeout, match="gave up after 30 s waiting for rank 2 at phase 3"):

@@ -1,4 +1,4 @@
-"""Node-local directories private to this user (coordinator/private_dir.py): made 0700,
+"""Node-local directories private to this user (coordinator/storage/private_dir.py): made 0700,
 this user's, never through a symlink; anything else found in their place is refused
 by name, and emptying one never follows a symlink."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import private_dir
-from coordinator.private_dir import Defect, PrivateDir, PrivateDirError
+from coordinator.storage import private_dir
+from coordinator.storage.private_dir import Defect, PrivateDir, PrivateDirError
 
 UID = os.getuid()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from coordinator.config import CoordinationConfig
+from coordinator.config.run_config import CoordinationConfig
 from coordinator.errors import EXIT_CODE_MEANINGS, ExitCode
-from coordinator.phases import PHASES
+from coordinator.records.phases import PHASES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
 
@@ -46,7 +46,7 @@ def test_the_exit_code_table_matches_the_code() -> None:
 
 
 def test_the_node_local_table_matches_every_action_kind() -> None:
-    from coordinator.actions import kind, kind_names
+    from coordinator.machine.actions import kind, kind_names
 
     rows = [r[0].strip("`") for r in table("node-local")]
     keys = [k for name in kind_names() for k in kind(name).node_local]
@@ -54,8 +54,8 @@ def test_the_node_local_table_matches_every_action_kind() -> None:
 
 
 def test_the_recovery_record_and_heartbeat_states_are_documented_field_by_field() -> None:
-    from coordinator.records import NodeState
-    from coordinator.regroup import Recovery, RecoveryLog
+    from coordinator.machine.regroup import Recovery, RecoveryLog
+    from coordinator.records.records import NodeState
 
     text = DOC.read_text()
     section = text.split("**`recoveries.json`**")[1].split("\n\n")[0]
@@ -71,7 +71,7 @@ def test_the_on_failure_table_covers_every_policy_and_the_doc_and_help_come_from
     import subprocess
     import sys
 
-    from coordinator.on_failure import POLICIES, OnFailure, cli_help
+    from coordinator.config.on_failure import POLICIES, OnFailure, cli_help
 
     assert set(POLICIES) == set(OnFailure)
     rows = table("on-failure")

@@ -8,8 +8,16 @@ from pathlib import Path
 import pytest
 
 from coordinator.errors import MalformedRecordError
-from coordinator.records import Abort, AbortKind, Decision, Heartbeat, Journal, NodeState, Release
-from coordinator.store import FsStore, MemoryStore, read_record
+from coordinator.records.records import (
+    Abort,
+    AbortKind,
+    Decision,
+    Heartbeat,
+    Journal,
+    NodeState,
+    Release,
+)
+from coordinator.storage.store import FsStore, MemoryStore, read_record
 
 P = Path("x.json")
 
@@ -105,7 +113,7 @@ def test_the_read_deadline_defaults_to_the_daemons_setting_and_reaches_its_child
     set by the daemon; a trainer takes it from READ_RETRY_ENV)."""
     import time
 
-    from coordinator import fsio
+    from coordinator.storage import fsio
 
     before = fsio.read_retry(None)
     try:

@@ -1,12 +1,12 @@
 """Where a re-formed group starts, and who joins it there: the pure decisions of
-coordinator/regroup.py after a shrink (start_iteration, rejoin_later).  The
+coordinator/machine/regroup.py after a shrink (start_iteration, rejoin_later).  The
 multi-process run (kill, shrink, a failed step, recover, restart) is
 tests/coordinator/test_shrink.py."""
 
 from __future__ import annotations
 
-from coordinator.records import Heartbeat, NodeState, Session
-from coordinator.regroup import rejoin_later, start_iteration
+from coordinator.machine.regroup import rejoin_later, start_iteration
+from coordinator.records.records import Heartbeat, NodeState, Session
 
 PHASES = 14
 

@@ -1,6 +1,6 @@
 """A step that fails the same way max_attempts times stops the run (exit 4) under
 every on_failure; a lost rank is not such a failure.  Scripted daemons, and the
-pure decision from the recovery log (coordinator/regroup.py)."""
+pure decision from the recovery log (coordinator/machine/regroup.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.errors import PeerLostError, PhaseFailedError
-from coordinator.regroup import (
+from coordinator.machine.regroup import (
     Incident,
     Recovery,
     RecoveryLog,

@@ -1,4 +1,4 @@
-"""coordinator/settings.py: a setting's declaration is its parse, its check and its text."""
+"""coordinator/config/settings.py: a setting's declaration is its parse, its check and its text."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import ClassVar
 
 import pytest
 
-from coordinator.config import CoordinationConfig, RunConfig
-from coordinator.settings import (
+from coordinator.config.run_config import CoordinationConfig, RunConfig
+from coordinator.config.settings import (
     Section,
     Setting,
     SettingError,

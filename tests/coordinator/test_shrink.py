@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.ops.status import collect, render
-from coordinator.phases import Phase
+from coordinator.records.phases import Phase
 from tests.coordinator.test_regroup import recoveries
 from tests.support.cluster import LocalCluster, scripted_log, scripted_runs, write_config
 

@@ -13,7 +13,7 @@ import pytest
 SCRIPT = """
 import sys, time
 from coordinator.errors import Interrupted
-from coordinator.runtime import install_signal_handlers
+from coordinator.machine.runtime import install_signal_handlers
 install_signal_handlers()
 print("ready", flush=True)
 try:
@@ -45,7 +45,7 @@ def test_a_second_sigterm_is_the_same_request_within_the_window_and_kills_after_
 LOST = """
 import os, signal, time
 from coordinator.errors import Interrupted
-from coordinator.runtime import Runtime, install_signal_handlers
+from coordinator.machine.runtime import Runtime, install_signal_handlers
 install_signal_handlers()
 runtime = Runtime()
 runtime.check()  # nothing asked yet

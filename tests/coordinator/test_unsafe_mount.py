@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.errors import ExitCode, UnsuitableStorageError
-from coordinator.storage_check import check_run_directory
+from coordinator.storage.storage_check import check_run_directory
 from tests.integration.usage import README_PATH, run_nodes, usage_line
 from tests.support.rclone import RcloneMount
 

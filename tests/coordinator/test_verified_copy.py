@@ -1,4 +1,4 @@
-"""One pass over the source: copy, hash and check together (coordinator/verified.py)."""
+"""One pass over the source: copy, hash and check together (coordinator/storage/verified.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import coordinator.verified
+import coordinator.storage.verified
 from coordinator.errors import IntegrityError
-from coordinator.verified import copy_hashed, copy_verified, in_parallel
+from coordinator.storage.verified import copy_hashed, copy_verified, in_parallel
 
 
 def test_a_copy_of_many_blocks_is_hashed_as_read_and_synced(tmp_path: Path) -> None:
@@ -45,7 +45,7 @@ def test_a_read_error_mid_copy_is_raised_and_the_reader_ends(
             raise OSError(errno.EIO, "Input/output error")
         return real_read(fd, n)
 
-    monkeypatch.setattr(coordinator.verified.os, "read", failing_read)
+    monkeypatch.setattr(coordinator.storage.verified.os, "read", failing_read)
     before = threading.active_count()
     with pytest.raises(OSError, match="Input/output error"):
         copy_hashed(tmp_path / "src", tmp_path / "dst")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.fsio import publish_bytes
-from coordinator.mounts import filesystem_type
-from coordinator.waker import Backend, Waker
+from coordinator.storage.fsio import publish_bytes
+from coordinator.storage.mounts import filesystem_type
+from coordinator.storage.waker import Backend, Waker
 
 # Events arrive within milliseconds; the generous timeout only absorbs a busy CI box.
 EVENT_TIMEOUT_S = 5.0

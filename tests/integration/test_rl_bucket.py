@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import bucket_url
+from coordinator.storage import bucket_url
 from tests.integration.test_rl_loop import check_two_iterations
 from tests.integration.test_rl_netfs import CONFIG
 from tests.integration.test_rl_reporting import scalars

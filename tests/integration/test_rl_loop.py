@@ -228,10 +228,10 @@ def test_a_checkpoint_altered_after_publishing_is_refused_at_phase_12_naming_the
 ) -> None:
     import shutil
 
-    from coordinator.actions import StepContext, resolve_config
     from coordinator.errors import ActionError
-    from coordinator.phases import Phase
-    from coordinator.runtime import Runtime
+    from coordinator.machine.actions import StepContext, resolve_config
+    from coordinator.machine.runtime import Runtime
+    from coordinator.records.phases import Phase
     from rl.actions import build
 
     run = tmp_path / "run"

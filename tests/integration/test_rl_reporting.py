@@ -10,9 +10,9 @@ import types
 from pathlib import Path
 from typing import Any
 
-from coordinator.actions import StepContext, resolve_config
-from coordinator.phases import Phase
-from coordinator.runtime import Runtime
+from coordinator.machine.actions import StepContext, resolve_config
+from coordinator.machine.runtime import Runtime
+from coordinator.records.phases import Phase
 from rl import layout
 from rl.actions import RlActions
 from rl.reporting import end_iteration

@@ -99,7 +99,7 @@ def test_three_ranks_roll_out_and_the_batch_holds_every_assigned_task_times_the_
     assert evaluation["reward_calls"] == 18 and set(evaluation["reward_extra"]) == {
         "acc", "formatted"}
     # Each node checked its own reward file at phase 0 and reported the same one.
-    from coordinator import layout
+    from coordinator.records import layout
 
     for rank in range(3):
         arrival = json.loads((c.log_path / layout.arrival(0, 0, rank)).read_text())
@@ -118,9 +118,9 @@ def test_three_ranks_roll_out_and_the_batch_holds_every_assigned_task_times_the_
 
 
 def test_rank_weights_auto_follow_the_previous_iterations_throughput(tmp_path: Path) -> None:
-    from coordinator.actions import StepContext, resolve_config
-    from coordinator.phases import Phase
-    from coordinator.runtime import Runtime
+    from coordinator.machine.actions import StepContext, resolve_config
+    from coordinator.machine.runtime import Runtime
+    from coordinator.records.phases import Phase
     from rl import layout
     from rl.actions import RlActions
     from rl.plan import rank_weights

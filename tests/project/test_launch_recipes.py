@@ -60,8 +60,8 @@ def test_the_skypilot_run_section_runs_three_ranks_to_the_end(tmp_path: Path) ->
 
 
 def test_the_example_model_config_loads_and_validates() -> None:
-    from coordinator.actions import resolve_config
-    from coordinator.config import load_file
+    from coordinator.config.run_config import load_file
+    from coordinator.machine.actions import resolve_config
     from rl.config import parse_sections
 
     config = resolve_config(load_file(ROOT / "examples/configs/qwen2.5-1.5b-gsm8k.toml"))
@@ -99,8 +99,8 @@ def commented_keys(text: str) -> set[str]:
 
 
 def test_the_7b_recipe_gives_each_setting_a_7b_run_needs_with_its_reason() -> None:
-    from coordinator.actions import resolve_config
-    from coordinator.config import load_file
+    from coordinator.config.run_config import load_file
+    from coordinator.machine.actions import resolve_config
     from rl.config import parse_sections
 
     recipe = ROOT / "examples/configs/qwen2.5-7b-gsm8k.toml"
@@ -111,7 +111,7 @@ def test_the_7b_recipe_gives_each_setting_a_7b_run_needs_with_its_reason() -> No
     assert s.train.dtype.value == "bfloat16" and s.train.strategy.value == "fsdp2"
     assert s.train.activation_checkpointing and s.train.micro_batch_size <= 8
     # Sleep mode: the engine stays up, asleep while the same GPUs train.
-    assert s.engine.reloads_in_place and s.engine.sleep_level == 2
+    assert s.engine.update.keeps_process and s.engine.sleep_level == 2
     assert s.engine.gpus == s.torchrun.nproc_per_node == 8
     assert s.engine.gpu_memory_utilization <= 0.7  # room for the offloaded trainer's residue
     # The component's own limit fires before the barrier's, with its own message.
@@ -128,8 +128,8 @@ def test_the_7b_recipe_gives_each_setting_a_7b_run_needs_with_its_reason() -> No
 
 
 def test_the_demo_settings_file_is_the_one_the_demo_runs_with() -> None:
-    from coordinator.actions import resolve_config
-    from coordinator.config import load_file
+    from coordinator.config.run_config import load_file
+    from coordinator.machine.actions import resolve_config
     from rl.demo import demo_config
 
     assert demo_config() == ROOT / "examples/configs/demo.toml"

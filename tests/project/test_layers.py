@@ -128,7 +128,7 @@ def attribute_reads(name: str) -> list[str]:
 
 
 def test_weight_update_is_read_in_one_place_in_rollout() -> None:
-    # EngineConfig.reloads_in_place, and its own validation in __post_init__.
+    # EngineConfig.update, and its own validation in __post_init__.
     reads = attribute_reads("weight_update")
     assert reads and {r.split(":")[0] for r in reads} == {"rollout/engines/config.py"}, reads
 
@@ -153,4 +153,65 @@ def test_sub_packages_are_entered_only_through_their_door() -> None:
     # --new-run archives a run.
     core = {p for p in importers_of("coordinator.ops")
             if p.startswith("coordinator/") and not p.startswith("coordinator/ops/")}
-    assert core == {"coordinator/runplan.py"}
+    assert core == {"coordinator/machine/runplan.py"}
+
+
+# coordinator's wings (coordinator/__init__.py): each imports only the base and the
+# wings it stands on.  storage and config stand side by side on records.
+WINGS: dict[str, set[str]] = {
+    "base": set(),
+    "records": {"base"},
+    "storage": {"base", "records"},
+    "config": {"base", "records"},
+    "machine": {"base", "records", "storage", "config"},
+    "ops": {"base", "records", "storage", "config", "machine"},
+}
+BASE = ("coordinator.errors", "coordinator.routing")
+# runplan asks status whether daemons still heartbeat before --new-run archives a run.
+WING_EXCEPTIONS = {("coordinator.machine.runplan", "coordinator.ops.status")}
+
+
+def wing_of(module: str) -> str | None:
+    if module in BASE or module == "coordinator":
+        return "base"
+    parts = module.split(".")
+    return parts[1] if parts[0] == "coordinator" and len(parts) > 2 else None
+
+
+def wing_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for name, edges in sorted(graph.items()):
+        wing = wing_of(name)
+        if wing is None:
+            continue
+        for target in sorted(edges):
+            other = wing_of(target)
+            if other is not None and other != wing and other not in WINGS[wing] and \
+                    (name, target) not in WING_EXCEPTIONS:
+                out.append(f"{name} ({wing}) imports {target} ({other})")
+    return out
+
+
+def test_every_coordinator_module_is_in_a_wing_and_imports_only_those_below() -> None:
+    flat = sorted(p.name for p in (ROOT / "coordinator").glob("*.py")
+                  if f"coordinator.{p.stem}" not in BASE and p.name != "__init__.py")
+    assert flat == [], "a module of coordinator/ outside the base and the wings"
+    wings = sorted(p.name for p in (ROOT / "coordinator").iterdir()
+                   if (p / "__init__.py").exists())
+    assert wings == sorted(set(WINGS) - {"base"})
+    for wing in wings:
+        doc = ast.get_docstring(ast.parse((ROOT / "coordinator" / wing / "__init__.py").read_text()))
+        assert doc and "import" in doc, f"coordinator/{wing}/__init__.py says what it may import"
+    assert wing_violations(import_graph()) == []
+
+
+def test_the_wing_check_sees_a_wing_importing_one_beside_or_above() -> None:
+    graph = {"coordinator.storage.fsio": {"coordinator.errors", "coordinator.records.layout",
+                                          "coordinator.machine.polling"},
+             "coordinator.config.placement": {"coordinator.storage.fsio"},
+             "coordinator.errors": {"coordinator.routing"},
+             "coordinator.machine.runplan": {"coordinator.ops.status"},
+             "rollout.client": {"coordinator.machine.polling"}}
+    assert wing_violations(graph) == [
+        "coordinator.config.placement (config) imports coordinator.storage.fsio (storage)",
+        "coordinator.storage.fsio (storage) imports coordinator.machine.polling (machine)"]

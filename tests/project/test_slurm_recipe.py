@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from coordinator import layout
+from coordinator.records import layout
 from rl import history
 from tests.support.slurm import SlurmCluster, missing_tools
 

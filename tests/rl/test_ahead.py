@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from coordinator.actions import StepContext
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
 from coordinator.errors import ActionError, Cancelled
-from coordinator.phases import Phase
-from coordinator.runtime import Runtime
+from coordinator.machine.actions import StepContext
+from coordinator.machine.runtime import Runtime
+from coordinator.records.phases import Phase
 from rl import ahead, rollouts
 
 GROUP_S = 0.05
@@ -104,7 +104,7 @@ def test_the_group_stopping_stops_the_rollout_too(tmp_path: Path, rollout: Rollo
 
 def test_a_split_node_gives_its_engine_and_its_trainer_their_own_gpus(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from coordinator.placement import Placement
+    from coordinator.config.placement import Placement
     from rl.config import parse_sections
     from rl.loop import placed_on_gpus
     from trainer.config import Offload
@@ -142,8 +142,8 @@ def test_a_split_node_gives_its_engine_and_its_trainer_their_own_gpus(
 ])
 def test_gpus_that_do_not_fit_the_settings_are_refused_naming_both(
         monkeypatch: pytest.MonkeyPatch, sections: dict[str, Any], said: str) -> None:
+    from coordinator.config.placement import Placement
     from coordinator.errors import UsageError
-    from coordinator.placement import Placement
     from rl.config import parse_sections
     from rl.loop import placed_on_gpus
 
@@ -158,7 +158,7 @@ def test_gpus_that_do_not_fit_the_settings_are_refused_naming_both(
 def test_the_master_refuses_gpu_ranges_that_do_not_fit_before_writing_run_json(
         tmp_path: Path) -> None:
     from coordinator.errors import UsageError
-    from coordinator.runplan import RunRequest, make_plan
+    from coordinator.machine.runplan import RunRequest, make_plan
 
     request = RunRequest(log_path=tmp_path, rank=0, num_nodes=2, weights=None, config_file=None,
                          overrides={"run": {"actions": "rl", "train_nodes": "0:0-1",

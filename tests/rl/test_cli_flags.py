@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from coordinator.actions import resolve_config
+from coordinator.config.settings import iter_settings
 from coordinator.errors import UsageError
-from coordinator.settings import iter_settings
+from coordinator.machine.actions import resolve_config
 from rl.cli import app
 from rl.cli_flags import CONFIG_FLAGS, config_flags, overrides
 from rl.config import SECTION_CLASSES

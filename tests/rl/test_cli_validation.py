@@ -135,8 +135,8 @@ def test_recover_without_a_run_exits_2(tmp_path) -> None:
 
 
 def test_a_yaml_config_works_like_toml(tmp_path) -> None:
-    from coordinator.actions import resolve_config
-    from coordinator.config import load_file
+    from coordinator.config.run_config import load_file
+    from coordinator.machine.actions import resolve_config
 
     (tmp_path / "c.yaml").write_text(
         "run:\n  actions: scripted\n  iterations: 3\ncoordination:\n  lease_s: 9\n")
@@ -158,7 +158,7 @@ def mistyped(name: str) -> str:
 
 @pytest.mark.parametrize("section", list(SECTION_CLASSES))
 def test_every_section_refuses_a_mistyped_key_naming_the_closest_setting(section) -> None:
-    from coordinator.actions import resolve_config
+    from coordinator.machine.actions import resolve_config
 
     for f in dataclasses.fields(SECTION_CLASSES[section]):
         with pytest.raises(UsageError, match=re.escape(
@@ -182,7 +182,7 @@ def test_every_section_refuses_a_mistyped_key_naming_the_closest_setting(section
                             "activation_checkpointing, adam_eps"),
 ])
 def test_a_key_far_from_any_setting_still_names_where_to_look(raw, message) -> None:
-    from coordinator.actions import resolve_config
+    from coordinator.machine.actions import resolve_config
 
     with pytest.raises(UsageError, match=re.escape(message)):
         resolve_config(raw)
@@ -219,7 +219,7 @@ def test_a_worker_refuses_its_own_typo_without_waiting_for_the_master(tmp_path) 
 
 
 def test_a_missing_config_file_exits_2_and_a_symlinked_one_is_read(tmp_path) -> None:
-    from coordinator.config import load_file
+    from coordinator.config.run_config import load_file
 
     code, out = invoke("run", "--master", "--log-path", str(tmp_path / "run"), "--config",
                        str(tmp_path / "nope.toml"))

@@ -9,9 +9,9 @@ from typing import ClassVar
 import pytest
 from typer.testing import CliRunner
 
-from coordinator.actions import resolve_config
+from coordinator.config.settings import Section, iter_settings
 from coordinator.errors import UsageError
-from coordinator.settings import Section, iter_settings
+from coordinator.machine.actions import resolve_config
 from rl import config_doc
 from rl.cli import app
 from rl.cli_flags import ALL_SECTIONS

@@ -7,8 +7,8 @@ import sys
 
 from typer.testing import CliRunner
 
-from coordinator.actions import resolve_config
-from coordinator.config import load_file
+from coordinator.config.run_config import load_file
+from coordinator.machine.actions import resolve_config
 from rl.cli import app
 
 if sys.version_info >= (3, 11):

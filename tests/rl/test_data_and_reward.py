@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from coordinator.errors import UsageError
-from coordinator.records import Arrival, ArrivalStatus
+from coordinator.records.records import Arrival, ArrivalStatus
 from rl.layout import Split
 from rollout.reward_file import close_workers
 
@@ -30,7 +30,7 @@ def no_worker_left() -> Iterator[None]:
 
 
 def resolve(sections: dict[str, Any]) -> Any:
-    from coordinator.actions import resolve_config
+    from coordinator.machine.actions import resolve_config
 
     return resolve_config(sections)
 

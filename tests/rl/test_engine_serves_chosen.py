@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.actions import StepContext
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
 from coordinator.errors import ActionError
-from coordinator.phases import Phase
-from coordinator.runtime import Runtime
+from coordinator.machine.actions import StepContext
+from coordinator.machine.runtime import Runtime
+from coordinator.records.phases import Phase
 from rl import layout, node_local
 from rl.config import parse_sections
 from rl.engine_host import EngineHost

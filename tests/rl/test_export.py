@@ -21,9 +21,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from coordinator.actions import StepContext, resolve_config
-from coordinator.phases import Phase
-from coordinator.runtime import Runtime
+from coordinator.machine.actions import StepContext, resolve_config
+from coordinator.machine.runtime import Runtime
+from coordinator.records.phases import Phase
 from rl import history, keep_best, layout
 from rl.actions import RlActions
 from rl.cli import app

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from coordinator.actions import resolve_config
+from coordinator.machine.actions import resolve_config
 from rl import history, layout
 
 
@@ -84,7 +84,7 @@ def _failing_reads(monkeypatch: Any, seconds: float) -> list[Path]:
     import errno
     import time
 
-    from coordinator import fsio
+    from coordinator.storage import fsio
 
     real = fsio.read_bytes
     first: dict[str, float] = {}
@@ -104,8 +104,8 @@ def _failing_reads(monkeypatch: Any, seconds: float) -> list[Path]:
 
 def test_a_finished_run_whose_metrics_fail_to_read_for_a_while_still_exits_0(
         tmp_path: Path, monkeypatch: Any) -> None:
-    from coordinator.actions import completed_run, kind
-    from coordinator.phases import Phase
+    from coordinator.machine.actions import completed_run, kind
+    from coordinator.records.phases import Phase
 
     iteration(tmp_path, 0, eval_failed=0)
     iteration(tmp_path, 1)

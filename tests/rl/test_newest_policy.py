@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import fsio
+from coordinator.storage import fsio
 from rl import layout
 from rl.newest_policy import Look, Observation, PolicyUnavailable, look, newest_published
 from trainer.checkpoint import MANIFEST_NAME, FileEntry, Manifest

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from coordinator import bucket_url, objstore
 from coordinator.errors import ActionError, UsageError
-from coordinator.private_dir import PrivateDirError
+from coordinator.storage import bucket_url, objstore
+from coordinator.storage.private_dir import PrivateDirError
 from rl import node_local
 from tests.support.users import OTHER_USER, as_other_user, other_user
 

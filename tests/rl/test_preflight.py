@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.config import RunSection, deep_merge
+from coordinator.config.run_config import RunSection, deep_merge
 from coordinator.errors import UsageError
 from rl import preflight, setting_rules
 from rl.config import TINY_MODEL_DEFAULTS, parse_sections, resolve_sections, with_model_defaults
@@ -151,7 +151,7 @@ def test_facts_are_frozen() -> None:
 
 def loop_of(tmp_path: Path, sections: dict[str, Any]) -> Any:
     """The master's Loop of a run with `sections` (nothing is started by building it)."""
-    from coordinator.actions import resolve_config
+    from coordinator.machine.actions import resolve_config
     from rl.loop import Loop
 
     return Loop(resolve_config(sections), rank=0, num_nodes=1, run_dir=tmp_path / "run")
@@ -345,8 +345,8 @@ def qwen7b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def recipe_on(model: Path, data: Path, changed: dict[str, Any] | None = None) -> Any:
     """The 7 B recipe with model.path and data.path pointing here, `changed` over it."""
-    from coordinator.actions import resolve_config
-    from coordinator.config import load_file
+    from coordinator.config.run_config import load_file
+    from coordinator.machine.actions import resolve_config
 
     raw = deep_merge(load_file(RECIPE), {"model": {"path": str(model)},
                                          "data": {"path": str(data)}})

@@ -11,7 +11,7 @@ from tests.trainer.test_delta import publish, step, weights
 
 
 def loop_of(tmp_path: Path, keep: int) -> Any:
-    from coordinator.actions import resolve_config
+    from coordinator.machine.actions import resolve_config
     from rl.loop import Loop
 
     config = resolve_config({"model": {"path": str(tmp_path / "model")},

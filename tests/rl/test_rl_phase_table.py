@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import rl
-from coordinator.phases import Phase
+from coordinator.records.phases import Phase
 from rl.actions import PHASE_WORK
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.actions import kind, resolve_config
 from coordinator.errors import UsageError
-from coordinator.phases import PHASES, Phase
+from coordinator.machine.actions import kind, resolve_config
+from coordinator.records.phases import PHASES, Phase
 from rl.schedule import RlPhase, RolloutSplit, ScheduleSection
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.actions import StepContext, resolve_config
-from coordinator.phases import Phase
-from coordinator.runtime import Runtime
+from coordinator.machine.actions import StepContext, resolve_config
+from coordinator.machine.runtime import Runtime
+from coordinator.records.phases import Phase
 from rl import layout
 from rl.layout import Split
 from rl.loop import Loop

@@ -15,11 +15,11 @@ import psutil
 import pytest
 import torch
 
-from coordinator.actions import StepContext
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
 from coordinator.errors import ActionError
-from coordinator.phases import Phase
-from coordinator.runtime import Runtime
+from coordinator.machine.actions import StepContext
+from coordinator.machine.runtime import Runtime
+from coordinator.records.phases import Phase
 from rl.config import parse_sections
 from rl.trainer_host import TrainerHost, TrainerState
 

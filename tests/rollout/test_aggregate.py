@@ -454,7 +454,7 @@ def test_phase_4_aggregates_only_the_manifest_whose_digest_phase_3_reported(
 ) -> None:
     import dataclasses
 
-    from coordinator import fsio
+    from coordinator.storage import fsio
     from rollout.aggregate import manifest_digest
     from rollout.manifest import read_manifest
 

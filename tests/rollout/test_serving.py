@@ -9,6 +9,11 @@ import pytest
 
 from rollout.engines.config import EngineConfig, EngineError, EngineState, WeightUpdate
 from rollout.engines.serving import Parked, Served, park, park_step, serve, serve_step
+from rollout.engines.weight_updates import WEIGHT_UPDATES, UpdateRule
+
+
+def rule(reloads: bool) -> UpdateRule:
+    return WEIGHT_UPDATES[WeightUpdate.RELOAD if reloads else WeightUpdate.RESTART]
 
 PARK_TABLE = [
     (EngineState.READY, True, Parked.ASLEEP),
@@ -40,13 +45,13 @@ SERVE_TABLE = [  # state, the model served, reloads in place -> the verb
 @pytest.mark.parametrize(("state", "reloads", "parked"), PARK_TABLE)
 def test_park_decides_from_the_engine_state_and_the_weight_update_mode(
         state: EngineState | None, reloads: bool, parked: Parked) -> None:
-    assert park_step(state, reloads_in_place=reloads) is parked
+    assert park_step(state, rule(reloads)) is parked
 
 
 @pytest.mark.parametrize(("state", "same", "reloads", "served"), SERVE_TABLE)
 def test_serve_decides_from_the_engine_state_and_the_model_served(
         state: EngineState | None, same: bool, reloads: bool, served: Served) -> None:
-    assert serve_step(state, same_model=same, reloads_in_place=reloads) is served
+    assert serve_step(state, rule(reloads), same_model=same) is served
 
 
 def test_the_tables_cover_every_engine_state() -> None:
@@ -137,3 +142,14 @@ def test_a_serving_engine_is_updated_in_place_and_restarted_when_that_fails(
     e = engine(WeightUpdate.RELOAD, EngineState.READY, {"update iter_000002"})
     assert serve(e, new, serving=old) is Served.RESTARTED_AFTER_FAILED_RELOAD  # type: ignore[arg-type]
     assert e.calls == ["update iter_000002", "stop", "start iter_000002"]
+
+
+def test_every_weight_update_mode_has_a_rule_and_a_docs_row() -> None:
+    from rollout.engines.weight_updates import markdown_table
+
+    assert set(WEIGHT_UPDATES) == set(WeightUpdate)
+    rows = markdown_table().splitlines()[2:]
+    assert [row.split(" | ")[0].strip("| `") for row in rows] == [m.value for m in WeightUpdate]
+    # Only the mode that keeps the process sleeps, and asks for the sleep endpoints.
+    for mode, r in WEIGHT_UPDATES.items():
+        assert (r.park is Parked.ASLEEP) == r.keeps_process == bool(r.sleep_mode_flags), mode

@@ -25,8 +25,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from coordinator import bucket_url
-from coordinator.objstore import ObjectStore
+from coordinator.storage import bucket_url
+from coordinator.storage.objstore import ObjectStore
 
 ROOT = Path(__file__).resolve().parents[2]
 AZURITE = ROOT / ".tools/azurite/node_modules/.bin/azurite-blob"

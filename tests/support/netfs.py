@@ -19,7 +19,7 @@ caching like an NFS client's:
   "plain caching" mode, as sshfs and many FUSE clients mount by default) the
   kernel caches data and cuts a read at the cached size: a file replaced by
   rename on another client reads short until the attributes expire, unless
-  the reader asks the server again (coordinator/fsio.py `revalidate`).
+  the reader asks the server again (coordinator/storage/fsio.py `revalidate`).
 
 The setup needs root, /dev/fuse, sshd and sshfs (scripts/setup_test.sh installs
 them); when it cannot be set up, `NetFsUnavailable` says why, and tests fail

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 
-from coordinator.beneath import RUN_DIR_ENV
+from coordinator.storage.beneath import RUN_DIR_ENV
 
 
 def trainer_processes(run_dir: Path, rank: int | None = None) -> list[psutil.Process]:

@@ -1,7 +1,7 @@
 """A checkpoint published to a bucket and read back on another node, on real servers.
 
 In a bucket there is no directory rename: each file is an object and the
-manifest, written last, publishes the checkpoint (coordinator/trees.py,
+manifest, written last, publishes the checkpoint (coordinator/storage/trees.py,
 publish_tree).  Two node-local roots stand for two nodes in this process.
 """
 

@@ -330,14 +330,14 @@ def test_a_node_reads_each_file_from_the_share_once_and_reuses_its_copy_unhashed
     """The copy is the check (names against the manifest, then each file hashed as it
     is copied: no separate verification read); a sealed cached copy is trusted by its
     manifest and sizes, not hashed again."""
-    import coordinator.verified
+    import coordinator.storage.verified
     import trainer.checkpoint
     import trainer.local_copy
 
     src = tmp_path / "shared" / "iter-000002"
     publish(src, iteration=2, weights=os.urandom(9 << 20))
     opened: list[str] = []
-    real_open = coordinator.verified.fsio.open_regular
+    real_open = coordinator.storage.verified.fsio.open_regular
 
     def counting_open(path: Path, *args: Any, **kwargs: Any) -> int:
         opened.append(Path(path).name)
@@ -346,7 +346,7 @@ def test_a_node_reads_each_file_from_the_share_once_and_reuses_its_copy_unhashed
     def no_hash(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("hashed again")
 
-    monkeypatch.setattr(coordinator.verified.fsio, "open_regular", counting_open)
+    monkeypatch.setattr(coordinator.storage.verified.fsio, "open_regular", counting_open)
     monkeypatch.setattr(trainer.local_copy, "read_verified", no_hash)
     copy = copy_to_local_cache(src, tmp_path / "cache")
     assert sorted(n for n in opened if n != MANIFEST_NAME) == [

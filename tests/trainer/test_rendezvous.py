@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from coordinator.netaddr import Listener
+from coordinator.machine.netaddr import Listener
 
 pytestmark = pytest.mark.slow
 
