@@ -17,11 +17,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from coordinator.errors import MalformedRecordError, fault_signature
-from coordinator.machine.decisions import MasterAction, judge_arrivals
+from coordinator.machine.decisions import (
+    Heard,
+    MasterAction,
+    Membership,
+    ReleaseAction,
+    announced,
+    current,
+    from_master,
+    judge_arrivals,
+    judge_release,
+    usable_arrival,
+)
 from coordinator.machine.liveness import (
     HeartbeatPublisher,
     Monitor,
@@ -40,37 +50,12 @@ from coordinator.records.records import (
     Heartbeat,
     NodeState,
     Release,
-    Session,
 )
 from coordinator.storage import fsio
 from coordinator.storage.store import Store, publish_record, read_record
 from coordinator.storage.waker import Waker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Membership:
-    """Who is in this session of the group, as the master's session record says."""
-
-    run_id: str
-    generation: int
-    session: str
-    rank: int
-    token: str
-    members: Mapping[int, str]
-    hosts: Mapping[int, str]
-
-    @classmethod
-    def of(cls, session: Session, *, rank: int, token: str,
-           hosts: Mapping[int, str]) -> Membership:
-        return cls(run_id=session.run_id, generation=session.generation,
-                   session=session.session, rank=rank, token=token,
-                   members={int(r): t for r, t in session.members.items()}, hosts=dict(hosts))
-
-    @property
-    def is_master(self) -> bool:
-        return self.rank == 0
 
 
 class Barrier:
@@ -172,7 +157,7 @@ class Barrier:
                                  retry_s=self.retry_s)
                 self.monitor.observe(rank, hb)
                 last_seen[rank] = hb
-                if not self._announced(hb, rank, "arrived", (iteration, phase)):
+                if not announced(hb, self.m, rank, "arrived", (iteration, phase)):
                     continue
                 record = self._read_arrival(iteration, phase, rank)
                 if record is None:
@@ -231,14 +216,21 @@ class Barrier:
                              retry_s=self.retry_s)
             self.monitor.observe(master, hb)
             last_seen[master] = hb
-            if hb is not None and hb.token == self.m.members[master] and hb.abort is not None:
+            heard = from_master(hb, self.m, (iteration, phase))
+            if heard is Heard.ABORTED:
+                assert hb is not None and hb.abort is not None
                 raise abort_error(hb.abort)
-            if self._announced(hb, master, "released", (iteration, phase)):
+            if heard is Heard.RELEASED:
                 record = read_record(self.store, layout.release(iteration, phase), Release,
                                      retry_s=self.retry_s)
-                if record is not None and self._current(record):
-                    if record.decision is Decision.ABORT and record.abort is not None:
-                        raise abort_error(record.abort)
+                verdict = judge_release(record, self.m)
+                if verdict is ReleaseAction.IGNORE and record is not None:
+                    self._log_foreign(record)
+                if verdict is ReleaseAction.ABORT:
+                    assert record is not None and record.abort is not None
+                    raise abort_error(record.abort)
+                if verdict is ReleaseAction.CONTINUE:
+                    assert record is not None
                     return record
             self.monitor.judge()
             return None
@@ -273,23 +265,10 @@ class Barrier:
         """What a long wait waits for goes into the heartbeat, for `status`."""
         self.heartbeat.update(waiting_for=text)
 
-    def _announced(self, hb: Heartbeat | None, rank: int, field: str, at: tuple[int, int]) -> bool:
-        if hb is None or hb.token != self.m.members[rank]:
-            return False
-        if hb.run_id != self.m.run_id or hb.generation != self.m.generation:
-            return False
-        if field == "released" and hb.session != self.m.session:
-            return False
-        return getattr(hb, field) == at
-
-    def _current(self, record: Arrival | Release) -> bool:
-        ok = (record.run_id == self.m.run_id and record.generation == self.m.generation
-              and record.session == self.m.session)
-        if not ok:
-            log.info("ignoring %s from run %s generation %d session %s (current: %s/%d/%s)",
-                     type(record).__name__.lower(), record.run_id, record.generation,
-                     record.session, self.m.run_id, self.m.generation, self.m.session)
-        return ok
+    def _log_foreign(self, record: Arrival | Release) -> None:
+        log.info("ignoring %s from run %s generation %d session %s (current: %s/%d/%s)",
+                 type(record).__name__.lower(), record.run_id, record.generation,
+                 record.session, self.m.run_id, self.m.generation, self.m.session)
 
     def _read_arrival(self, iteration: int, phase: int, rank: int) -> Arrival | None:
         try:
@@ -298,13 +277,9 @@ class Barrier:
         except MalformedRecordError as exc:
             log.warning("unreadable arrival of rank %d: %s", rank, exc)
             return None
-        if record is None or not self._current(record):
-            return None
-        if record.token != self.m.members[rank] or (record.iteration, record.phase) != (
-            iteration, phase
-        ):
-            return None
-        return record
+        if record is not None and not current(record, self.m):
+            self._log_foreign(record)
+        return record if usable_arrival(record, self.m, rank, (iteration, phase)) else None
 
     def _watch(self, ranks: list[int]) -> None:
         if self.waker is not None and self.heartbeat_path is not None:

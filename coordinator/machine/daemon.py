@@ -45,8 +45,8 @@ from coordinator.errors import (
 )
 from coordinator.machine import finished, membership, netaddr, regroup
 from coordinator.machine.actions import Actions, StepContext, completed_run, kind
-from coordinator.machine.barrier import Barrier, Membership
-from coordinator.machine.decisions import abort_of
+from coordinator.machine.barrier import Barrier
+from coordinator.machine.decisions import Membership, abort_of
 from coordinator.machine.group import GroupForming
 from coordinator.machine.journal import JournalBook
 from coordinator.machine.liveness import HeartbeatPublisher, Monitor, session_monitor

@@ -5,6 +5,11 @@
     collective_flags(phases, phase, arrivals)        -> RunFlags     who reruns a collective
     abort_kind(error)                                -> AbortKind    how a failure reads
     abort_of(error, iteration, phase)                -> Abort        the master's abort record
+    announced(heartbeat, membership, rank, ...)      -> bool         open that rank's record?
+    usable_arrival(arrival, membership, rank, at)    -> bool         does it count here?
+    from_master(heartbeat, membership, at)           -> Heard        a worker's barrier: wait,
+                                                                     open the release, or abort
+    judge_release(release, membership)               -> ReleaseAction continue or abort
 
 The daemon (coordinator/machine/daemon.py) does every read and write; these take
 values and return values, so each rule is unit-tested without files,
@@ -30,7 +35,102 @@ from coordinator.errors import (
     WaitTimeout,
 )
 from coordinator.records.phases import Phase, spec
-from coordinator.records.records import Abort, AbortKind, Arrival, ArrivalStatus, Record
+from coordinator.records.records import (
+    Abort,
+    AbortKind,
+    Arrival,
+    ArrivalStatus,
+    Decision,
+    Heartbeat,
+    Record,
+    Release,
+    Session,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Membership:
+    """Who is in this session of the group, as the master's session record says."""
+
+    run_id: str
+    generation: int
+    session: str
+    rank: int
+    token: str
+    members: Mapping[int, str]
+    hosts: Mapping[int, str]
+
+    @classmethod
+    def of(cls, session: Session, *, rank: int, token: str,
+           hosts: Mapping[int, str]) -> Membership:
+        return cls(run_id=session.run_id, generation=session.generation,
+                   session=session.session, rank=rank, token=token,
+                   members={int(r): t for r, t in session.members.items()}, hosts=dict(hosts))
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+
+class Heard(str, enum.Enum):
+    """What the master's heartbeat tells a worker waiting at a barrier."""
+
+    NOTHING = "nothing"  # not (yet) this barrier's release, or not this master: wait
+    RELEASED = "released"  # it announces this barrier's release: open release.json
+    ABORTED = "aborted"  # it carries an abort: fail with it
+
+
+def from_master(hb: Heartbeat | None, m: Membership, at: tuple[int, int]) -> Heard:
+    """A worker's reading of the master's heartbeat at barrier `at` (iteration, phase).
+    An abort counts whatever its generation, once the heartbeat is this session's
+    master's (its token): a master that gave up says so there first."""
+    if hb is not None and hb.token == m.members[0] and hb.abort is not None:
+        return Heard.ABORTED
+    return Heard.RELEASED if announced(hb, m, 0, "released", at) else Heard.NOTHING
+
+
+def announced(hb: Heartbeat | None, m: Membership, rank: int, field: str,
+              at: tuple[int, int]) -> bool:
+    """Whether rank `rank`'s heartbeat says it published its record of barrier `at`
+    (`field`: "arrived" or "released"), in this run, generation and (a release)
+    session, from the member that holds the rank now (its token)."""
+    if hb is None or hb.token != m.members[rank]:
+        return False
+    if hb.run_id != m.run_id or hb.generation != m.generation:
+        return False
+    if field == "released" and hb.session != m.session:
+        return False
+    return bool(getattr(hb, field) == at)
+
+
+def current(record: Arrival | Release, m: Membership) -> bool:
+    """Whether a record belongs to this run, generation and session."""
+    return (record.run_id == m.run_id and record.generation == m.generation
+            and record.session == m.session)
+
+
+def usable_arrival(record: Arrival | None, m: Membership, rank: int,
+                   at: tuple[int, int]) -> bool:
+    """Whether an arrival read for rank `rank` counts at barrier `at`: this session's,
+    from the member holding the rank, for this barrier."""
+    return record is not None and current(record, m) and record.token == m.members[rank] \
+        and (record.iteration, record.phase) == at
+
+
+class ReleaseAction(str, enum.Enum):
+    IGNORE = "ignore"  # none, or another session's: wait on
+    CONTINUE = "continue"  # the master released the barrier
+    ABORT = "abort"  # the master aborted the phase
+
+
+def judge_release(record: Release | None, m: Membership) -> ReleaseAction:
+    """A worker's verdict on the release it read after the master announced it."""
+    if record is None or not current(record, m):
+        return ReleaseAction.IGNORE
+    if record.decision is Decision.ABORT and record.abort is not None:
+        return ReleaseAction.ABORT
+    return ReleaseAction.CONTINUE
 
 
 class StepAction(str, enum.Enum):

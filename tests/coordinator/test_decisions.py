@@ -15,17 +15,34 @@ from coordinator.errors import (
     WaitTimeout,
 )
 from coordinator.machine.decisions import (
+    Heard,
     MasterAction,
+    Membership,
+    ReleaseAction,
     RunFlags,
     StepAction,
     abort_kind,
+    announced,
     collective_flags,
+    current,
+    from_master,
     judge_arrivals,
+    judge_release,
     rerun_phases,
     step_action,
+    usable_arrival,
 )
 from coordinator.records.phases import Phase
-from coordinator.records.records import AbortKind, Arrival, ArrivalStatus
+from coordinator.records.records import (
+    Abort,
+    AbortKind,
+    Arrival,
+    ArrivalStatus,
+    Decision,
+    Heartbeat,
+    NodeState,
+    Release,
+)
 
 
 def arrival(rank: int, *, phase: Phase = Phase.READY_TO_TRAIN, done: tuple[int, ...] = (),
@@ -105,3 +122,88 @@ def test_a_release_asking_for_a_rerun_runs_a_journal_done_action_again() -> None
     for bad in ("1", [1, "2"], [99], [True]):
         with pytest.raises(MalformedRecordError, match="rerun is"):
             rerun_phases({0: {"rerun": bad}}, where)
+
+
+# -- the barrier's waits, as tables: a heartbeat or record read -> what the waiter does --
+
+M = Membership(run_id="r", generation=0, session="s", rank=1, token="t1",
+               members={0: "t0", 1: "t1", 2: "t2"}, hosts={})
+AT = (1, int(Phase.READY_TO_TRAIN))
+ABORT = Abort(kind=AbortKind.FAILED, reason="rank 2 failed", rank=2, iteration=1, phase=AT[1])
+
+
+def beat(rank: int = 0, **changes: object) -> Heartbeat:
+    fields: dict[str, object] = dict(
+        run_id="r", generation=0, rank=rank, token=f"t{rank}", host="h", pid=1, counter=1,
+        state=NodeState.RUNNING, iteration=1, phase=AT[1], waiting_for="", arrived=AT,
+        released=AT, session="s", resume_iteration=0, abort=None, error=None, wall_time=0.0)
+    fields.update(changes)
+    return Heartbeat(**fields)  # type: ignore[arg-type]
+
+
+FROM_MASTER = [  # the master's heartbeat -> what a worker at barrier AT does
+    (None, Heard.NOTHING),
+    (beat(), Heard.RELEASED),
+    (beat(released=(1, AT[1] - 1)), Heard.NOTHING),  # the barrier before
+    (beat(released=None), Heard.NOTHING),
+    (beat(session="older"), Heard.NOTHING),  # a release of another session
+    (beat(generation=1), Heard.NOTHING),
+    (beat(run_id="other"), Heard.NOTHING),
+    (beat(token="t9"), Heard.NOTHING),  # another daemon holds rank 0 now
+    (beat(abort=ABORT), Heard.ABORTED),
+    (beat(abort=ABORT, generation=1, released=None), Heard.ABORTED),  # gave up: any generation
+    (beat(abort=ABORT, token="t9"), Heard.NOTHING),  # not this session's master
+]
+
+
+@pytest.mark.parametrize(("hb", "heard"), FROM_MASTER)
+def test_a_worker_reads_the_masters_heartbeat_as_a_table(hb: Heartbeat | None,
+                                                         heard: Heard) -> None:
+    assert from_master(hb, M, AT) is heard
+
+
+ANNOUNCED = [  # rank 2's heartbeat -> whether the master opens its arrival at AT
+    (None, False),
+    (beat(2), True),
+    (beat(2, arrived=(1, AT[1] - 1)), False),
+    (beat(2, token="t1"), False),
+    (beat(2, generation=1), False),
+    (beat(2, session="older"), True),  # an arrival does not depend on the session
+]
+
+
+@pytest.mark.parametrize(("hb", "opens"), ANNOUNCED)
+def test_the_master_opens_an_arrival_only_once_its_rank_announced_it(
+        hb: Heartbeat | None, opens: bool) -> None:
+    assert announced(hb, M, 2, "arrived", AT) is opens
+
+
+def test_an_arrival_counts_only_for_this_session_its_rank_holder_and_barrier() -> None:
+    good = arrival(2)
+    assert usable_arrival(good, M, 2, AT)
+    assert not usable_arrival(None, M, 2, AT)
+    assert not usable_arrival(arrival(1), M, 2, AT)  # rank 1's token
+    assert not usable_arrival(arrival(2, phase=Phase.SYNC), M, 2, AT)
+    for change in ({"session": "older"}, {"generation": 1}, {"run_id": "other"}):
+        foreign = Arrival(**{**good.__dict__, **change})
+        assert not current(foreign, M) and not usable_arrival(foreign, M, 2, AT)
+
+
+def release(**changes: object) -> Release:
+    fields: dict[str, object] = dict(run_id="r", generation=0, session="s", iteration=1,
+                                     phase=AT[1], decision=Decision.CONTINUE, abort=None,
+                                     payload={})
+    fields.update(changes)
+    return Release(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("record", "action"), [
+    (None, ReleaseAction.IGNORE),
+    (release(), ReleaseAction.CONTINUE),
+    (release(decision=Decision.ABORT, abort=ABORT), ReleaseAction.ABORT),
+    (release(session="older"), ReleaseAction.IGNORE),
+    (release(generation=1, decision=Decision.ABORT, abort=ABORT), ReleaseAction.IGNORE),
+])
+def test_a_worker_judges_the_release_it_read_as_a_table(record: Release | None,
+                                                        action: ReleaseAction) -> None:
+    assert judge_release(record, M) is action

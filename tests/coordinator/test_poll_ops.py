@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.machine.barrier import Barrier, Membership
+from coordinator.machine.barrier import Barrier
+from coordinator.machine.decisions import Membership
 from coordinator.machine.liveness import HeartbeatPublisher, Monitor, PeerTracker
 from coordinator.machine.polling import Backoff, Clock
 from coordinator.machine.runtime import Runtime
