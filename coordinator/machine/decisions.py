@@ -10,6 +10,13 @@
     from_master(heartbeat, membership, at)           -> Heard        a worker's barrier: wait,
                                                                      open the release, or abort
     judge_release(release, membership)               -> ReleaseAction continue or abort
+    judge_liveness(heartbeat, seen)                  -> Liveness     only an advancing counter
+                                                                     proves a daemon alive
+    judge_gathering(missing, present, waited, quorum) -> GatherAction form the group, wait, or
+                                                                     refuse it (too few)
+    master_before_group(heartbeat, token, seen, ...) -> MasterNews   a worker waiting for its
+                                                                     session
+    session_is_ours(session, ...)                    -> bool         the session to join
 
 The daemon (coordinator/machine/daemon.py) does every read and write; these take
 values and return values, so each rule is unit-tested without files,
@@ -36,12 +43,14 @@ from coordinator.errors import (
 )
 from coordinator.records.phases import Phase, spec
 from coordinator.records.records import (
+    LIVE_STATES,
     Abort,
     AbortKind,
     Arrival,
     ArrivalStatus,
     Decision,
     Heartbeat,
+    NodeState,
     Record,
     Release,
     Session,
@@ -247,3 +256,97 @@ def abort_kind(error: BaseException) -> AbortKind:
     if isinstance(error, CoordinatorError):
         return AbortKind.FAILED
     return AbortKind.INTERNAL
+
+
+# -- forming the group (coordinator/machine/membership.py waits on these) --
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """A rank's heartbeat counter as a waiter last saw it change, and when."""
+
+    counter: int
+    at: float
+    token: str
+
+
+class Liveness(str, enum.Enum):
+    FIRST_SEEN = "first-seen"  # remember its counter: a dead daemon's files look alive
+    STALLED = "stalled"  # the counter seen before: not proven alive (yet)
+    ALIVE = "alive"  # the counter advanced: a live daemon
+
+
+def judge_liveness(hb: Heartbeat, seen: Seen | None) -> Liveness:
+    """Whether a heartbeat proves its daemon alive, against the one seen before.  A
+    claim and heartbeat left by a daemon that died look exactly like a live one:
+    only a counter seen advancing, under the same token, proves life."""
+    if seen is None or seen.token != hb.token:
+        return Liveness.FIRST_SEEN
+    return Liveness.STALLED if hb.counter == seen.counter else Liveness.ALIVE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Quorum:
+    """When the master may form a group without every rank (gather_members)."""
+
+    nodes: int  # ranks present, the master included
+    after_s: float  # from the start of the wait
+    rule: str  # what asks for it, for the error: "coordination.min_nodes=2"
+
+
+class GatherAction(str, enum.Enum):
+    WAIT = "wait"  # ranks are missing, and no quorum lets the group form without them
+    FORM = "form"  # every rank is in, or the quorum's time has passed with enough of them
+    TOO_FEW = "too-few"  # the quorum's time has passed with fewer ranks than it needs
+
+
+def judge_gathering(*, missing: int, present: int, waited_s: float,
+                    quorum: Quorum | None) -> GatherAction:
+    """The master's verdict while it gathers the ranks: `present` counts itself."""
+    if not missing:
+        return GatherAction.FORM
+    if quorum is not None and waited_s >= quorum.after_s:
+        return GatherAction.FORM if present >= quorum.nodes else GatherAction.TOO_FEW
+    return GatherAction.WAIT
+
+
+class MasterNews(str, enum.Enum):
+    """What the master's heartbeat tells a worker waiting for its session."""
+
+    WAIT = "wait"  # no session yet (or not this master's heartbeat)
+    SESSION = "session"  # it names a session: open session.json
+    COMPLETED_BEFORE = "completed-before"  # restarted on a complete run, it exited at once
+    COMPLETED = "completed"  # it completed the run without this rank
+    GAVE_UP = "gave-up"  # it stopped the run with an abort (a setting refused)
+    STOPPED = "stopped"  # it stopped before the group formed
+    SILENT = "silent"  # its counter has not advanced for a lease
+
+
+def master_before_group(hb: Heartbeat | None, master_token: str, seen: Seen, *, now: float,
+                        lease_s: float) -> tuple[MasterNews, Seen]:
+    """A worker's reading of the master's heartbeat while the group forms, and the
+    counter seen (its change restarts the lease)."""
+    if hb is not None and hb.token == master_token:
+        if hb.state is NodeState.FINISHED:
+            return (MasterNews.COMPLETED_BEFORE if hb.session is None
+                    else MasterNews.COMPLETED), seen
+        if hb.state not in LIVE_STATES:
+            return (MasterNews.GAVE_UP if hb.abort is not None else MasterNews.STOPPED), seen
+        if hb.counter != seen.counter:
+            seen = Seen(hb.counter, now, seen.token)
+    if now - seen.at > lease_s:
+        return MasterNews.SILENT, seen
+    if hb is None or hb.token != master_token or hb.session is None:
+        return MasterNews.WAIT, seen
+    return MasterNews.SESSION, seen
+
+
+def session_is_ours(session: Session | None, *, announced: str, run_id: str, generation: int,
+                    exclude: str | None, rank: int, token: str) -> bool:
+    """Whether the session read is the one the master announced, of this run and
+    generation, not the one this daemon left (`exclude`), naming this daemon (a
+    session naming another incarnation of the rank is an older group's: the master
+    notices this daemon and forms a new one)."""
+    return (session is not None and session.session == announced and session.run_id == run_id
+            and session.generation == generation and session.session != exclude
+            and session.token_of(rank) == token)

@@ -28,6 +28,7 @@ from coordinator.config.on_failure import policy
 from coordinator.config.run_config import CoordinationConfig
 from coordinator.errors import MalformedRecordError, PeerLostError, WaitTimeout
 from coordinator.machine import membership, regroup
+from coordinator.machine.decisions import Quorum
 from coordinator.machine.liveness import HeartbeatPublisher
 from coordinator.machine.polling import Backoff, Clock
 from coordinator.machine.runtime import Runtime
@@ -160,17 +161,17 @@ class GroupForming:
                     retry_s=self.coord.read_retry_s) is not None]
 
     def _quorum(self, *, after_failure: bool, admit: bool,
-                left: Session | None) -> membership.Quorum | None:
+                left: Session | None) -> Quorum | None:
         """Whether this group may form without every rank: after a failure with
         on_failure "shrink", once shrink_after_s passed; when a shrunk group takes
         back returning ranks, as soon as they have had the time to show a live
         heartbeat (whoever is not back by then waits for the next boundary)."""
         coord = self.coord
         if admit and left is not None:
-            return membership.Quorum(nodes=len(left.members), rule="the shrunk group",
+            return Quorum(nodes=len(left.members), rule="the shrunk group",
                                      after_s=coord.lease_s + 2 * coord.heartbeat_interval_s)
         if policy(coord.on_failure).shrinks and after_failure:
-            return membership.Quorum(nodes=coord.min_nodes, after_s=coord.shrink_after_s,
+            return Quorum(nodes=coord.min_nodes, after_s=coord.shrink_after_s,
                                      rule=f"coordination.min_nodes={coord.min_nodes}")
         return None
 

@@ -21,6 +21,17 @@ from coordinator.machine import netaddr
 from coordinator.machine.claims import claim_rank as claim_rank
 from coordinator.machine.claims import hostname as hostname
 from coordinator.machine.claims import release_claim as release_claim
+from coordinator.machine.decisions import (
+    GatherAction,
+    Liveness,
+    MasterNews,
+    Quorum,
+    Seen,
+    judge_gathering,
+    judge_liveness,
+    master_before_group,
+    session_is_ours,
+)
 from coordinator.machine.polling import Backoff, Clock, Wait
 from coordinator.records import layout
 from coordinator.records.records import (
@@ -36,13 +47,6 @@ from coordinator.records.records import (
 from coordinator.storage.store import Store, publish_record, read_record
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Progress:
-    counter: int = -1
-    changed_at: float = 0.0
-    token: str = ""
 
 
 def unfinished_master(store: Store, run_id: str, *, retry_s: float) -> Heartbeat | None:
@@ -175,7 +179,7 @@ def gather_members(
     clock = clock or Clock()
     claims: dict[int, Claim] = {}
     beats: dict[int, Heartbeat] = {0: own}
-    progress: dict[int, _Progress] = {}
+    seen: dict[int, Seen] = {}
     missing = list(range(1, num_nodes))
     started = clock.now()
 
@@ -187,25 +191,22 @@ def gather_members(
             if found is None:
                 continue
             claim, hb = found
-            # A claim and heartbeat left by a daemon that died look exactly
-            # like a live one: only a counter seen advancing proves life.
-            seen = progress.get(rank)
-            if seen is None or seen.token != hb.token:
-                progress[rank] = _Progress(hb.counter, now, hb.token)
-                continue
-            if hb.counter == seen.counter:
-                continue
-            claims[rank], beats[rank] = claim, hb
-            missing.remove(rank)
-        if missing and quorum is not None and now - started >= quorum.after_s:
-            if len(beats) < quorum.nodes:
-                raise PeerLostError(
-                    f"only {len(beats)} of {num_nodes} nodes are back after {quorum.after_s:g} s "
-                    f"(rank(s) {missing} missing) and {quorum.rule} needs {quorum.nodes}: "
-                    "restart the missing nodes with their original command (the run resumes "
-                    "where it stopped)", rank=missing[0])
-            return True
-        return True if not missing else None
+            liveness = judge_liveness(hb, seen.get(rank))
+            if liveness is Liveness.FIRST_SEEN:
+                seen[rank] = Seen(hb.counter, now, hb.token)
+            if liveness is Liveness.ALIVE:
+                claims[rank], beats[rank] = claim, hb
+                missing.remove(rank)
+        action = judge_gathering(missing=len(missing), present=len(beats),
+                                 waited_s=now - started, quorum=quorum)
+        if action is GatherAction.TOO_FEW:
+            assert quorum is not None
+            raise PeerLostError(
+                f"only {len(beats)} of {num_nodes} nodes are back after {quorum.after_s:g} s "
+                f"(rank(s) {missing} missing) and {quorum.rule} needs {quorum.nodes}: "
+                "restart the missing nodes with their original command (the run resumes "
+                "where it stopped)", rank=missing[0])
+        return True if action is GatherAction.FORM else None
 
     def describe() -> str:
         if describe_wait is not None:
@@ -216,15 +217,6 @@ def gather_members(
     Wait(deadline_s=join_timeout_s, backoff=backoff, progress_interval_s=progress_interval_s,
          describe=describe, clock=clock, check=check).until(probe)
     return claims, beats
-
-
-@dataclass(frozen=True, kw_only=True)
-class Quorum:
-    """When the master may form a group without every rank (gather_members)."""
-
-    nodes: int  # ranks present, the master included
-    after_s: float  # from the start of the wait
-    rule: str  # what asks for it, for the error: "coordination.min_nodes=2"
 
 
 def publish_session(store: Store, session: Session) -> None:
@@ -259,45 +251,46 @@ def wait_for_session(
     daemon left to regroup) is not ours: the master forms a new one.
     """
     clock = clock or Clock()
-    seen = _Progress(changed_at=clock.now(), token=master_token)
+    seen = [Seen(-1, clock.now(), master_token)]
 
     def probe() -> Session | None:
         hb = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
         now = clock.now()
-        if hb is not None and hb.token == master_token:
-            if hb.state is NodeState.FINISHED and hb.session is None:
-                # It finished without ever forming a group: restarted on a run its
-                # journal had completed (coordinator/machine/finished.py), it exited at once.
-                raise RunCompleted(
-                    f"run {run_id} was already complete: the master (pid {hb.pid} on "
-                    f"{hb.host}), started again, found every iteration done, so rank {rank} "
-                    "has nothing to do")
-            if hb.state is NodeState.FINISHED:
-                raise RunCompleted(
-                    f"the master (pid {hb.pid} on {hb.host}) completed run {run_id} without "
-                    f"rank {rank}: nothing is left for it to do")
-            if hb.state not in LIVE_STATES and hb.abort is not None:
-                # It formed the group and stopped the run before this rank read the
-                # session (a setting refused in phase 0): exit as its abort says.
-                raise master_gave_up(hb)
-            if hb.state not in LIVE_STATES:
-                raise PeerLostError(
-                    f"the master (pid {hb.pid} on {hb.host}) stopped before the group formed: "
-                    f"{hb.error or hb.state.value}", rank=0, host=hb.host)
-            if hb.counter != seen.counter:
-                seen.counter, seen.changed_at = hb.counter, now
-        if now - seen.changed_at > lease_s:
+        news, seen[0] = master_before_group(hb, master_token, seen[0], now=now, lease_s=lease_s)
+        if news is MasterNews.COMPLETED_BEFORE:
+            # It finished without ever forming a group: restarted on a run its
+            # journal had completed (coordinator/machine/finished.py), it exited at once.
+            assert hb is not None
+            raise RunCompleted(
+                f"run {run_id} was already complete: the master (pid {hb.pid} on "
+                f"{hb.host}), started again, found every iteration done, so rank {rank} "
+                "has nothing to do")
+        if news is MasterNews.COMPLETED:
+            assert hb is not None
+            raise RunCompleted(
+                f"the master (pid {hb.pid} on {hb.host}) completed run {run_id} without "
+                f"rank {rank}: nothing is left for it to do")
+        if news is MasterNews.GAVE_UP:
+            # It formed the group and stopped the run before this rank read the
+            # session (a setting refused in phase 0): exit as its abort says.
+            assert hb is not None
+            raise master_gave_up(hb)
+        if news is MasterNews.STOPPED:
+            assert hb is not None
             raise PeerLostError(
-                f"the master's heartbeat has not advanced for {now - seen.changed_at:.1f} s "
+                f"the master (pid {hb.pid} on {hb.host}) stopped before the group formed: "
+                f"{hb.error or hb.state.value}", rank=0, host=hb.host)
+        if news is MasterNews.SILENT:
+            raise PeerLostError(
+                f"the master's heartbeat has not advanced for {now - seen[0].at:.1f} s "
                 f"(lease {lease_s:g} s) while the group formed: is it still running?", rank=0)
-        if hb is None or hb.token != master_token or hb.session is None:
+        if news is not MasterNews.SESSION:
             return None
+        assert hb is not None and hb.session is not None
         session = read_record(store, layout.SESSION, Session, retry_s=retry_s)
-        if session is None or session.session != hb.session or session.run_id != run_id \
-                or session.generation != generation or session.session == exclude:
+        if not session_is_ours(session, announced=hb.session, run_id=run_id,
+                               generation=generation, exclude=exclude, rank=rank, token=token):
             return None
-        if session.token_of(rank) != token:
-            return None  # an older group: the master notices us and forms a new one
         return session
 
     return Wait(

@@ -15,11 +15,16 @@ from coordinator.errors import (
     WaitTimeout,
 )
 from coordinator.machine.decisions import (
+    GatherAction,
     Heard,
+    Liveness,
     MasterAction,
+    MasterNews,
     Membership,
+    Quorum,
     ReleaseAction,
     RunFlags,
+    Seen,
     StepAction,
     abort_kind,
     announced,
@@ -27,8 +32,12 @@ from coordinator.machine.decisions import (
     current,
     from_master,
     judge_arrivals,
+    judge_gathering,
+    judge_liveness,
     judge_release,
+    master_before_group,
     rerun_phases,
+    session_is_ours,
     step_action,
     usable_arrival,
 )
@@ -207,3 +216,69 @@ def release(**changes: object) -> Release:
 def test_a_worker_judges_the_release_it_read_as_a_table(record: Release | None,
                                                         action: ReleaseAction) -> None:
     assert judge_release(record, M) is action
+
+
+# -- forming the group, as tables --
+
+
+@pytest.mark.parametrize(("hb", "seen", "liveness"), [
+    (beat(2, counter=5), None, Liveness.FIRST_SEEN),
+    (beat(2, counter=5), Seen(5, 0.0, "t2"), Liveness.STALLED),  # a dead daemon's files
+    (beat(2, counter=6), Seen(5, 0.0, "t2"), Liveness.ALIVE),
+    (beat(2, counter=6, token="t9"), Seen(5, 0.0, "t2"), Liveness.FIRST_SEEN),  # restarted
+])
+def test_only_a_counter_seen_advancing_proves_a_daemon_alive(
+        hb: Heartbeat, seen: Seen | None, liveness: Liveness) -> None:
+    assert judge_liveness(hb, seen) is liveness
+
+
+SHRINK = Quorum(nodes=2, after_s=30.0, rule="coordination.min_nodes=2")
+
+
+@pytest.mark.parametrize(("missing", "present", "waited", "quorum", "action"), [
+    (0, 3, 0.0, None, GatherAction.FORM),
+    (1, 2, 1e9, None, GatherAction.WAIT),  # no quorum: every rank, up to the deadline
+    (1, 2, 29.0, SHRINK, GatherAction.WAIT),
+    (1, 2, 30.0, SHRINK, GatherAction.FORM),  # shrink: enough of them once its time passed
+    (2, 1, 30.0, SHRINK, GatherAction.TOO_FEW),
+    (0, 3, 0.0, SHRINK, GatherAction.FORM),
+])
+def test_the_master_forms_the_group_waits_or_refuses_as_a_table(
+        missing: int, present: int, waited: float, quorum: Quorum | None,
+        action: GatherAction) -> None:
+    assert judge_gathering(missing=missing, present=present, waited_s=waited,
+                           quorum=quorum) is action
+
+
+FRESH = Seen(2, 100.0, "t0")  # counter 2 seen at t = 100 s
+
+
+@pytest.mark.parametrize(("hb", "now", "news", "seen_at"), [
+    (None, 101.0, MasterNews.WAIT, 100.0),
+    (None, 116.0, MasterNews.SILENT, 100.0),  # no heartbeat for a lease (15 s)
+    (beat(session=None, counter=3), 116.0, MasterNews.WAIT, 116.0),  # it advanced: lease anew
+    (beat(counter=3), 101.0, MasterNews.SESSION, 101.0),
+    (beat(counter=2), 116.0, MasterNews.SILENT, 100.0),  # the counter seen: no advance
+    (beat(token="t9", counter=3), 101.0, MasterNews.WAIT, 100.0),  # not this master
+    (beat(state=NodeState.FINISHED, session=None), 101.0, MasterNews.COMPLETED_BEFORE, 100.0),
+    (beat(state=NodeState.FINISHED), 101.0, MasterNews.COMPLETED, 100.0),
+    (beat(state=NodeState.FAILED, abort=ABORT), 101.0, MasterNews.GAVE_UP, 100.0),
+    (beat(state=NodeState.FAILED, error="boom"), 101.0, MasterNews.STOPPED, 100.0),
+])
+def test_a_worker_reads_the_master_while_the_group_forms_as_a_table(
+        hb: Heartbeat | None, now: float, news: MasterNews, seen_at: float) -> None:
+    got, seen = master_before_group(hb, "t0", FRESH, now=now, lease_s=15.0)
+    assert (got, seen.at) == (news, seen_at)
+
+
+def test_a_worker_joins_only_the_announced_session_of_its_run_that_names_it() -> None:
+    from coordinator.records.records import Session
+
+    session = Session(run_id="r", generation=0, session="s2", start_iteration=0,
+                      end_iteration=2, members={"0": "t0", "1": "t1"})
+    ours = dict(announced="s2", run_id="r", generation=0, exclude=None, rank=1, token="t1")
+    assert session_is_ours(session, **ours)  # type: ignore[arg-type]
+    for change in ({"announced": "s3"}, {"run_id": "x"}, {"generation": 1},
+                   {"exclude": "s2"}, {"token": "t-older"}, {"rank": 2}):
+        assert not session_is_ours(session, **{**ours, **change})  # type: ignore[arg-type]
+    assert not session_is_ours(None, **ours)  # type: ignore[arg-type]
