@@ -17,6 +17,8 @@
     master_before_group(heartbeat, token, seen, ...) -> MasterNews   a worker waiting for its
                                                                      session
     session_is_ours(session, ...)                    -> bool         the session to join
+    judge_master(manifest, claim, heartbeat, ...)    -> MasterFound  a worker looking for a
+                                                                     live master
 
 The daemon (coordinator/machine/daemon.py) does every read and write; these take
 values and return values, so each rule is unit-tested without files,
@@ -48,8 +50,10 @@ from coordinator.records.records import (
     AbortKind,
     Arrival,
     ArrivalStatus,
+    Claim,
     Decision,
     Heartbeat,
+    Manifest,
     NodeState,
     Record,
     Release,
@@ -350,3 +354,32 @@ def session_is_ours(session: Session | None, *, announced: str, run_id: str, gen
     return (session is not None and session.session == announced and session.run_id == run_id
             and session.generation == generation and session.session != exclude
             and session.token_of(rank) == token)
+
+
+class MasterFound(str, enum.Enum):
+    """What a worker looking for its master (at start, or to rejoin) finds."""
+
+    NO_RUN = "no-run"  # no run manifest yet
+    GAVE_UP = "gave-up"  # the master it was with stopped for good (its heartbeat: failed)
+    UNREGISTERED = "unregistered"  # no current claim and heartbeat of rank 0
+    NOT_LIVE = "not-live"  # its last heartbeat says it stopped: it may be restarted
+    UNPROVEN = "unproven"  # a live-looking heartbeat, its counter not yet seen advancing
+    FOUND = "found"  # a live master of the current run and generation
+
+
+def judge_master(manifest: Manifest | None, claim: Claim | None, hb: Heartbeat | None, *,
+                 gave_up_token: str | None, seen: Seen | None) -> MasterFound:
+    """A worker's verdict on rank 0's records (`seen`: its heartbeat as first seen under
+    its token).  A master that stopped for good has released its claim: its failed
+    heartbeat is judged before the claim."""
+    if manifest is None:
+        return MasterFound.NO_RUN
+    if hb is not None and hb.token == gave_up_token and hb.state is NodeState.FAILED:
+        return MasterFound.GAVE_UP
+    if claim is None or hb is None or claim.run_id != manifest.run_id or \
+            hb.token != claim.token or claim.generation != manifest.generation:
+        return MasterFound.UNREGISTERED
+    if hb.state not in LIVE_STATES:
+        return MasterFound.NOT_LIVE
+    return MasterFound.FOUND if judge_liveness(hb, seen) is Liveness.ALIVE \
+        else MasterFound.UNPROVEN

@@ -24,11 +24,13 @@ from coordinator.machine.claims import release_claim as release_claim
 from coordinator.machine.decisions import (
     GatherAction,
     Liveness,
+    MasterFound,
     MasterNews,
     Quorum,
     Seen,
     judge_gathering,
     judge_liveness,
+    judge_master,
     master_before_group,
     session_is_ours,
 )
@@ -36,7 +38,6 @@ from coordinator.machine.polling import Backoff, Clock, Wait
 from coordinator.records import layout
 from coordinator.records.records import (
     JOINABLE_STATES,
-    LIVE_STATES,
     AbortKind,
     Claim,
     Heartbeat,
@@ -94,32 +95,38 @@ def wait_for_master(
     clock = clock or Clock()
     state = {"why": f"the master: no run manifest at {log_path}/run.json yet (start "
              "`coordinator run --master ...` with the same --log-path)"}
-    first: dict[str, int] = {}
+    seen: dict[str, Seen] = {}
 
     def probe() -> MasterInfo | None:
         manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=retry_s)
-        if manifest is None:
+        claim = hb = None
+        if manifest is not None:
+            claim = read_record(store, layout.claim(0), Claim, retry_s=retry_s)
+            hb = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
+        found = judge_master(manifest, claim, hb, gave_up_token=gave_up_token,
+                             seen=seen.get(hb.token) if hb is not None else None)
+        if found is MasterFound.FOUND:
+            assert manifest is not None and claim is not None
+            return MasterInfo(manifest=manifest, claim=claim)
+        if found is MasterFound.NO_RUN:
             return None
-        claim = read_record(store, layout.claim(0), Claim, retry_s=retry_s)
-        hb = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
-        # Before the claim: a master that stopped for good has released it.
-        if hb is not None and hb.token == gave_up_token and hb.state is NodeState.FAILED:
+        assert manifest is not None
+        if found is MasterFound.GAVE_UP:
+            assert hb is not None
             raise master_gave_up(hb)
-        if claim is None or hb is None or claim.run_id != manifest.run_id or \
-                hb.token != claim.token or claim.generation != manifest.generation:
+        if found is MasterFound.UNREGISTERED:
             state["why"] = (f"the master of run {manifest.run_id}: it has not registered yet "
                             f"(no current {log_path}/ranks/0/claim.json and heartbeat)")
             return None
-        if hb.state not in LIVE_STATES:
+        assert hb is not None
+        if found is MasterFound.NOT_LIVE:
             state["why"] = (f"the master of run {manifest.run_id}: its last heartbeat says "
                             f"{hb.state.value} (pid {hb.pid} on {hb.host}); restart it")
             return None
-        seen = first.setdefault(hb.token, hb.counter)
-        if hb.counter == seen:
-            state["why"] = (f"a heartbeat from the master of run {manifest.run_id} (pid "
-                            f"{hb.pid} on {hb.host}) to prove it is alive")
-            return None
-        return MasterInfo(manifest=manifest, claim=claim)
+        seen.setdefault(hb.token, Seen(hb.counter, clock.now(), hb.token))
+        state["why"] = (f"a heartbeat from the master of run {manifest.run_id} (pid "
+                        f"{hb.pid} on {hb.host}) to prove it is alive")
+        return None
 
     info = Wait(
         deadline_s=join_timeout_s, backoff=backoff, progress_interval_s=progress_interval_s,

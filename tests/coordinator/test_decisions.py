@@ -19,6 +19,7 @@ from coordinator.machine.decisions import (
     Heard,
     Liveness,
     MasterAction,
+    MasterFound,
     MasterNews,
     Membership,
     Quorum,
@@ -34,6 +35,7 @@ from coordinator.machine.decisions import (
     judge_arrivals,
     judge_gathering,
     judge_liveness,
+    judge_master,
     judge_release,
     master_before_group,
     rerun_phases,
@@ -282,3 +284,30 @@ def test_a_worker_joins_only_the_announced_session_of_its_run_that_names_it() ->
                    {"exclude": "s2"}, {"token": "t-older"}, {"rank": 2}):
         assert not session_is_ours(session, **{**ours, **change})  # type: ignore[arg-type]
     assert not session_is_ours(None, **ours)  # type: ignore[arg-type]
+
+
+def test_a_worker_looking_for_its_master_judges_rank_0s_records_as_a_table() -> None:
+    from coordinator.records.records import Claim, Manifest
+
+    run = Manifest(run_id="0123abcd", generation=0, num_nodes=3, weights=(1.0, 1.0, 1.0), config={},
+                   config_hash="h", created=0.0)
+    claim = Claim(run_id="0123abcd", generation=0, rank=0, token="t0", host="h", address="127.0.0.1",
+                  probe_port=None, pid=1, started=0.0)
+    first = Seen(1, 0.0, "t0")
+    table = [  # manifest, claim, heartbeat, the master left, seen -> verdict
+        (None, None, None, None, None, MasterFound.NO_RUN),
+        (run, None, None, None, None, MasterFound.UNREGISTERED),
+        (run, claim, beat(counter=1), None, None, MasterFound.UNPROVEN),  # first seen
+        (run, claim, beat(counter=1), None, first, MasterFound.UNPROVEN),  # no advance
+        (run, claim, beat(counter=2), None, first, MasterFound.FOUND),
+        (run, claim, beat(token="t9", counter=2), None, first, MasterFound.UNREGISTERED),
+        (run, Claim(**{**claim.__dict__, "generation": 1}), beat(counter=2), None, first,
+         MasterFound.UNREGISTERED),  # a claim of another generation
+        (run, claim, beat(state=NodeState.LEFT, counter=2), None, first, MasterFound.NOT_LIVE),
+        (run, claim, beat(state=NodeState.FAILED), None, first, MasterFound.NOT_LIVE),
+        (run, claim, beat(state=NodeState.FAILED), "t0", first, MasterFound.GAVE_UP),
+        (run, None, beat(state=NodeState.FAILED), "t0", None, MasterFound.GAVE_UP),  # released
+    ]
+    for manifest, c, hb, left, seen, verdict in table:
+        assert judge_master(manifest, c, hb, gave_up_token=left, seen=seen) is verdict, \
+            (c, hb, left, seen)
