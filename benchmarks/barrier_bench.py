@@ -58,11 +58,20 @@ def latencies(times: dict[int, list[list[float]]]) -> list[float]:
     return [max(r for _, r in v) - max(a for a, _ in v) for v in per.values()]
 
 
+def _wakeups() -> bool:
+    """coordination.wakeups from WAKEUPS=0/1 (default on): a TOML boolean, as the
+    strict config wants it (the string "true" is refused)."""
+    text = os.environ.get("WAKEUPS", "1").strip().lower()
+    if text not in ("0", "1", "true", "false"):
+        raise SystemExit(f"WAKEUPS={text!r}: give 1 (inotify wake-ups, the default) or 0")
+    return text in ("1", "true")
+
+
 def run_ours(n: int, iterations: int, work: Path, *, late_s: float = 0.0) -> dict:
     work.mkdir(parents=True)
     sleeps = f'"{n - 1}:0:1:{late_s}"' if late_s else ""
     config = scripted_config(work / "c.toml", iterations=iterations, sleeps=sleeps,
-                             wakeups=os.environ.get("WAKEUPS", "true"), join_timeout_s=600.0)
+                             wakeups=_wakeups(), join_timeout_s=600.0)
     stats = work / "stats"
     log_path = work / "run"
     run_daemons([log_path] * n, work, config,
