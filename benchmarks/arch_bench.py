@@ -45,7 +45,7 @@ KV_CACHE_BYTES = 1 << 30
 def build(out: Path, arch: str, size: str) -> dict[str, object]:
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "rl", "init-model", "--out", str(out), "--arch", arch,
+        [sys.executable, "-m", "coordinator_cli", "init-model", "--out", str(out), "--arch", arch,
          "--size", size], cwd=ROOT, capture_output=True, text=True, timeout=3600,
         env=dict(os.environ, HF_HUB_OFFLINE="1"))
     seconds = time.perf_counter() - started

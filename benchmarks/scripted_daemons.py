@@ -47,7 +47,7 @@ def run_daemons(where: Sequence[str | Path], work: Path, config: Path, *,
             if rank == 0 else ["--worker", str(rank)]
         with open(work / f"rank{rank}.log", "wb") as err:  # the child keeps its own copy
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rl", "run", "--log-path", str(path), *who],
+                [sys.executable, "-m", "coordinator_cli", "run", "--log-path", str(path), *who],
                 stdout=subprocess.DEVNULL, stderr=err,
                 env={**os.environ, **(envs[rank] if envs else {})}))
     codes = [p.wait(timeout=timeout_s) for p in procs]

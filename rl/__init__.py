@@ -4,7 +4,7 @@ Layers, bottom to top (tests/project/test_layers.py keeps the rule):
 coordinator/ (the protocol and phase machine) < rollout/ (engines, tasks,
 rewards, trajectories, aggregation) < trainer/ (GRPO under torchrun,
 checkpoints) < rl/ (this package: what each phase does, the RL config, the
-demo and the `coordinator` command line).  The phase machine finds this
+demo) < coordinator_cli/ (the `coordinator` command line).  The phase machine finds this
 package through the `coordinator.actions` entry point (`rl.actions:KIND`).
 
 Each phase's work is one function; the master's decision, where a phase has

@@ -211,7 +211,7 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
         who = ["--master", "--num-nodes", str(nodes), "--config", str(config),
                "--iterations", str(iterations), "--eval-interval", str(eval_interval),
                *extra_args] if rank == 0 else ["--worker", str(rank), *extra_args]
-        cmd = [sys.executable, "-m", "rl", "run", "--log-path", str(log_path), *who]
+        cmd = [sys.executable, "-m", "coordinator_cli", "run", "--log-path", str(log_path), *who]
         with open(logs / f"rank-{rank}.log", "wb") as out:
             own = {**env, **(node_env[rank] if node_env else {})}
             procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=own)

@@ -4,7 +4,7 @@ A verl user writes `actor_rollout_ref.rollout.n=8`, or `rollout.n = 8` under
 our [rollout]: `suggestions` maps both (verl's full key, and our section with
 verl's last name) to `rollout.group_size`, together with the other names a
 setting declares (`aliases`: `train.learning_rate`).  rl/config.py's
-"did you mean" reads it, and rl/config_doc.py prints the table.
+"did you mean" reads it, and coordinator_cli/config_doc.py prints the table.
 
 `ours` is a key, a flag of `coordinator run` ("--num-nodes"), or "" where we
 have no equivalent (the note says what we do instead).  tests/rl/test_config_doc.py

@@ -24,7 +24,7 @@ fi
 # the trainer, torchrun, the reports), compiled by importing it once; written
 # even where PYTHONDONTWRITEBYTECODE is set, as pip's own compile would be, or
 # each of the demo's dozen processes would compile torch again.
-IMPORTED_BY_THE_DEMO="rl.cli rl.actions rl.demo rl.reporting rollout.hf.server trainer.resident
+IMPORTED_BY_THE_DEMO="coordinator_cli.app rl.actions rl.demo rl.reporting rollout.hf.server trainer.resident
   trainer.warmstart torch.distributed.run torch.utils.tensorboard matplotlib.pyplot
   transformers.models.llama.modeling_llama"
 # shellcheck disable=SC2086  # one argument per module name

@@ -14,15 +14,15 @@ How to add a setting
        users of other frameworks type for it ("did you mean ...?"); `fix`
        replaces the generated advice of an out-of-bounds message.
     2. A rule that ties settings together goes in the section's `check()`.
-    3. Regenerate the reference: `python -m rl.config_doc > docs/CONFIG.md`
+    3. Regenerate the reference: `python -m coordinator_cli.config_doc > docs/CONFIG.md`
        (tests/rl/test_config_doc.py fails while it is stale or a setting lacks help).
 
 Everything else is derived from the declaration: the strict parse of a config
 file (`from_mapping`, `coerce`) and of `--set` text (`from_text`), the bounds
 check at construction with the value, the rule and the fix
 (`Section.__post_init__`), the flags and their defaults in `--help`
-(rl/cli_flags.py), docs/CONFIG.md (rl/config_doc.py) and the resolved TOML of
-`coordinator config` (rl/config_show.py).
+(coordinator_cli/flags.py), docs/CONFIG.md (coordinator_cli/config_doc.py) and the resolved TOML of
+`coordinator config` (coordinator_cli/config_show.py).
 """
 
 from __future__ import annotations

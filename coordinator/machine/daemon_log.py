@@ -7,7 +7,7 @@ daemon's children (engine, trainer).  Each record is appended on its own,
 without following a symlink (fsio.open_append), by every daemon that holds
 the rank in turn (a restart appends, after a line naming its process).  In a bucket it is a node-local
 file of the local root, sent as an object with the children's logs at every
-iteration's end and when the daemon exits (rl/reporting.py, rl/cli.py).
+iteration's end and when the daemon exits (rl/reporting.py, coordinator_cli/app.py).
 
 A write that fails (a full disk) stops the file and says so once on stderr,
 naming the file and the error; the daemon goes on, and its stderr keeps the

@@ -2,7 +2,7 @@
 
 A master whose command line or config is refused at start (a missing
 --config file, a mistyped key, a bad value, a placement error: any usage
-error once the run directory is usable, rl/cli.py `run`) exits 2 before
+error once the run directory is usable, coordinator_cli/app.py `run`) exits 2 before
 run.json exists or is resumed.  Workers started with only `--worker R
 --log-path P` would wait for it until coordination.join_timeout_s.  So:
 

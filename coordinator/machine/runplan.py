@@ -81,7 +81,7 @@ def make_plan(req: RunRequest) -> RunPlan:
         return _plan_worker(req)
     plan = _plan_master(req)
     # Accepted: a refusal of an earlier start no longer stands (coordinator/machine/refusal.py;
-    # a refused master publishes one from rl/cli.py).
+    # a refused master publishes one from coordinator_cli/app.py).
     refusal.clear(FsStore(req.log_path), req.log_path)
     return plan
 
@@ -90,7 +90,7 @@ def _plan_master(req: RunRequest) -> RunPlan:
     config = resolve_config(_raw_config(req))
     _check_bucket(req.log_path, config)
     num_nodes = req.num_nodes or 1
-    # The CLI checked the weights against the node count (rl/cli_args.py).
+    # The CLI checked the weights against the node count (coordinator_cli/args.py).
     weights = req.weights if req.weights is not None else tuple(1.0 for _ in range(num_nodes))
     placement = config.run.placement(num_nodes)  # UsageError before anything is written
     check_placement = kind(config.run.actions).check_placement

@@ -261,7 +261,7 @@ GATED_WORKER = (
     "        os.read(0, 1)\n"
     "    return alive\n"
     "claims.holder_alive = judged\n"
-    "from rl.cli import main\n"
+    "from coordinator_cli.app import main\n"
     "sys.argv = ['coordinator'] + sys.argv[1:]\n"
     "main()\n"
 )

@@ -27,7 +27,7 @@ TIMEOUT = 30  # per wait; a loaded 2-core box answers a probe in well under a se
 
 
 def doctor_command(log_path: Path, rank: int, *, timeout: float = TIMEOUT) -> list[str]:
-    base = [sys.executable, "-m", "rl", "doctor", "--log-path", str(log_path),
+    base = [sys.executable, "-m", "coordinator_cli", "doctor", "--log-path", str(log_path),
             "--timeout", str(timeout), "--need-gb", "0"]
     return [*base, "--master", "--num-nodes", "3"] if rank == 0 else [*base, "--worker",
                                                                        str(rank)]

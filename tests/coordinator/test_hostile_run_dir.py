@@ -100,7 +100,7 @@ def cli(*args: str, cwd: Path | None = None, umask: int | None = None,
         timeout: float = CLI_TIMEOUT_S) -> tuple[int, str, float]:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "rl", *args], capture_output=True, text=True,
+        [sys.executable, "-m", "coordinator_cli", *args], capture_output=True, text=True,
         timeout=timeout, cwd=cwd,
         preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
     return done.returncode, done.stdout + done.stderr, time.monotonic() - started
@@ -354,7 +354,7 @@ def test_under_umask_000_every_directory_is_0755_and_every_file_0644(
         who = ["--master", "--num-nodes", "2", "--config", str(config)] if rank == 0 else \
             ["--worker", "1"]
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "rl", "run", "--log-path", str(run), *who],
+            [sys.executable, "-m", "coordinator_cli", "run", "--log-path", str(run), *who],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=lambda: os.umask(0)))
     assert [p.wait(timeout=60) for p in procs] == [0, 0]
@@ -377,7 +377,7 @@ def test_run_json_never_carries_node_local_keys_and_workers_use_their_own(
         '[checkpoint]\nlocal_cache = "/etc"\n')
     run = tmp_path / "run"
     master = subprocess.Popen(
-        [sys.executable, "-m", "rl", "run", "--master", "--num-nodes", "2",
+        [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "2",
          "--config", str(config), "--log-path", str(run)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -59,7 +59,7 @@ def test_survivors_exit_naming_the_dead_rank_and_recover_resumes_the_run(
 
         # No --iteration: recover finds it from the journals and says which.
         recover = subprocess.run(
-            [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path)],
+            [sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(c.log_path)],
             capture_output=True, text=True, timeout=60)
         assert recover.returncode == 0, recover.stderr
         assert "recovering iteration 1: the lowest iteration a journal has not completed" \
@@ -122,7 +122,7 @@ def test_one_run_killed_in_three_more_phases_recovers_each_time_and_redoes_nothi
                 assert re.search(rf"rank {victim} \(host [^)]+\) lost at iteration {iteration} "
                                  rf"phase {phase} \(", c.output(rank)), c.output(rank)[-2000:]
             recover = subprocess.run(
-                [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path)],
+                [sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(c.log_path)],
                 capture_output=True, text=True, timeout=60)
             assert recover.returncode == 0, recover.stderr
             assert f"recovering iteration {iteration}:" in recover.stdout, recover.stdout
@@ -143,13 +143,13 @@ def test_recover_refuses_while_a_rank_still_heartbeats(tmp_path: Path) -> None:
         c.start_all()
         c.wait_until(lambda: c.at_phase(1, 0, 1, "running"), 60, "rank 1 in its rollout")
         out = subprocess.run(
-            [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path),
+            [sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(c.log_path),
              "--iteration", "0"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2
         assert "refusing to recover while daemons still heartbeat" in out.stderr
         assert "rank 0" in out.stderr and "rank 1" in out.stderr
         dry = subprocess.run(
-            [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path),
+            [sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(c.log_path),
              "--iteration", "0", "--force", "--dry-run"], capture_output=True, text=True,
             timeout=60)
         assert dry.returncode == 0 and "would remove" in dry.stdout

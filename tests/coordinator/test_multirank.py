@@ -158,7 +158,7 @@ def test_sigterm_makes_a_daemon_leave_and_peers_stop_without_waiting_for_the_lea
 
 
 def test_module_entry_point_prints_help() -> None:
-    out = subprocess.run([sys.executable, "-m", "rl", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "coordinator_cli", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "recover" in out.stdout and "status" in out.stdout
 
@@ -169,7 +169,7 @@ def test_status_shows_every_rank_what_it_waits_for_and_the_last_error(cluster) -
     c.wait_until(lambda: c.at_phase(2, 0, 1, "running"), 40, "rank 2 in its rollout")
 
     def status() -> dict:
-        out = subprocess.run([sys.executable, "-m", "rl", "status", "--log-path",
+        out = subprocess.run([sys.executable, "-m", "coordinator_cli", "status", "--log-path",
                               str(c.log_path), "--json"], capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 0, out.stderr
@@ -182,7 +182,7 @@ def test_status_shows_every_rank_what_it_waits_for_and_the_last_error(cluster) -
     assert [r["state"] for r in report["ranks"]] == ["waiting", "waiting", "running"]
     assert all(r["host"] and r["heartbeat_age_s"] < 3 for r in report["ranks"])
     assert report["ranks"][0]["address"] != "-"
-    table = subprocess.run([sys.executable, "-m", "rl", "status", "--log-path",
+    table = subprocess.run([sys.executable, "-m", "coordinator_cli", "status", "--log-path",
                             str(c.log_path)], capture_output=True, text=True, timeout=60).stdout
     assert "waiting for" in table and "rollout" in table
     c.kill(2)

@@ -30,7 +30,7 @@ RACE_TIMEOUT_S = 60.0  # the loser reads run.json and the claim: seconds at most
 # Imports done, say "ready", wait for the gate byte on stdin, then run the CLI.
 GATED = (
     "import os, sys\n"
-    "from rl.cli import main\n"
+    "from coordinator_cli.app import main\n"
     "import coordinator.machine.daemon, coordinator.machine.runplan, coordinator.machine.scripted\n"
     "os.write(1, b'ready\\n')\n"
     "os.read(0, 1)\n"

@@ -172,7 +172,7 @@ def test_recover_after_a_shrink_resumes_where_it_says_without_the_left_out_rank_
         assert sorted(session(c.log_path)["members"]) == ["0", "1"]
 
         recover = subprocess.run(
-            [sys.executable, "-m", "rl", "recover", "--log-path", str(c.log_path)],
+            [sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(c.log_path)],
             capture_output=True, text=True, timeout=60)
         assert recover.returncode == 0, recover.stderr
         assert f"recovering iteration {fails_at[0]}:" in recover.stdout, recover.stdout

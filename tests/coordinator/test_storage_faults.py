@@ -87,7 +87,7 @@ def _all_json_parses(run: Path) -> list[str]:
 def _recover_and_finish(c: LocalCluster) -> None:
     hbs = [c.heartbeat(r) for r in range(3)]
     iteration = min(hb["iteration"] for hb in hbs if hb is not None)
-    out = subprocess.run([sys.executable, "-m", "rl", "recover", "--log-path",
+    out = subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--log-path",
                           str(c.log_path), "--iteration", str(iteration)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

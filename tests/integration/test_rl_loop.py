@@ -160,7 +160,7 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
         (r, it, p, k) for r in range(3) for it in (0, 1) for p in range(14) for k in SpanKind}
     assert drawn.skipped == 0 and not drawn.recoveries
     for out in (tmp_path / "timeline.png", tmp_path / "timeline.html"):
-        done = subprocess.run([sys.executable, "-m", "rl", "timeline", "--log-path", str(run),
+        done = subprocess.run([sys.executable, "-m", "coordinator_cli", "timeline", "--log-path", str(run),
                                "--out", str(out)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert "3 ranks, 2 iterations, 0 recoveries" in done.stdout
@@ -206,7 +206,7 @@ def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
         time.sleep(1.0)
         assert not trainer_processes(c.log_path), "every node stopped its torchrun"
 
-        out = subprocess.run([sys.executable, "-m", "rl", "recover", "--log-path",
+        out = subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--log-path",
                               str(c.log_path), "--iteration", "1"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr

@@ -331,7 +331,7 @@ def stop_all_then_recover(c: LocalCluster, export_run: Path, killed: int, iterat
                           r"phase (\d+)", c.output(rank))
         assert found and int(found[1]) in phases, c.output(rank)[-2000:]
     print(f"\nrank {killed} killed: the others stopped in {time.monotonic() - killed_at:.1f} s")
-    done = subprocess.run([sys.executable, "-m", "rl", "recover", "--log-path",
+    done = subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--log-path",
                            str(c.mount_paths[0])],  # type: ignore[attr-defined]
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -36,7 +36,7 @@ def completed(run_dir: Path, ranks: int, iterations: int) -> bool:
 def recipe_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     config = write_config(tmp_path / "scripted.toml", iterations=3)
     return {**os.environ, "PYTHONUNBUFFERED": "1", "RUN_DIR": str(tmp_path / "run"),
-            "CONFIG": str(config), "COORDINATOR": f"{sys.executable} -m rl",
+            "CONFIG": str(config), "COORDINATOR": f"{sys.executable} -m coordinator_cli",
             "DOCTOR_TIMEOUT": "60", "RUN_ARGS": "", **extra}
 
 

@@ -1,4 +1,4 @@
-"""Packages are layers: coordinator < rollout < trainer < rl.
+"""Packages are layers: coordinator < rollout < trainer < rl < coordinator_cli.
 
 Every module's imports are read from its syntax tree, wherever they stand
 (top level, inside functions, `importlib.import_module` with a literal name),
@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = ("coordinator", "rollout", "trainer", "rl")
+LAYERS = ("coordinator", "rollout", "trainer", "rl", "coordinator_cli")
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

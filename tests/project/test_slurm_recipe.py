@@ -61,7 +61,7 @@ def submit(slurm: SlurmCluster, tmp_path: Path, run_dir: Path, name: str,
            "PYTHONUNBUFFERED": "1", "RUN_ARGS": f"--iterations {ITERATIONS} --eval-interval 0 "
                                                  "--no-eval-before-train " + args,
            "COORDINATOR": f"{sys.executable} {ROOT / 'tests/support/exit_recorder.py'} "
-                          f"{tmp_path / 'codes'} {sys.executable} -m rl"}
+                          f"{tmp_path / 'codes'} {sys.executable} -m coordinator_cli"}
     # As README says, with the output file named by the test; CONFIG is the
     # script's default, a path relative to the script's own directory.
     return slurm.sbatch(f"--output={tmp_path}/{name}-%j.out", str(SCRIPT), env=env, cwd=tmp_path)

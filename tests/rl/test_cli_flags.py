@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from coordinator.config.settings import iter_settings
 from coordinator.errors import UsageError
 from coordinator.machine.actions import resolve_config
-from rl.cli import app
-from rl.cli_flags import CONFIG_FLAGS, config_flags, overrides
+from coordinator_cli.app import app
+from coordinator_cli.flags import CONFIG_FLAGS, config_flags, overrides
 from rl.config import SECTION_CLASSES
 
 # The flags users know (README, launch recipes, scripts/run.sh): each must stay.

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from coordinator.errors import UsageError
-from rl.cli import app
+from coordinator_cli.app import app
 from rl.config import SECTION_CLASSES
 
 runner = CliRunner()
@@ -103,12 +103,12 @@ def test_unknown_config_keys_exit_2_naming_the_closest_setting(tmp_path) -> None
 
 def test_a_worker_beyond_the_masters_node_count_exits_2(tmp_path) -> None:
     master = subprocess.Popen(
-        [sys.executable, "-m", "rl", "run", "--master", "--num-nodes", "2",
+        [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "2",
          "--actions", "scripted", "--log-path", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "rl", "run", "--worker", "5", "--log-path",
+            [sys.executable, "-m", "coordinator_cli", "run", "--worker", "5", "--log-path",
              str(tmp_path)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2
         assert "--worker 5 is out of range: run" in out.stderr and "workers are 1..1" in out.stderr
@@ -121,7 +121,7 @@ def test_recover_rejects_a_negative_or_unreached_iteration(tmp_path) -> None:
     code, out = invoke("recover", "--log-path", str(tmp_path), "--iteration", "-1")
     assert code == 2 and "--iteration -1 is outside 0..999999" in out
     subprocess.run(
-        [sys.executable, "-m", "rl", "run", "--master", "--num-nodes", "1",
+        [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "1",
          "--actions", "scripted", "--iterations", "2", "--log-path", str(tmp_path)],
         check=True, capture_output=True, timeout=60)
     code, out = invoke("recover", "--log-path", str(tmp_path), "--iteration", "7")

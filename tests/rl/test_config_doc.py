@@ -12,15 +12,15 @@ from typer.testing import CliRunner
 from coordinator.config.settings import Section, iter_settings
 from coordinator.errors import UsageError
 from coordinator.machine.actions import resolve_config
-from rl import config_doc
-from rl.cli import app
-from rl.cli_flags import ALL_SECTIONS
+from coordinator_cli import config_doc
+from coordinator_cli.app import app
+from coordinator_cli.flags import ALL_SECTIONS
 from rl.verl_keys import VERL_KEYS
 
 
 def test_docs_config_md_is_what_the_declarations_generate() -> None:
     assert config_doc.DOC.read_text() == config_doc.render(), (
-        "docs/CONFIG.md is stale: run python -m rl.config_doc > docs/CONFIG.md")
+        "docs/CONFIG.md is stale: run python -m coordinator_cli.config_doc > docs/CONFIG.md")
 
 
 def test_every_setting_has_one_sentence_of_help_and_a_row_in_the_doc() -> None:

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from coordinator.config.run_config import load_file
 from coordinator.machine.actions import resolve_config
-from rl.cli import app
+from coordinator_cli.app import app
 
 if sys.version_info >= (3, 11):
     import tomllib

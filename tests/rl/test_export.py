@@ -24,9 +24,9 @@ from typer.testing import CliRunner
 from coordinator.machine.actions import StepContext, resolve_config
 from coordinator.machine.runtime import Runtime
 from coordinator.records.phases import Phase
+from coordinator_cli.app import app
 from rl import history, keep_best, layout
 from rl.actions import RlActions
-from rl.cli import app
 from rl.reporting import end_iteration
 from tests.integration.usage import coordinator
 from trainer.checkpoint import MANIFEST_NAME, publish_checkpoint, seal_directory, tmp_sibling

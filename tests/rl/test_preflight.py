@@ -357,7 +357,7 @@ def test_the_7b_recipe_passes_every_check_on_its_models_config_and_tokenizer_but
         qwen7b: tuple[Path, Path]) -> None:
     from transformers import AutoTokenizer
 
-    from rl.cli_args import parse_weights
+    from coordinator_cli.args import parse_weights
 
     model, data = qwen7b
     nodes, weights = recipe_nodes()

@@ -67,7 +67,7 @@ class LocalCluster:
         self.starts = 0
 
     def command(self, rank: int, log_path: Path | None = None) -> list[str]:
-        base = [sys.executable, "-m", "rl", "run",
+        base = [sys.executable, "-m", "coordinator_cli", "run",
                 "--log-path", str(log_path or self.log_path)]
         if rank == 0:
             return [*base, "--master", "--num-nodes", str(self.num_nodes), "--config",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rl.cli import app
+from coordinator_cli.app import app
 from trainer.architectures import Arch, create_model, preset
 from trainer.bpe import train_bpe
 

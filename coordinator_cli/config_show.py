@@ -27,8 +27,8 @@ from typing import Any
 from coordinator.config.run_config import deep_merge, load_file, to_plain
 from coordinator.config.settings import declared_fields
 from coordinator.machine.actions import resolve_config
-from rl import cli_flags
-from rl.cli_args import parse_set
+from coordinator_cli import flags as cli_flags
+from coordinator_cli.args import parse_set
 from rl.config import TINY_MODEL_DEFAULTS, uses_tiny_model
 
 

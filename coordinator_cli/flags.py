@@ -26,7 +26,7 @@ import typer
 from coordinator.config.run_config import to_plain
 from coordinator.config.settings import iter_settings
 from coordinator.machine.scripted import ScriptedConfig
-from rl.cli_args import parse_set, set_dotted
+from coordinator_cli.args import parse_set, set_dotted
 from rl.config import SECTION_CLASSES
 
 # Every section a `--set` key may name: the rl kind's, and the scripted kind's.

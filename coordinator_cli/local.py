@@ -1,6 +1,6 @@
 """The commands that work on this machine alone: `coordinator init-model` builds a
 model, `coordinator demo` runs the loop on simulated nodes of this machine
-(rl/cli.py registers them beside the commands that drive a run).
+(coordinator_cli/app.py registers them beside the commands that drive a run).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from coordinator.errors import UsageError
-from rl.cli_args import fail_usage, setup_logging
+from coordinator_cli.args import fail_usage, setup_logging
 from rl.layout import INITIAL_MODEL
 from trainer.architectures import WARMSTART_STEPS_BY_SIZE, Size
 from trainer.config import WARMSTART_STEPS

@@ -1,5 +1,5 @@
 """The `coordinator` command line: run, config, status, doctor, timeline, recover, export
-(and from rl/cli_local.py, init-model and demo).
+(and from coordinator_cli/local.py, init-model and demo).
 
 Every value is validated here, at the boundary, with a message that names the
 value, the rule and the fix; usage errors exit 2 (docs/PROTOCOL.md lists
@@ -17,8 +17,9 @@ from typing import Annotated, Any
 import typer
 
 from coordinator.errors import CoordinatorError, ExitCode, MalformedRecordError, UsageError
-from rl import cli_flags, cli_local, layout, node_local
-from rl.cli_args import (
+from coordinator_cli import flags as cli_flags
+from coordinator_cli import local as cli_local
+from coordinator_cli.args import (
     check_log_path,
     check_num_nodes,
     existing_run_dir,
@@ -28,7 +29,8 @@ from rl.cli_args import (
     resolve_rank,
     setup_logging,
 )
-from rl.cli_flags import with_config_flags
+from coordinator_cli.flags import with_config_flags
+from rl import layout, node_local
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Drive a multi-node LLM RL loop through a shared filesystem.")
@@ -58,7 +60,7 @@ RunDir = Annotated[str | None, typer.Option(
     "--log-path", help="The run directory on the shared filesystem (a path every node "
     "mounts), or its bucket URL (s3://, gs://, az://).")]
 
-# The options that set a config key come from rl/cli_flags.py (CONFIG_FLAGS);
+# The options that set a config key come from coordinator_cli/flags.py (CONFIG_FLAGS);
 # the others are declared here, as typer wants them.  The body validates them
 # and starts the daemon.
 @app.command()
@@ -165,7 +167,7 @@ def show_config(
 ) -> None:
     """Print the resolved configuration as TOML, each value with where it came from (default,
     file, --set, a flag); exit 2 on a setting `run` would refuse (docs/CONFIG.md lists them)."""
-    from rl import config_show
+    from coordinator_cli import config_show
 
     try:
         text = config_show.show(config, set_, flags or {})

@@ -1,0 +1,3 @@
+from coordinator_cli.app import main
+
+main()

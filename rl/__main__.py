@@ -1,3 +1,0 @@
-from rl.cli import main
-
-main()
