@@ -91,7 +91,7 @@ def real_loop(work: Path, *, k: int, iterations: int) -> tuple[list[dict], float
     for rank, extra in enumerate(commands):
         with open(work / f"real-k{k}-rank{rank}.log", "wb") as out:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "coordinator_cli", "run", "--log-path", str(run), *extra],
+                [sys.executable, "-m", "coordinator_cli", "run", "--run-dir", str(run), *extra],
                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                 env={**os.environ, "PYTHONPATH": str(ROOT)}))
     codes = [p.wait(timeout=3600) for p in procs]

@@ -73,14 +73,14 @@ def run_ours(n: int, iterations: int, work: Path, *, late_s: float = 0.0) -> dic
     config = scripted_config(work / "c.toml", iterations=iterations, sleeps=sleeps,
                              wakeups=_wakeups(), join_timeout_s=600.0)
     stats = work / "stats"
-    log_path = work / "run"
-    run_daemons([log_path] * n, work, config,
+    run_dir = work / "run"
+    run_daemons([run_dir] * n, work, config,
                 envs=[{"COORDINATOR_FS_STATS": str(stats)}] * n, timeout_s=900)
     times: dict[int, list[list[float]]] = {}
     for rank in range(n):
         rows = []
         for it in range(iterations):
-            t = json.loads((log_path / f"iterations/{it:06d}/timings/rank-{rank}.json").read_text())
+            t = json.loads((run_dir / f"iterations/{it:06d}/timings/rank-{rank}.json").read_text())
             for phase, v in t["phases"].items():
                 rows.append([it * 14 + int(phase), v["arrived_at"], v["released_at"]])
         times[rank] = rows

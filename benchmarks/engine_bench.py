@@ -87,7 +87,7 @@ def run_demo(work: Path, setting: str, nodes: int, iterations: int) -> dict[str,
     run = work / f"demo-{setting}"
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "coordinator_cli", "demo", "--log-path", str(run), "--nodes", str(nodes),
+        [sys.executable, "-m", "coordinator_cli", "demo", "--run-dir", str(run), "--nodes", str(nodes),
          "--iterations", str(iterations), "--eval-interval", "0",
          "--set", f"engine.weight_update={setting}"],
         capture_output=True, text=True, timeout=3600)

@@ -61,7 +61,7 @@ class Group:
             else ["--worker", str(rank)]
         with open(self.work / f"rank{rank}.log", "ab") as out:
             self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "coordinator_cli", "run", "--log-path", str(self.run), *who],
+                [sys.executable, "-m", "coordinator_cli", "run", "--run-dir", str(self.run), *who],
                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def heartbeat(self, rank: int) -> dict | None:
@@ -117,7 +117,7 @@ def trial(work: Path, mode: str, victim: int) -> float:
             for rank, proc in g.procs.items():
                 if rank != victim:
                     proc.wait(timeout=LEASE + 60)
-            subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(g.run),
+            subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--run-dir", str(g.run),
                             "--iteration", str(it)], check=True, capture_output=True, cwd=ROOT)
             for rank in range(3):
                 g.start(rank)

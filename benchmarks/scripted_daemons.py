@@ -40,14 +40,14 @@ def scripted_config(path: Path, *, iterations: int, sleeps: str = "",
 def run_daemons(where: Sequence[str | Path], work: Path, config: Path, *,
                 envs: Sequence[Mapping[str, str]] | None = None,
                 timeout_s: float = 600) -> None:
-    """One daemon per entry of `where` (its --log-path); SystemExit if any fails."""
+    """One daemon per entry of `where` (its --run-dir); SystemExit if any fails."""
     procs = []
     for rank, path in enumerate(where):
         who = ["--master", "--num-nodes", str(len(where)), "--config", str(config)] \
             if rank == 0 else ["--worker", str(rank)]
         with open(work / f"rank{rank}.log", "wb") as err:  # the child keeps its own copy
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "coordinator_cli", "run", "--log-path", str(path), *who],
+                [sys.executable, "-m", "coordinator_cli", "run", "--run-dir", str(path), *who],
                 stdout=subprocess.DEVNULL, stderr=err,
                 env={**os.environ, **(envs[rank] if envs else {})}))
     codes = [p.wait(timeout=timeout_s) for p in procs]

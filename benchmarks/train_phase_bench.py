@@ -56,7 +56,7 @@ def tree_bytes(path: Path) -> int:
 def run_demo(run: Path, iterations: int, resident: bool) -> dict[str, Any]:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "coordinator_cli", "demo", "--log-path", str(run), "--nodes", str(NODES),
+        [sys.executable, "-m", "coordinator_cli", "demo", "--run-dir", str(run), "--nodes", str(NODES),
          "--iterations", str(iterations), "--set", f"torchrun.resident={str(resident).lower()}",
          "--set", "checkpoint.keep=100"],
         capture_output=True, text=True, timeout=3600)

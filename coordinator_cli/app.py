@@ -20,13 +20,13 @@ from coordinator.errors import CoordinatorError, ExitCode, MalformedRecordError,
 from coordinator_cli import flags as cli_flags
 from coordinator_cli import local as cli_local
 from coordinator_cli.args import (
-    check_log_path,
     check_num_nodes,
+    check_run_dir,
     existing_run_dir,
     fail_usage,
-    log_path_arg,
     parse_weights,
     resolve_rank,
+    run_dir_arg,
     setup_logging,
 )
 from coordinator_cli.flags import with_config_flags
@@ -57,8 +57,9 @@ def report(exc: CoordinatorError) -> typer.Exit:
 # The run directory: one option, one help, for every command that takes a run
 # (demo makes its own, under runs/).
 RunDir = Annotated[str | None, typer.Option(
-    "--log-path", help="The run directory on the shared filesystem (a path every node "
-    "mounts), or its bucket URL (s3://, gs://, az://).")]
+    "--run-dir", "--log-path", help="The run directory on the shared filesystem (a path "
+    "every node mounts), or its bucket URL (s3://, gs://, az://); --log-path is the same "
+    "option, under the name the flag-file run.sh used.")]
 
 # The options that set a config key come from coordinator_cli/flags.py (CONFIG_FLAGS);
 # the others are declared here, as typer wants them.  The body validates them
@@ -66,7 +67,7 @@ RunDir = Annotated[str | None, typer.Option(
 @app.command()
 @with_config_flags
 def run(
-    log_path: RunDir = None,
+    run_dir: RunDir = None,
     master: Annotated[bool, typer.Option("--master", help="This node is rank 0.")] = False,
     worker: Annotated[int | None, typer.Option(help="This node is worker rank R (1..N-1).")] = None,
     num_nodes: Annotated[int | None, typer.Option(help="Number of nodes (master; workers read it).")] = None,
@@ -74,7 +75,7 @@ def run(
     config: Annotated[Path | None, typer.Option(help="TOML or YAML config file.")] = None,
     node_ip: Annotated[str | None, typer.Option(help="Address of this host to serve on (master: what workers use).")] = None,
     ifname: Annotated[str | None, typer.Option(help="Interface whose IPv4 address to serve on.")] = None,
-    new_run: Annotated[bool, typer.Option("--new-run", help="Archive an existing run in --log-path and start anew.")] = False,
+    new_run: Annotated[bool, typer.Option("--new-run", help="Archive an existing run in --run-dir and start anew.")] = False,
     set_: Annotated[list[str], typer.Option("--set", help="Any config key: section.key=value.")] = [],  # noqa: B006
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
     flags: dict[str, Any] | None = None,
@@ -90,9 +91,9 @@ def run(
     rank: int | None = None
     usable: Path | None = None  # the run directory, once proven usable
     try:
-        path = log_path_arg(log_path)
+        path = run_dir_arg(run_dir)
         rank = resolve_rank(master, worker)
-        check_log_path(path)
+        check_run_dir(path)
         # Every node by itself, before anything is written: an object-store mount is
         # refused here (exit 9), not by a master's traceback workers would wait on.
         check_run_directory(path)
@@ -112,11 +113,11 @@ def run(
         address = netaddr.choose_address(node_ip=node_ip, ifname=ifname)
         daemon_log.attach(path, rank, setup_logging(verbose, rank))  # ranks/<R>/logs/ too
         plan = make_plan(RunRequest(
-            log_path=path, rank=rank, num_nodes=num_nodes, weights=weights, config_file=config,
+            run_dir=path, rank=rank, num_nodes=num_nodes, weights=weights, config_file=config,
             overrides=overrides, new_run=new_run, address=address))
     except CoordinatorError as exc:
         if rank == 0 and usable is not None and isinstance(exc, UsageError):
-            # Workers started with only --worker R --log-path P would wait for this
+            # Workers started with only --worker R --run-dir P would wait for this
             # master until their join timeout: they exit 2 with its message instead.
             refusal.refuse(usable, str(exc))
         raise report(exc) from None
@@ -127,11 +128,11 @@ def run(
     # last daemon of the run on the node removes it.
     checkpoint = plan.config.sections.get("checkpoint", {})
     try:
-        if log_path is not None and routing.routed(path) is not None:
+        if run_dir is not None and routing.routed(path) is not None:
             from coordinator.storage import bucket_url, objstore
 
             # What was fetched from the bucket goes with the run.
-            node_local.hold(objstore.local_dir(bucket_url.parse(log_path)))
+            node_local.hold(objstore.local_dir(bucket_url.parse(run_dir)))
         node_local.adopt(plan.manifest.run_id, str(checkpoint.get("local_cache", "")))
     except CoordinatorError as exc:
         raise report(exc) from None
@@ -178,7 +179,7 @@ def show_config(
 
 @app.command()
 def status(
-    log_path: RunDir = None,
+    run_dir: RunDir = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     window: Annotated[float, typer.Option(help="Seconds to watch heartbeats advance (0: one read).")] = 0.0,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until every daemon has stopped.")] = False,
@@ -191,7 +192,7 @@ def status(
     from coordinator.storage import beneath
 
     try:
-        path = existing_run_dir(log_path)
+        path = existing_run_dir(run_dir)
         if not 0 <= window <= 600:
             raise UsageError(f"--window {window:g} is outside 0..600 seconds: give e.g. 3")
         if watch and not 0.1 <= interval <= 600:
@@ -219,7 +220,7 @@ def status(
 
 @app.command()
 def doctor(
-    log_path: RunDir = None,
+    run_dir: RunDir = None,
     master: Annotated[bool, typer.Option("--master", help="This node is the master (rank 0).")] = False,
     worker: Annotated[int | None, typer.Option(help="This node is worker rank R (1..N-1).")] = None,
     num_nodes: Annotated[int | None, typer.Option(help="Number of nodes (master).")] = None,
@@ -235,7 +236,7 @@ def doctor(
 
     setup_logging(False)
     try:
-        path = log_path_arg(log_path)
+        path = run_dir_arg(run_dir)
         rank = resolve_rank(master, worker)
         num_nodes = check_num_nodes(num_nodes)
         if rank == 0 and num_nodes is None:
@@ -244,10 +245,10 @@ def doctor(
             raise UsageError(f"--timeout {timeout:g} is outside 1..3600 seconds: give e.g. 60")
         if need_gb < 0:
             raise UsageError(f"--need-gb {need_gb:g} is negative: give the GiB a run needs")
-        check_log_path(path)
+        check_run_dir(path)
         beneath.confine(path)
         address = netaddr.choose_address(node_ip=node_ip, ifname=ifname) if rank == 0 else ""
-        ok = Doctor(log_path=path, rank=rank, num_nodes=num_nodes, timeout_s=timeout,
+        ok = Doctor(run_dir=path, rank=rank, num_nodes=num_nodes, timeout_s=timeout,
                     need_bytes=int(need_gb * 2**30), address=address, echo=typer.echo).run()
     except CoordinatorError as exc:
         raise report(exc) from None
@@ -257,7 +258,7 @@ def doctor(
 
 @app.command()
 def timeline(
-    log_path: RunDir = None,
+    run_dir: RunDir = None,
     out: Annotated[Path, typer.Option(help="Output file: .png or .html.")] = Path("timeline.html"),
 ) -> None:
     """Draw every rank's phases in every iteration (action and barrier wait), with recoveries."""
@@ -266,7 +267,7 @@ def timeline(
 
     setup_logging(False)
     try:
-        path = existing_run_dir(log_path)
+        path = existing_run_dir(run_dir)
         if out.suffix not in timeline_mod.FORMATS:
             raise UsageError(f"--out {out}: give a file ending in "
                              f"{' or '.join(timeline_mod.FORMATS)}")
@@ -283,7 +284,7 @@ def timeline(
 
 @app.command()
 def recover(
-    log_path: RunDir = None,
+    run_dir: RunDir = None,
     iteration: Annotated[int | None, typer.Option(help="The iteration that failed (default: found from the journals).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List, do not remove.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Proceed even if daemons still heartbeat.")] = False,
@@ -295,7 +296,7 @@ def recover(
 
     setup_logging(False)
     try:
-        path = existing_run_dir(log_path)
+        path = existing_run_dir(run_dir)
         beneath.confine(path)
         if iteration is None:
             iteration, why = recover_mod.failed_iteration(path)
@@ -310,7 +311,7 @@ def recover(
 
 @app.command()
 def export(
-    log_path: RunDir = None,
+    run_dir: RunDir = None,
     out: Annotated[Path | None, typer.Option(help="Directory to write the Hugging Face model to: new or empty (see --force).")] = None,
     iteration: Annotated[int | None, typer.Option(help="Export checkpoints/iter-N (default: the newest published checkpoint).")] = None,
     best: Annotated[str | None, typer.Option(help="Export the checkpoint best by this eval metric (as checkpoint.keep_best): eval/accuracy or eval/reward_mean (higher is better), eval/num_failed (lower), NAME:max or NAME:min.")] = None,
@@ -330,7 +331,7 @@ def export(
             raise UsageError("--out is required: the directory to write the model to, e.g. "
                              "--out ./exported")
         metric = parse_metric(best, what="--best") if best is not None else None
-        path = existing_run_dir(log_path)
+        path = existing_run_dir(run_dir)
         target = export_mod.check_out(out, force=force, run_dir=path)
         beneath.confine(path)
         chosen = export_mod.choose(path, iteration=iteration, best=metric)

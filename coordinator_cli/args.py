@@ -3,7 +3,7 @@
 Each function takes what the user typed and returns a checked value or raises
 `UsageError` with the value, the rule and the fix; the commands in cli.py turn
 that into exit code 2.  Nothing here touches the run directory except
-`check_log_path`, which only proves the directory can be written.
+`check_run_dir`, which only proves the directory can be written.
 """
 
 from __future__ import annotations
@@ -99,43 +99,43 @@ def resolve_rank(master: bool, worker: int | None) -> int:
     )
 
 
-def log_path_arg(text: str | None) -> Path:
-    """The --log-path as typed: required and never empty (an empty one would mean '.').
+def run_dir_arg(text: str | None) -> Path:
+    """The --run-dir as typed: required and never empty (an empty one would mean '.').
 
     A bucket URL (az://, s3://) is opened and checked here, and mounted at its
     node-local root (coordinator/storage/objstore.py), which the command then uses as the
     run directory's path: BucketError (exit 10) when it cannot be used.
     """
     if text is None:
-        raise UsageError("--log-path is required: the run directory on the shared filesystem "
-                         "that every node mounts, e.g. --log-path /shared/runs/exp1, or a "
-                         "bucket, e.g. --log-path az://runs/exp1")
+        raise UsageError("--run-dir is required: the run directory on the shared filesystem "
+                         "that every node mounts, e.g. --run-dir /shared/runs/exp1, or a "
+                         "bucket, e.g. --run-dir az://runs/exp1")
     if bucket_url.is_bucket_url(text):
         from coordinator.storage import objstore  # obstore is loaded only for a bucket
 
         return objstore.attach(text)
     if not text.strip():
         raise UsageError(
-            f"--log-path {text!r} is empty: give the run directory on the shared filesystem, "
-            "e.g. --log-path /shared/runs/exp1 (use --log-path . for the current directory)")
+            f"--run-dir {text!r} is empty: give the run directory on the shared filesystem, "
+            "e.g. --run-dir /shared/runs/exp1 (use --run-dir . for the current directory)")
     if "\0" in text:
-        raise UsageError("--log-path contains a NUL byte: give a plain directory path")
+        raise UsageError("--run-dir contains a NUL byte: give a plain directory path")
     return Path(text).expanduser().absolute()
 
 
 def existing_run_dir(text: str | None) -> Path:
-    """--log-path of a command that reads a run (status, recover): it must exist."""
-    path = log_path_arg(text)
+    """--run-dir of a command that reads a run (status, recover): it must exist."""
+    path = run_dir_arg(text)
     if not path.is_dir():
-        raise UsageError(f"--log-path {path} is not a directory: give the run directory")
+        raise UsageError(f"--run-dir {path} is not a directory: give the run directory")
     return path
 
 
-def check_log_path(path: Path) -> Path:
+def check_run_dir(path: Path) -> Path:
     """Make the run directory (mode 0755) and prove this user can write it."""
     if path.exists() and not path.is_dir():
         raise UsageError(
-            f"--log-path {path} is a file, not a directory: give a directory on the shared "
+            f"--run-dir {path} is a file, not a directory: give a directory on the shared "
             "filesystem that every node mounts"
         )
     try:
@@ -144,11 +144,11 @@ def check_log_path(path: Path) -> Path:
             pass
     except OSError as exc:
         raise UsageError(
-            f"--log-path {path} is not writable ({exc.strerror}): give a directory this user can "
+            f"--run-dir {path} is not writable ({exc.strerror}): give a directory this user can "
             "write on the shared filesystem"
         ) from None
     except Exception as exc:  # StorageError and the like: the same verdict, with its words
-        raise UsageError(f"--log-path {path} is not writable: {exc}") from None
+        raise UsageError(f"--run-dir {path} is not writable: {exc}") from None
     return path
 
 

@@ -42,7 +42,7 @@ came from, and exits 2 on a setting `coordinator run` would refuse.
   (`model.path` empty), the tiny model's own value comes first, marked *tiny*.
 - **set by**: *master* keys are the run's: the master records them in
   `run.json`, and a worker takes them from there (a worker that gives one must
-  give the master's value; workers need only `--worker R --log-path P`).
+  give the master's value; workers need only `--worker R --run-dir P`).
   *each node* keys are node-local (docs/PROTOCOL.md, node-local keys): every
   node reads them from its own `--config` and `--set`, never from `run.json`.
   *operational* keys may change when the run is restarted without changing the

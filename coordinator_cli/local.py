@@ -67,7 +67,7 @@ def init_model(
 
 
 def demo(
-    log_path: Annotated[Path | None, typer.Option(help="Run directory (default: runs/demo-<time>).")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="Run directory (default: runs/demo-<time>).")] = None,
     nodes: Annotated[int, typer.Option(help="Simulated nodes (daemons) on this machine.")] = 3,
     iterations: Annotated[int, typer.Option(help="RL iterations.")] = 8,
     eval_interval: Annotated[int, typer.Option(help="Evaluate every K-th iteration.")] = 2,
@@ -98,7 +98,7 @@ def demo(
         if not WARMSTART_STEPS_BY_SIZE[Size(size)]:
             raise fail_usage(f"--size {size} has {spec.parameters():,} parameters: the demo "
                              "trains on this machine's CPUs; give tiny or small")
-    path = (log_path or Path("runs") / f"demo-{_time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    path = (run_dir or Path("runs") / f"demo-{_time.strftime('%Y%m%d-%H%M%S')}").absolute()
     path.mkdir(parents=True, exist_ok=True)
     model = path / INITIAL_MODEL
     if not (model / "manifest.json").exists():
@@ -115,7 +115,7 @@ def demo(
         raise fail_usage(str(exc)) from None
     extra_args = [a for item in [*engine_items, *extra] for a in ("--set", item)]
     typer.echo(f"starting {nodes} nodes with the {engine} engine; run directory {path}")
-    result = demo_mod.run_demo(log_path=path, nodes=nodes, iterations=iterations,
+    result = demo_mod.run_demo(run_dir=path, nodes=nodes, iterations=iterations,
                                eval_interval=eval_interval, extra_args=extra_args,
                                node_env=node_env)
     typer.echo(demo_mod.render_table(result.rows))

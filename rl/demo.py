@@ -1,10 +1,10 @@
 """`coordinator demo`: the whole loop on simulated nodes of this machine.
 
 Starts N `coordinator run` daemons (master + workers) as separate processes
-sharing one log path, with the tiny local model, the built-in task and the
+sharing one run directory, with the tiny local model, the built-in task and the
 `hf` engine; shows each node's iteration and phase live; at the end prints a
 table per iteration (reward, eval accuracy, time per phase) and writes a
-reward curve PNG into the log path.
+reward curve PNG into the run directory.
 """
 
 from __future__ import annotations
@@ -89,14 +89,14 @@ class DemoResult:
         return all(c == 0 for c in self.codes.values())
 
 
-def iteration_rows(log_path: Path, iterations: int, num_nodes: int) -> list[dict[str, Any]]:
+def iteration_rows(run_dir: Path, iterations: int, num_nodes: int) -> list[dict[str, Any]]:
     """Reward, eval accuracy, samples trained and per-phase seconds (slowest rank)
     per iteration."""
     rows = []
-    for it, record in enumerate(history.records(log_path, iterations)):
+    for it, record in enumerate(history.records(run_dir, iterations)):
         phase_s: dict[int, float] = {}
         for rank in range(num_nodes):
-            t = history.read_json(log_path / layout.timings(it, rank)) or {}
+            t = history.read_json(run_dir / layout.timings(it, rank)) or {}
             for phase, v in t.get("phases", {}).items():
                 phase_s[int(phase)] = max(phase_s.get(int(phase), 0.0),
                                           float(v["action_s"]) + float(v["wait_s"]))
@@ -179,8 +179,8 @@ def plot_rewards(rows: list[dict[str, Any]], out: Path) -> Path | None:
     return out
 
 
-def node_line(log_path: Path, rank: int) -> str:
-    hb = history.read_json(log_path / layout.heartbeat(rank))
+def node_line(run_dir: Path, rank: int) -> str:
+    hb = history.read_json(run_dir / layout.heartbeat(rank))
     if hb is None:
         return f"node {rank}: starting"
     age = time.time() - float(hb.get("wall_time", 0))
@@ -192,15 +192,15 @@ def node_line(log_path: Path, rank: int) -> str:
     return text
 
 
-def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
+def run_demo(*, run_dir: Path, nodes: int, iterations: int, eval_interval: int,
              extra_args: list[str], node_env: list[dict[str, str]] | None = None,
              ) -> DemoResult:
     from rich.console import Console
     from rich.live import Live
 
-    log_path.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     config = demo_config()
-    logs = log_path / "demo-logs"
+    logs = run_dir / "demo-logs"
     logs.mkdir(exist_ok=True)
     procs: dict[int, subprocess.Popen[bytes]] = {}
     started = time.monotonic()
@@ -211,7 +211,7 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
         who = ["--master", "--num-nodes", str(nodes), "--config", str(config),
                "--iterations", str(iterations), "--eval-interval", str(eval_interval),
                *extra_args] if rank == 0 else ["--worker", str(rank), *extra_args]
-        cmd = [sys.executable, "-m", "coordinator_cli", "run", "--log-path", str(log_path), *who]
+        cmd = [sys.executable, "-m", "coordinator_cli", "run", "--run-dir", str(run_dir), *who]
         with open(logs / f"rank-{rank}.log", "wb") as out:
             own = {**env, **(node_env[rank] if node_env else {})}
             procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=own)
@@ -219,9 +219,9 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
     try:
         with Live(console=console, refresh_per_second=2, transient=False) as live:
             while any(p.poll() is None for p in procs.values()):
-                rows = iteration_rows(log_path, iterations, nodes)
+                rows = iteration_rows(run_dir, iterations, nodes)
                 done = [r for r in rows if r["reward_mean"] is not None]
-                lines = [node_line(log_path, r) for r in range(nodes)]
+                lines = [node_line(run_dir, r) for r in range(nodes)]
                 if done:
                     lines.append(f"last train reward: {done[-1]['reward_mean']:.3f} "
                                  f"(iteration {done[-1]['iteration']})")
@@ -233,8 +233,8 @@ def run_demo(*, log_path: Path, nodes: int, iterations: int, eval_interval: int,
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
     codes = {r: p.wait() for r, p in procs.items()}
-    rows = iteration_rows(log_path, iterations, nodes)
-    png = plot_rewards(rows, log_path / "reward-curve.png")
+    rows = iteration_rows(run_dir, iterations, nodes)
+    png = plot_rewards(rows, run_dir / "reward-curve.png")
     return DemoResult(codes=codes, rows=rows, png=png, seconds=time.monotonic() - started)
 
 

@@ -36,7 +36,7 @@ class ModelSection(Section):
 
     path: str = setting(
         "", "A local Hugging Face causal LM directory; '' builds the tiny demo model (with a "
-        "short supervised warm start) under <log-path>/model-init.", flag="--model")
+        "short supervised warm start) under <run-dir>/model-init.", flag="--model")
     init_seed: int = setting(0, "Weights seed of the tiny demo model.", ge=0)
     # 12-20% sampled accuracy: room for RL to double it.
     warmstart_steps: int = setting(

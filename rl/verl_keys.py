@@ -106,7 +106,7 @@ VERL_KEYS: Final = (
     VerlKey("trainer.project_name", "metrics.wandb_project"),
     VerlKey("trainer.logger", "metrics.tensorboard",
             "the console always; W&B when metrics.wandb_project is set"),
-    VerlKey("trainer.default_local_dir", "--log-path",
+    VerlKey("trainer.default_local_dir", "--run-dir",
             "checkpoints go to <run dir>/checkpoints/"),
     VerlKey("trainer.resume_mode", "", "a run always resumes when started "
             "again with the same settings (--new-run starts anew)"),

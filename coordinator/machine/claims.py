@@ -267,7 +267,7 @@ def _held(claim: Claim, holder: Claim, winner: Claim) -> RankHeldError:
                 f"on host {holder.host}) first")
     return RankHeldError(
         f"rank {claim.rank} of run {claim.run_id} {what}: stop that daemon first, or give "
-        "this one another rank or another --log-path",
+        "this one another rank or another --run-dir",
         rank=claim.rank, host=winner.host, pid=winner.pid,
     )
 

@@ -81,7 +81,7 @@ class Daemon:
         self.config = plan.config
         self.coord = plan.config.coordination
         fsio.set_read_retry(self.coord.read_retry_s)  # the actions' reads follow it too
-        self.store = FsStore(plan.log_path)
+        self.store = FsStore(plan.run_dir)
         self.clock = clock or Clock()
         self.token = secrets.token_hex(8)
         self.host = membership.hostname()
@@ -140,7 +140,7 @@ class Daemon:
     def _summary(self) -> str:
         recoveries = len(regroup.read_log(self.store, self.manifest.run_id,
                                           retry_s=self.coord.read_retry_s).recoveries)
-        return completed_run(kind(self.config.run.actions), self.plan.log_path, self.config,
+        return completed_run(kind(self.config.run.actions), self.plan.run_dir, self.config,
                              run_id=self.manifest.run_id, recoveries=recoveries,
                              last_phase=self.phases[-1])
 
@@ -301,7 +301,7 @@ class Daemon:
             raise RunCompleted(finished.master_message(run_id, self.config.run.iterations))
         self.group = GroupForming(
             store=self.store, manifest=self.manifest, coord=self.coord, rank=self.rank,
-            token=self.token, host=self.host, log_path=self.plan.log_path,
+            token=self.token, host=self.host, run_dir=self.plan.run_dir,
             phases=self.phases, iterations=self.config.run.iterations,
             heartbeat=self.heartbeat, runtime=self.runtime, backoff=self.backoff,
             clock=self.clock)
@@ -315,7 +315,7 @@ class Daemon:
         # master's; the master: the missing ranks'), so the inotify traffic a
         # worker sees does not grow with the node count.
         if self.coord.wakeups:
-            self.waker = Waker.for_run_dir(self.plan.log_path)
+            self.waker = Waker.for_run_dir(self.plan.run_dir)
             # A wait that polls only at the ceiling must still stop at once
             # when a peer is lost or a signal arrives.
             wake = self.waker.event
@@ -325,7 +325,7 @@ class Daemon:
     def _build_actions(self) -> None:
         self.actions = kind(self.config.run.actions).build(
             self.config, rank=self.rank, num_nodes=self.manifest.num_nodes,
-            run_dir=self.plan.log_path)
+            run_dir=self.plan.run_dir)
 
     def _close_actions(self) -> None:
         if self.actions is not None:
@@ -370,7 +370,7 @@ class Daemon:
         )
         assert self.actions is not None
         stepper = PhaseStepper(
-            rank=self.rank, host=self.host, run_dir=self.plan.log_path, actions=self.actions,
+            rank=self.rank, host=self.host, run_dir=self.plan.run_dir, actions=self.actions,
             barrier=self.barrier, heartbeat=self.heartbeat, runtime=self.runtime,
             journal=self.journal, timeouts=self.coord.phase_timeouts_s, phases=self.phases,
             context=self._context, monitor=self.monitor, lease_s=self.coord.lease_s,
@@ -399,7 +399,7 @@ class Daemon:
                  releases: dict[int, Mapping[str, Any]]) -> StepContext:
         return StepContext(
             rank=self.rank, num_nodes=self.manifest.num_nodes, iteration=iteration, phase=phase,
-            run_dir=self.plan.log_path, run_id=self.manifest.run_id, config=self.config,
+            run_dir=self.plan.run_dir, run_id=self.manifest.run_id, config=self.config,
             weights=self.manifest.rank_weights, host=self.host, address=self.address,
             runtime=self.runtime, releases=releases, timings=self.timings,
             members=None if len(self.membership.members) == self.manifest.num_nodes

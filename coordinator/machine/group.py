@@ -50,7 +50,7 @@ class GroupForming:
     rank: int
     token: str
     host: str
-    log_path: Path
+    run_dir: Path
     phases: Sequence[Phase]
     iterations: int
     heartbeat: HeartbeatPublisher
@@ -210,7 +210,7 @@ class GroupForming:
             if remaining <= 0:
                 raise regroup.rejoin_timeout("the group", self.coord.rejoin_timeout_s)
             info = membership.wait_for_master(
-                self.store, log_path=routing.display(self.log_path), join_timeout_s=remaining,
+                self.store, run_dir=routing.display(self.run_dir), join_timeout_s=remaining,
                 backoff=self.backoff, progress_interval_s=self.coord.progress_interval_s,
                 retry_s=self.coord.read_retry_s, probe_timeout_s=self.coord.probe_timeout_s,
                 clock=self.clock, check=self.runtime.check, gave_up_token=master_token)

@@ -78,7 +78,7 @@ class MasterInfo:
 
 
 def wait_for_master(
-    store: Store, *, log_path: str, join_timeout_s: float, backoff: Backoff,
+    store: Store, *, run_dir: str, join_timeout_s: float, backoff: Backoff,
     progress_interval_s: float, retry_s: float, probe_timeout_s: float,
     clock: Clock | None = None, check: Callable[[], None] | None = None,
     gave_up_token: str | None = None, note: Callable[[], str] | None = None,
@@ -93,8 +93,8 @@ def wait_for_master(
     last start, refused: coordinator/machine/refusal.py).
     """
     clock = clock or Clock()
-    state = {"why": f"the master: no run manifest at {log_path}/run.json yet (start "
-             "`coordinator run --master ...` with the same --log-path)"}
+    state = {"why": f"the master: no run manifest at {run_dir}/run.json yet (start "
+             "`coordinator run --master ...` with the same --run-dir)"}
     seen: dict[str, Seen] = {}
 
     def probe() -> MasterInfo | None:
@@ -116,7 +116,7 @@ def wait_for_master(
             raise master_gave_up(hb)
         if found is MasterFound.UNREGISTERED:
             state["why"] = (f"the master of run {manifest.run_id}: it has not registered yet "
-                            f"(no current {log_path}/ranks/0/claim.json and heartbeat)")
+                            f"(no current {run_dir}/ranks/0/claim.json and heartbeat)")
             return None
         assert hb is not None
         if found is MasterFound.NOT_LIVE:
@@ -219,7 +219,7 @@ def gather_members(
         if describe_wait is not None:
             return describe_wait(missing)
         return (f"rank(s) {missing} to join run {run_id} (start `coordinator run --worker R "
-                f"--log-path ...` on each node)")
+                f"--run-dir ...` on each node)")
 
     Wait(deadline_s=join_timeout_s, backoff=backoff, progress_interval_s=progress_interval_s,
          describe=describe, clock=clock, check=check).until(probe)

@@ -4,7 +4,7 @@ A master whose command line or config is refused at start (a missing
 --config file, a mistyped key, a bad value, a placement error: any usage
 error once the run directory is usable, coordinator_cli/app.py `run`) exits 2 before
 run.json exists or is resumed.  Workers started with only `--worker R
---log-path P` would wait for it until coordination.join_timeout_s.  So:
+--run-dir P` would wait for it until coordination.join_timeout_s.  So:
 
     master, refused    publishes master-refusal.json (a `Refusal`: a new token,
                        its host, pid, wall time and message), then exits 2
@@ -145,7 +145,7 @@ def refused_message(refusal: Refusal, *, now: float) -> str:
     return (f"the master (pid {refusal.pid} on {shown(refusal.host)}) refused its settings "
             f"{age(now - refusal.wall_time)}, so this run cannot start: "
             f"{shown(refusal.message)} -- fix the master's command line or config and start "
-            "every node again (workers need only --worker R --log-path P)")
+            "every node again (workers need only --worker R --run-dir P)")
 
 
 def earlier_note(refusal: Refusal, *, now: float) -> str:

@@ -1,6 +1,6 @@
 """From a validated command line to a `RunPlan`: which run, which config.
 
-The master resolves the run: a log path without `run.json` starts a new
+The master resolves the run: a run directory without `run.json` starts a new
 run; an existing run with the same experiment (config hash, node count,
 weights) is resumed; anything else is refused unless `--new-run` archives the
 old run first.  A worker waits for the master, then takes node count,
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 class RunPlan:
     """What this daemon was asked to do, after CLI validation and run resolution."""
 
-    log_path: Path
+    run_dir: Path
     rank: int
     manifest: Manifest
     config: RunConfig
@@ -61,7 +61,7 @@ class RunPlan:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunRequest:
-    log_path: Path
+    run_dir: Path
     rank: int
     num_nodes: int | None
     weights: Weights | None
@@ -82,13 +82,13 @@ def make_plan(req: RunRequest) -> RunPlan:
     plan = _plan_master(req)
     # Accepted: a refusal of an earlier start no longer stands (coordinator/machine/refusal.py;
     # a refused master publishes one from coordinator_cli/app.py).
-    refusal.clear(FsStore(req.log_path), req.log_path)
+    refusal.clear(FsStore(req.run_dir), req.run_dir)
     return plan
 
 
 def _plan_master(req: RunRequest) -> RunPlan:
     config = resolve_config(_raw_config(req))
-    _check_bucket(req.log_path, config)
+    _check_bucket(req.run_dir, config)
     num_nodes = req.num_nodes or 1
     # The CLI checked the weights against the node count (coordinator_cli/args.py).
     weights = req.weights if req.weights is not None else tuple(1.0 for _ in range(num_nodes))
@@ -112,10 +112,10 @@ def _plan_master(req: RunRequest) -> RunPlan:
         raise UsageError(
             f"coordination.min_nodes={config.coordination.min_nodes} is above --num-nodes "
             f"{num_nodes}: a shrunk group could never go on; give at most {num_nodes}")
-    store = FsStore(req.log_path)
+    store = FsStore(req.run_dir)
     existing = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if existing is not None and req.new_run:
-        _archive(req.log_path, existing, config)
+        _archive(req.run_dir, existing, config)
         existing = None
     republish = None
     if existing is None:
@@ -127,19 +127,19 @@ def _plan_master(req: RunRequest) -> RunPlan:
         # once on a fresh directory, one creates the run and the other finds
         # it and resumes it, and the rank-0 claim then lets only one of them run.
         if store.create_exclusive(layout.MANIFEST, fresh.to_bytes()):
-            log.info("new run %s in %s: %d node(s), weights %s", fresh.run_id, routing.display(req.log_path),
+            log.info("new run %s in %s: %d node(s), weights %s", fresh.run_id, routing.display(req.run_dir),
                      num_nodes, weights)
-            return RunPlan(log_path=req.log_path, rank=0, manifest=fresh, config=config,
+            return RunPlan(run_dir=req.run_dir, rank=0, manifest=fresh, config=config,
                            address=req.address)
         existing = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
         if existing is None:
             raise UsageError(
-                f"{routing.display(req.log_path)}/run.json appeared and vanished while this master started: is "
-                "another master starting or archiving in the same --log-path? Stop it first")
+                f"{routing.display(req.run_dir)}/run.json appeared and vanished while this master started: is "
+                "another master starting or archiving in the same --run-dir? Stop it first")
         log.info("another master created run %s in %s a moment ago: joining it",
-                 existing.run_id, routing.display(req.log_path))
+                 existing.run_id, routing.display(req.run_dir))
     manifest, republish = _resume(existing, config, num_nodes, weights, req)
-    return RunPlan(log_path=req.log_path, rank=0, manifest=manifest, config=config,
+    return RunPlan(run_dir=req.run_dir, rank=0, manifest=manifest, config=config,
                    address=req.address, republish=republish)
 
 
@@ -170,20 +170,20 @@ def _resume(existing: Manifest, config: RunConfig, num_nodes: int,
                        if not is_under(d.split(":", 1)[0], OPERATIONAL_KEYS))
     if changes:
         raise UsageError(
-            f"{routing.display(req.log_path)} holds run {existing.run_id} with a different setup "
+            f"{routing.display(req.run_dir)} holds run {existing.run_id} with a different setup "
             f"({'; '.join(changes[:5])}): restart with the original flags and config to resume "
-            "it, pass --new-run to archive it and start a new run, or use another --log-path"
+            "it, pass --new-run to archive it and start a new run, or use another --run-dir"
         )
     log.info("resuming run %s generation %d in %s", existing.run_id, existing.generation,
-             routing.display(req.log_path))
+             routing.display(req.run_dir))
     if existing.config != experiment:  # only operational keys differ
         updated = dataclasses.replace(existing, config=experiment)
         return updated, updated
     return existing, None
 
 
-def _archive(log_path: Path, old: Manifest, config: RunConfig) -> None:
-    report = collect(log_path, window_s=config.coordination.heartbeat_interval_s + 1.0)
+def _archive(run_dir: Path, old: Manifest, config: RunConfig) -> None:
+    report = collect(run_dir, window_s=config.coordination.heartbeat_interval_s + 1.0)
     live = report.live()
     if live:
         who = ", ".join(f"rank {r.rank} (pid {r.pid} on {r.host})" for r in live)
@@ -194,29 +194,29 @@ def _archive(log_path: Path, old: Manifest, config: RunConfig) -> None:
     # The run id was checked as hex when run.json was parsed: this stays a
     # child of archive/, and every move below is resolved beneath the run
     # directory without following a symlink.
-    target = log_path / layout.ARCHIVE / old.run_id
+    target = run_dir / layout.ARCHIVE / old.run_id
     for name in (layout.SESSION, layout.RANKS, layout.ITERATIONS, layout.CHECKPOINTS,
                  layout.MANIFEST):
         try:
-            fsio.rename(log_path / name, target / name)
+            fsio.rename(run_dir / name, target / name)
         except FileNotFoundError:
             continue
         except OSError as exc:
             raise UsageError(
-                f"--new-run could not move {log_path / name} to {target / name} "
+                f"--new-run could not move {run_dir / name} to {target / name} "
                 f"({exc.strerror}): move or remove it by hand, then start again") from None
     log.info("archived run %s to %s", old.run_id, target)
 
 
-def _check_bucket(log_path: Path, config: RunConfig) -> None:
+def _check_bucket(run_dir: Path, config: RunConfig) -> None:
     """Refuse, before anything is written, actions that cannot run in a bucket."""
     action_kind = kind(config.run.actions)
-    if routing.routed(log_path) is not None and not action_kind.runs_on_buckets:
+    if routing.routed(run_dir) is not None and not action_kind.runs_on_buckets:
         raise UsageError(
             f"run.actions={action_kind.name!r} cannot run in a bucket run directory "
-            f"({routing.display(log_path)}): the package that registers it does not declare "
+            f"({routing.display(run_dir)}): the package that registers it does not declare "
             "that every file its actions write goes through coordinator/fsio "
-            "(ActionKind.runs_on_buckets); give --log-path a directory on a shared POSIX "
+            "(ActionKind.runs_on_buckets); give --run-dir a directory on a shared POSIX "
             "filesystem (NFS, Lustre, GPFS)")
 
 
@@ -224,12 +224,12 @@ def _plan_worker(req: RunRequest) -> RunPlan:
     raw = _raw_config(req)
     # What this worker was given, checked as the master checks its own before the
     # wait: a mistyped key or a bad value exits 2 now, not once the master is up.
-    # A bare worker (--worker R --log-path P) has nothing to check, and resolving
+    # A bare worker (--worker R --run-dir P) has nothing to check, and resolving
     # would import the default action kind's package (seconds: torch) for nothing.
     if raw:
         resolve_config(raw)
     local = from_mapping(CoordinationConfig, raw.get("coordination", {}), "coordination")
-    store = FsStore(req.log_path)
+    store = FsStore(req.run_dir)
     # A master that refused its settings will not come: exit 2 with its message.
     refused = refusal.watch_worker(store)
     # A finished run's master may never come: exit 0 (RunCompleted) instead.
@@ -240,7 +240,7 @@ def _plan_worker(req: RunRequest) -> RunPlan:
         done()
 
     info = membership.wait_for_master(
-        store, log_path=routing.display(req.log_path), join_timeout_s=local.join_timeout_s,
+        store, run_dir=routing.display(req.run_dir), join_timeout_s=local.join_timeout_s,
         backoff=Backoff(initial_s=local.poll_initial_s, factor=local.poll_factor,
                         ceiling_s=local.poll_ceiling_s),
         progress_interval_s=local.progress_interval_s, retry_s=local.read_retry_s,
@@ -263,7 +263,7 @@ def _plan_worker(req: RunRequest) -> RunPlan:
             "drop the flag on workers or fix it on the master"
         )
     config = node_config(manifest.config, raw)
-    _check_bucket(req.log_path, config)
+    _check_bucket(req.run_dir, config)
     local_keys = config.node_local
     resolved = config.to_dict()
     diffs = []
@@ -279,10 +279,10 @@ def _plan_worker(req: RunRequest) -> RunPlan:
     if diffs:
         raise UsageError(
             f"this worker's settings disagree with the master's ({'; '.join(diffs[:5])}): "
-            "workers need only --worker R --log-path P; drop the extra settings or make them "
+            "workers need only --worker R --run-dir P; drop the extra settings or make them "
             "match the master's"
         )
-    return RunPlan(log_path=req.log_path, rank=req.rank, manifest=manifest, config=config,
+    return RunPlan(run_dir=req.run_dir, rank=req.rank, manifest=manifest, config=config,
                    address=req.address, master=info)
 
 

@@ -202,13 +202,13 @@ class ScriptedActions:
             runs = int(json.loads(fsio.read_bytes(out))["runs"])
         body = {"iteration": iteration, "phase": phase, "rank": self.rank, "runs": runs + 1}
         fsio.publish_bytes(out, json.dumps(body).encode())
-        log_path = self.run_dir / layout.rank_dir(self.rank) / "scripted-log.json"
+        log_file = self.run_dir / layout.rank_dir(self.rank) / "scripted-log.json"
         try:
-            entries = json.loads(fsio.read_bytes(log_path))
+            entries = json.loads(fsio.read_bytes(log_file))
         except (FileNotFoundError, ValueError):
             entries = []
         entries.append([iteration, phase])
-        fsio.publish_bytes(log_path, json.dumps(entries).encode())
+        fsio.publish_bytes(log_file, json.dumps(entries).encode())
 
     def decide(
         self, phase: Phase, ctx: StepContext, arrivals: Mapping[int, Arrival]

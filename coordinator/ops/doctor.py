@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 DIRECTORY: Final = "doctor"
 @dataclasses.dataclass(kw_only=True)
 class Doctor:
-    log_path: Path
+    run_dir: Path
     rank: int
     num_nodes: int | None  # the master's; a worker needs none
     timeout_s: float
@@ -76,22 +76,22 @@ class Doctor:
     nonce: str = dataclasses.field(default_factory=lambda: secrets.token_hex(8))
 
     def __post_init__(self) -> None:
-        self.dir = self.log_path / DIRECTORY
-        self.store = FsStore(self.log_path)
+        self.dir = self.run_dir / DIRECTORY
+        self.store = FsStore(self.run_dir)
         self.backoff = Backoff(initial_s=0.005, factor=1.5, ceiling_s=0.2)
 
     # -- both sides -------------------------------------------------------------
     def run(self) -> bool:
         """This node's part; True when the directory can carry a run."""
-        if routing.routed(self.log_path) is not None:
+        if routing.routed(self.run_dir) is not None:
             # A bucket (coordinator/storage/objstore.py): no mount, no free-space figure.
-            self.mount = f"{BUCKET} {routing.display(self.log_path)}"
+            self.mount = f"{BUCKET} {routing.display(self.run_dir)}"
             self.risks, self.free = [], 0
         else:
-            mount = mounts.mount_of(self.log_path, self.mountinfo)
+            mount = mounts.mount_of(self.run_dir, self.mountinfo)
             self.mount = mount.describe() if mount else "unknown (no /proc/self/mountinfo)"
             self.risks = mounts.risks(mount, num_nodes=self.num_nodes or 2) if mount else []
-            self.free = shutil.disk_usage(self.log_path).free
+            self.free = shutil.disk_usage(self.run_dir).free
         if self.rank == 0:
             return self._master()
         return self._worker()
@@ -143,7 +143,7 @@ class Doctor:
             self._publish_result(False, [
                 f"FAIL shared: rank(s) {missing} never appeared in {routing.display(self.dir)} within "
                 f"{self.timeout_s:g} s: those nodes do not see this node's directory (it is not "
-                "shared with them, or they cannot write it): check that --log-path is the "
+                "shared with them, or they cannot write it): check that --run-dir is the "
                 "same network mount on every node"])
             return False
         server = netaddr.ProbeServer(self.address)
@@ -163,7 +163,7 @@ class Doctor:
         finally:
             server.close()
             train.close()
-        lines, ok = judge(nodes, probed, log_path=self.log_path, address=self.address,
+        lines, ok = judge(nodes, probed, run_dir=self.run_dir, address=self.address,
                           need_bytes=self.need_bytes)
         self._publish_result(ok, lines, round_id)
         return ok
@@ -232,7 +232,7 @@ class Doctor:
         self._print(result)
 
     def _print(self, result: DoctorResult) -> None:
-        self.echo(f"doctor of {routing.display(self.log_path)} (rank {self.rank} on {self.host}):")
+        self.echo(f"doctor of {routing.display(self.run_dir)} (rank {self.rank} on {self.host}):")
         for line in result.lines:
             self.echo(f"  {line}")
         self.echo("verdict: " + ("the directory can carry a run" if result.ok else

@@ -99,12 +99,12 @@ class Probed:
 
 
 
-def judge(nodes: dict[int, DoctorNode], probed: Probed, *, log_path: Path, address: str,
+def judge(nodes: dict[int, DoctorNode], probed: Probed, *, run_dir: Path, address: str,
           need_bytes: int) -> tuple[list[str], bool]:
     """The verdict lines of a round and whether the directory can carry a run."""
     ok = not probed.failure
     lines = [f"{'OK  ' if ok else 'FAIL'} shared: {len(nodes)} node(s) see each other's "
-             f"files in {routing.display(log_path)}"
+             f"files in {routing.display(run_dir)}"
              + (f"; {probed.failure}" if probed.failure else "")]
     for kind in KINDS:
         for rank, values in sorted(probed.trips[kind].items()):

@@ -40,7 +40,7 @@ _RECORD = re.compile(r"^(arrive-\d+|release)\.json$")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecoveryPlan:
-    log_path: Path
+    run_dir: Path
     iteration: int
     generation: int
     remove: tuple[Path, ...]
@@ -69,14 +69,14 @@ def _furthest_iteration(store: FsStore, manifest: Manifest, limit: int) -> int:
     return min(furthest, limit)
 
 
-def failed_iteration(log_path: Path) -> tuple[int, str]:
+def failed_iteration(run_dir: Path) -> tuple[int, str]:
     """The iteration to recover when none is given, from the journals, and why: the
     lowest one a rank has not completed (ranks of the last session only, when the
     group had gone on without some: coordination.on_failure "shrink")."""
-    store = FsStore(log_path)
+    store = FsStore(run_dir)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if manifest is None:
-        raise UsageError(f"--log-path {routing.display(log_path)} holds no run (no run.json): nothing to recover")
+        raise UsageError(f"--run-dir {routing.display(run_dir)} holds no run (no run.json): nothing to recover")
     iterations = resolve_config(manifest.config).run.iterations
     session = read_record(store, layout.SESSION, Session, retry_s=2.0)
     ranks = [r for r in range(manifest.num_nodes)
@@ -96,17 +96,17 @@ def failed_iteration(log_path: Path) -> tuple[int, str]:
                     f"stopped in iteration {lowest}")
 
 
-def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None) -> RecoveryPlan:
+def plan(run_dir: Path, iteration: int, *, force: bool, window_s: float | None) -> RecoveryPlan:
     """What recovering `iteration` removes and keeps; raises before anything is removed."""
     if not 0 <= iteration < MAX_ITERATIONS:
         raise UsageError(
             f"--iteration {iteration} is outside 0..{MAX_ITERATIONS - 1}: give the iteration "
             "that failed, as shown by `coordinator status` (0 is the first)"
         )
-    store = FsStore(log_path)
+    store = FsStore(run_dir)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if manifest is None:
-        raise UsageError(f"--log-path {routing.display(log_path)} holds no run (no run.json): nothing to recover")
+        raise UsageError(f"--run-dir {routing.display(run_dir)} holds no run (no run.json): nothing to recover")
     config = resolve_config(manifest.config)
     furthest = _furthest_iteration(store, manifest, config.run.iterations)
     if iteration > max(furthest, 0):
@@ -114,7 +114,7 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None)
             f"--iteration {iteration} was never reached by run {manifest.run_id} (it got as far as "
             f"iteration {furthest}): give an iteration between 0 and {max(furthest, 0)}"
         )
-    live = _live_daemons(log_path, config.coordination.heartbeat_interval_s + 1.0
+    live = _live_daemons(run_dir, config.coordination.heartbeat_interval_s + 1.0
                          if window_s is None else window_s)
     if live and not force:
         raise UsageError(
@@ -122,16 +122,16 @@ def plan(log_path: Path, iteration: int, *, force: bool, window_s: float | None)
             "first (they exit by themselves within the lease once a peer is lost), or pass "
             "--force to fence them off"
         )
-    remove = _protocol_records(store, log_path, iteration, manifest.num_nodes)
-    outputs, kept = _unfinished_outputs(store, log_path, config, manifest, iteration,
+    remove = _protocol_records(store, run_dir, iteration, manifest.num_nodes)
+    outputs, kept = _unfinished_outputs(store, run_dir, config, manifest, iteration,
                                         max(furthest, iteration))
-    return RecoveryPlan(log_path=log_path, iteration=iteration,
+    return RecoveryPlan(run_dir=run_dir, iteration=iteration,
                         generation=manifest.generation + 1,
                         remove=tuple(dict.fromkeys(remove + outputs)), kept_outputs=kept,
                         live=live)
 
 
-def _live_daemons(log_path: Path, window_s: float) -> tuple[str, ...]:
+def _live_daemons(run_dir: Path, window_s: float) -> tuple[str, ...]:
     """Ranks whose heartbeat counter advanced over `window_s` on this host's clock."""
     if not 0 < window_s <= 600:
         # Liveness is only ever judged from heartbeat counters seen advancing
@@ -140,7 +140,7 @@ def _live_daemons(log_path: Path, window_s: float) -> tuple[str, ...]:
         raise UsageError(
             f"--window {window_s:g} must be above 0 (and at most 600) seconds: recover watches "
             "every heartbeat for that long to see which daemons still run, e.g. --window 3")
-    report = collect(log_path, window_s=window_s)
+    report = collect(run_dir, window_s=window_s)
     if report.problems:
         raise report.problems[0]
     return tuple(f"rank {r.rank} (pid {r.pid} on {r.host}, {r.state.value})"
@@ -176,14 +176,14 @@ def _protocol_records(store: FsStore, root: Path, iteration: int,
     return remove
 
 
-def _unfinished_outputs(store: FsStore, log_path: Path, config: RunConfig, manifest: Manifest,
+def _unfinished_outputs(store: FsStore, run_dir: Path, config: RunConfig, manifest: Manifest,
                         first: int, last: int) -> tuple[list[Path], int]:
     """Outputs of actions no journal marks complete (to remove), and how many are kept."""
     remove: list[Path] = []
     kept = 0
     for rank in range(manifest.num_nodes):
         actions = kind(config.run.actions).build(config, rank=rank, num_nodes=manifest.num_nodes,
-                                                 run_dir=log_path)
+                                                 run_dir=run_dir)
         journal = read_record(store, layout.journal(rank), Journal, retry_s=1.0)
         if journal is not None and journal.run_id != manifest.run_id:
             journal = None
@@ -202,12 +202,12 @@ def _unfinished_outputs(store: FsStore, log_path: Path, config: RunConfig, manif
 def apply(recovery: RecoveryPlan) -> None:
     """Remove what the plan lists (beneath the run directory, never through a
     symlink), then fence every earlier daemon with a new generation."""
-    store = FsStore(recovery.log_path)
+    store = FsStore(recovery.run_dir)
     for path in recovery.remove:
         fsio.remove_tree(path)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if manifest is None:
-        raise UsageError(f"{routing.display(recovery.log_path)}/run.json vanished during recovery: is another "
+        raise UsageError(f"{routing.display(recovery.run_dir)}/run.json vanished during recovery: is another "
                          "`coordinator recover` or `run --new-run` running?")
     bumped = dataclasses.replace(manifest, generation=recovery.generation)
     publish_record(store, layout.MANIFEST, bumped)
@@ -215,11 +215,11 @@ def apply(recovery: RecoveryPlan) -> None:
 
 def describe(recovery: RecoveryPlan, *, dry_run: bool) -> str:
     verb = "would remove" if dry_run else "removed"
-    lines = [f"recovery of {routing.display(recovery.log_path)} at iteration {recovery.iteration}:"]
+    lines = [f"recovery of {routing.display(recovery.run_dir)} at iteration {recovery.iteration}:"]
     if recovery.live:
         lines.append(f"  forced past live daemons: {', '.join(recovery.live)}")
     lines.append(f"  {verb} {len(recovery.remove)} file(s):")
-    lines.extend(f"    {p.relative_to(recovery.log_path)}" for p in recovery.remove)
+    lines.extend(f"    {p.relative_to(recovery.run_dir)}" for p in recovery.remove)
     lines.append(f"  kept {recovery.kept_outputs} completed output(s)")
     lines.append(f"  generation {'would become' if dry_run else 'is now'} {recovery.generation}")
     if not dry_run:

@@ -75,7 +75,7 @@ class RankView:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StatusReport:
-    log_path: Path
+    run_dir: Path
     manifest: Manifest | None
     session: Session | None
     ranks: tuple[RankView, ...]
@@ -93,14 +93,14 @@ class StatusReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "log_path": routing.display(self.log_path),
+            "run_dir": routing.display(self.run_dir),
             "run_id": self.manifest.run_id if self.manifest else None,
             "generation": self.manifest.generation if self.manifest else None,
             "num_nodes": self.manifest.num_nodes if self.manifest else None,
             "session": dataclasses.asdict(self.session) if self.session else None,
             "ranks": [
                 {**dataclasses.asdict(r), "state": r.state.value,
-                 "log": routing.display(daemon_log.path(self.log_path, r.rank))}
+                 "log": routing.display(daemon_log.path(self.run_dir, r.rank))}
                 for r in self.ranks
             ],
             "last_error": self.last_error,
@@ -125,16 +125,16 @@ class _Reader:
             return None
 
 
-def collect(log_path: Path, *, window_s: float = 0.0, lease_s: float | None = None,
+def collect(run_dir: Path, *, window_s: float = 0.0, lease_s: float | None = None,
             iterations: bool = False) -> StatusReport:
     """Every rank's state; a corrupt run.json raises (nothing can be shown without it).
     With `iterations`, also what each iteration did (iteration_rows)."""
-    store = FsStore(log_path)
+    store = FsStore(run_dir)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=0.5)
     _safe = _Reader(store)
     session: Session | None = _safe(layout.SESSION, Session)
     if manifest is None:
-        return StatusReport(log_path=log_path, manifest=None, session=None, ranks=(),
+        return StatusReport(run_dir=run_dir, manifest=None, session=None, ranks=(),
                             last_error=None, problems=tuple(_safe.problems.values()))
     lease = lease_s or float(manifest.config.get("coordination", {}).get("lease_s", 15.0))
     ranks = range(manifest.num_nodes)
@@ -171,14 +171,14 @@ def collect(log_path: Path, *, window_s: float = 0.0, lease_s: float | None = No
     last_error = _last_error(_safe, first, second)
     history: RecoveryLog | None = _safe(layout.RECOVERIES, RecoveryLog)
     recoveries = history.recoveries if history and history.run_id == manifest.run_id else ()
-    return StatusReport(log_path=log_path, manifest=manifest, session=session,
+    return StatusReport(run_dir=run_dir, manifest=manifest, session=session,
                         ranks=tuple(views), last_error=last_error,
                         problems=tuple(_safe.problems.values()), recoveries=recoveries,
-                        iterations=iteration_rows(log_path, manifest, recoveries)
+                        iterations=iteration_rows(run_dir, manifest, recoveries)
                         if iterations else ())
 
 
-def iteration_rows(log_path: Path, manifest: Manifest,
+def iteration_rows(run_dir: Path, manifest: Manifest,
                    recoveries: tuple[Recovery, ...]) -> tuple[dict[str, Any], ...]:
     """The action kind's row for each iteration it has metrics of, and for each
     iteration a recovery was made in, with that count under "recoveries"."""
@@ -190,7 +190,7 @@ def iteration_rows(log_path: Path, manifest: Manifest,
     except UsageError:  # an action kind this installation lacks: nothing to add
         report = None
     rows = {int(r["iteration"]): dict(r) for r in (
-        report(log_path, total) if report is not None and isinstance(total, int) else [])}
+        report(run_dir, total) if report is not None and isinstance(total, int) else [])}
     made = Counter(r.iteration for r in recoveries)
     for it in made:
         rows.setdefault(it, {"iteration": it})
@@ -238,10 +238,10 @@ def render(report: StatusReport) -> str:
     problems = [f"unreadable: {p}" for p in report.problems]
     if report.manifest is None:
         return "\n".join(plain(line).plain for line in [
-            f"no run in {routing.display(report.log_path)} (no run.json): nothing has started there yet",
+            f"no run in {routing.display(report.run_dir)} (no run.json): nothing has started there yet",
             *problems])
     m = report.manifest
-    title = f"run {m.run_id} generation {m.generation} in {routing.display(report.log_path)}"
+    title = f"run {m.run_id} generation {m.generation} in {routing.display(report.run_dir)}"
     if report.session:
         title += (f" - iterations {report.session.start_iteration}.."
                   f"{report.session.end_iteration - 1}")
@@ -263,7 +263,7 @@ def render(report: StatusReport) -> str:
         )))
     console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(table)
-    console.print(plain(f"each rank's log: {routing.display(report.log_path)}/ranks/<R>/logs/"
+    console.print(plain(f"each rank's log: {routing.display(report.run_dir)}/ranks/<R>/logs/"
                         f"{daemon_log.NAME} (its engine's and trainer's beside it)"))
     if report.iterations:
         console.print(_iterations_table(report.iterations))
@@ -312,7 +312,7 @@ def stopped(report: StatusReport) -> bool:
                     RankState.LOST) for r in report.ranks)
 
 
-def watch(log_path: Path, *, interval_s: float, terminal: bool,
+def watch(run_dir: Path, *, interval_s: float, terminal: bool,
           echo: Callable[[str], None]) -> StatusReport:
     """`status --watch`: the table again every `interval_s` (each refresh watches the
     heartbeats advance for that long), until every daemon has stopped.  On a
@@ -323,11 +323,11 @@ def watch(log_path: Path, *, interval_s: float, terminal: bool,
     from rich.text import Text
 
     def refresh() -> tuple[StatusReport, str]:
-        report = collect(log_path, window_s=interval_s, iterations=True)
+        report = collect(run_dir, window_s=interval_s, iterations=True)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         return report, f"{stamp} (refreshed every {interval_s:g} s)\n{render(report)}"
 
-    report = collect(log_path)
+    report = collect(run_dir)
     if not terminal:
         while not stopped(report):
             report, text = refresh()

@@ -106,12 +106,12 @@ def _spans(raw: bytes, path: Path, *, run_id: str, rank: int, iteration: int) ->
     return spans
 
 
-def load(log_path: Path) -> Timeline:
-    """Every rank's timing records of the run in `log_path`."""
-    store = FsStore(log_path)
+def load(run_dir: Path) -> Timeline:
+    """Every rank's timing records of the run in `run_dir`."""
+    store = FsStore(run_dir)
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if manifest is None:
-        raise UsageError(f"--log-path {routing.display(log_path)} holds no run (no run.json): nothing to draw")
+        raise UsageError(f"--run-dir {routing.display(run_dir)} holds no run (no run.json): nothing to draw")
     spans: list[Span] = []
     skipped = 0
     # A listing is a hint (PROTOCOL.md rule 4): enough for a picture drawn after the fact.
@@ -121,7 +121,7 @@ def load(log_path: Path) -> Timeline:
             continue
         iteration = check_iteration(number)
         for rank in range(manifest.num_nodes):
-            path = log_path / layout.timings(iteration, rank)
+            path = run_dir / layout.timings(iteration, rank)
 
             def parse(raw: bytes, where: Path, r: int = rank, i: int = iteration) -> list[Span]:
                 return _spans(raw, where, run_id=manifest.run_id, rank=r, iteration=i)
@@ -134,7 +134,7 @@ def load(log_path: Path) -> Timeline:
                 continue
             spans.extend(found or [])
     if not spans:
-        raise UsageError(f"run {manifest.run_id} in {routing.display(log_path)} has no timing records yet: each "
+        raise UsageError(f"run {manifest.run_id} in {routing.display(run_dir)} has no timing records yet: each "
                          "rank writes one when it completes an iteration")
     try:
         recoveries = read_log(store, manifest.run_id, retry_s=2.0).recoveries

@@ -1,6 +1,6 @@
 """A run directory in a bucket: its URL, its credentials, and how to keep them secret.
 
-`--log-path az://CONTAINER/PREFIX` or `s3://BUCKET/PREFIX` names a run directory
+`--run-dir az://CONTAINER/PREFIX` or `s3://BUCKET/PREFIX` names a run directory
 in Azure Blob Storage or S3 (or a server that speaks S3: MinIO, moto, Ceph).
 Credentials come from the environment, as each cloud's own tools take them:
 
@@ -70,31 +70,31 @@ def is_bucket_url(text: str) -> bool:
 
 
 def parse(text: str) -> BucketURL:
-    """The --log-path URL, or UsageError naming what is wrong and the form to use."""
+    """The --run-dir URL, or UsageError naming what is wrong and the form to use."""
     form = "az://CONTAINER/PREFIX or s3://BUCKET/PREFIX"
     scheme_text, _, rest = text.partition("://")
     try:
         scheme = Scheme(scheme_text.lower())
     except ValueError:
         raise UsageError(
-            f"--log-path {text!r}: {scheme_text}:// is not a run directory this version "
+            f"--run-dir {text!r}: {scheme_text}:// is not a run directory this version "
             f"takes: give {form}, or a directory on a shared POSIX filesystem") from None
     container, _, prefix = rest.partition("/")
     prefix = prefix.strip("/")
     if not _NAME[scheme].match(container):
         what = "container" if scheme is Scheme.AZURE else "bucket"
         raise UsageError(
-            f"--log-path {text!r}: {container!r} is not a valid {what} name (3-63 lowercase "
+            f"--run-dir {text!r}: {container!r} is not a valid {what} name (3-63 lowercase "
             f"letters, digits and hyphens): give {form}")
     parts = prefix.split("/") if prefix else []
     if not parts:
         raise UsageError(
-            f"--log-path {text!r} names no prefix: give the run its own prefix inside the "
+            f"--run-dir {text!r} names no prefix: give the run its own prefix inside the "
             f"{container!r}, e.g. {scheme.value}://{container}/runs/exp1")
     for part in parts:
         if part in (".", "..") or not _PREFIX_PART.match(part):
             raise UsageError(
-                f"--log-path {text!r}: prefix part {part!r} is not allowed (letters, digits "
+                f"--run-dir {text!r}: prefix part {part!r} is not allowed (letters, digits "
                 f"and ._=@+- only, no '.' or '..'): e.g. {scheme.value}://{container}/runs/exp1")
     return BucketURL(scheme, container, "/".join(parts))
 

@@ -101,7 +101,7 @@ class ObjectStore:
                 self._store = S3Store(url.container, prefix=url.prefix, client_options=client,
                                       retry_config=RETRY, **config)
         except BaseError as exc:
-            raise BucketError(f"--log-path {url}: {self._words(exc)}: {_fix(url)}") from None
+            raise BucketError(f"--run-dir {url}: {self._words(exc)}: {_fix(url)}") from None
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url})"
@@ -122,7 +122,7 @@ class ObjectStore:
             what = "container" if self.url.scheme is Scheme.AZURE else "bucket"
             return BucketError(
                 f"{self.url}: the {what} {self.url.container!r} does not exist: create it "
-                f"(coordinator never creates one), or fix --log-path")
+                f"(coordinator never creates one), or fix --run-dir")
         return OSError(errno.EIO, f"{self.url}/{key}".rstrip("/") + f": {self._words(exc)}")
 
     def _call(self, verb: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -154,7 +154,7 @@ class ObjectStore:
             self._call("list", "", obstore.list_with_delimiter, None)
         except OSError as exc:
             raise BucketError(
-                f"--log-path {self.url}: the server cannot be reached ({exc.strerror}): check "
+                f"--run-dir {self.url}: the server cannot be reached ({exc.strerror}): check "
                 "the network and the endpoint (AZURE_STORAGE_ENDPOINT or the connection "
                 "string's BlobEndpoint; AWS_ENDPOINT_URL)") from None
 
@@ -284,7 +284,7 @@ def local_dir(url: BucketURL) -> PrivateDir:
 
 
 def attach(text: str, env: Mapping[str, str] | None = None) -> Path:
-    """Open the bucket of a `--log-path` URL, check it can be used, and mount it at its
+    """Open the bucket of a `--run-dir` URL, check it can be used, and mount it at its
     local root (routing.mount); the root, which stands for the run directory from here on.
     The processes this one starts inherit the mount through the environment
     (`attach_from_env`)."""

@@ -38,12 +38,12 @@ def check_run_directory(path: Path, *, mountinfo: str | None = None) -> None:
         for risk in mounts.risks(mount, num_nodes=2):
             if risk.level is mounts.Level.FAIL:
                 raise UnsuitableStorageError(
-                    f"--log-path {path} is on {where}: {risk.what}; the protocol publishes "
+                    f"--run-dir {path} is on {where}: {risk.what}; the protocol publishes "
                     f"every file by an atomic rename: {FIX}", path=path)
     problem = _link_problem(path)
     if problem is not None:
         raise UnsuitableStorageError(
-            f"--log-path {path} is on {where}, where {problem}; the protocol creates run.json "
+            f"--run-dir {path} is on {where}, where {problem}; the protocol creates run.json "
             f"and every claim with link(2), which must fail with EEXIST and nothing else: {FIX}",
             path=path)
 

@@ -38,9 +38,9 @@ class BucketCluster(LocalCluster):
         super().__init__(Path(bucket.url), work, **kwargs)
         self.bucket = bucket
 
-    def command(self, rank: int, log_path: Path | None = None) -> list[str]:
-        cmd = super().command(rank, log_path)
-        cmd[cmd.index("--log-path") + 1] = self.bucket.url
+    def command(self, rank: int, run_dir: Path | None = None) -> list[str]:
+        cmd = super().command(rank, run_dir)
+        cmd[cmd.index("--run-dir") + 1] = self.bucket.url
         return cmd
 
     def start(self, rank: int, command: list[str] | None = None,
@@ -54,7 +54,7 @@ class BucketCluster(LocalCluster):
 
 
 def cli(bucket: Bucket, tmp: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coordinator_cli", *args, "--log-path", bucket.url],
+    return subprocess.run([sys.executable, "-m", "coordinator_cli", *args, "--run-dir", bucket.url],
                           capture_output=True, text=True, timeout=timeout, cwd=tmp,
                           env=bucket.node_env(tmp, "cli"))
 
@@ -124,7 +124,7 @@ def test_three_ranks_run_every_phase_through_the_bucket_and_the_tools_read_it(
     assert status.returncode == 7, status.stdout + status.stderr
     assert f"{bucket.url}/run.json" in status.stderr
     worker = subprocess.run(
-        [sys.executable, "-m", "coordinator_cli", "run", "--log-path", bucket.url, "--worker", "1"],
+        [sys.executable, "-m", "coordinator_cli", "run", "--run-dir", bucket.url, "--worker", "1"],
         capture_output=True, text=True, timeout=60, env=bucket.node_env(tmp_path, "w"))
     assert worker.returncode == 7, worker.stdout + worker.stderr
     assert "run.json" in worker.stderr and "Traceback" not in worker.stderr
@@ -199,7 +199,7 @@ def test_credentials_a_missing_container_and_no_server_exit_10_at_start(
     for bucket, why in cases:
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "coordinator_cli", "run", "--log-path", bucket.url, "--master",
+            [sys.executable, "-m", "coordinator_cli", "run", "--run-dir", bucket.url, "--master",
              "--num-nodes", "2"], capture_output=True, text=True, timeout=120,
             env=bucket.node_env(tmp_path, "m"))
         assert done.returncode == 10, (why, done.stdout + done.stderr)
@@ -223,7 +223,7 @@ def test_an_action_kind_not_declared_for_buckets_is_refused_before_anything_is_w
     config.write_text(config.read_text().replace('actions = "scripted"', 'actions = "plain"'))
     done = subprocess.run(
         [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "2", "--config",
-         str(config), "--log-path", bucket.url], capture_output=True, text=True, timeout=120,
+         str(config), "--run-dir", bucket.url], capture_output=True, text=True, timeout=120,
         env=env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"run.actions='plain' cannot run in a bucket run directory ({bucket.url})" \
@@ -242,7 +242,7 @@ def test_doctor_checks_a_bucket_as_it_checks_a_directory(server: Server, tmp_pat
     for rank in range(3):
         who = ["--master", "--num-nodes", "3"] if rank == 0 else ["--worker", str(rank)]
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "coordinator_cli", "doctor", "--log-path", bucket.url, "--timeout", "60",
+            [sys.executable, "-m", "coordinator_cli", "doctor", "--run-dir", bucket.url, "--timeout", "60",
              *who], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=bucket.node_env(tmp_path, str(rank))))
     outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -283,7 +283,7 @@ def test_another_local_user_cannot_make_a_bucket_run_fill_or_empty_their_symlink
         config = write_config(tmp_path / "c.toml", iterations=1)
         done = subprocess.run(
             [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "1", "--config",
-             str(config), "--log-path", bucket.url], capture_output=True, text=True,
+             str(config), "--run-dir", bucket.url], capture_output=True, text=True,
             timeout=RUN_TIMEOUT_S, env={**bucket.node_env(tmp_path, "m"), "TMPDIR": str(shared)})
         assert done.returncode == 2, done.stdout + done.stderr[-3000:]
         assert f"{trap} belongs to uid {attacker.pw_uid}, not to this user" in done.stderr

@@ -1,4 +1,4 @@
-"""--log-path bucket URLs and credentials: checked at the boundary, never shown."""
+"""--run-dir bucket URLs and credentials: checked at the boundary, never shown."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_a_url_is_split_into_container_and_prefix() -> None:
     ("s3://runs/a b", "prefix part 'a b' is not allowed"),
 ])
 def test_a_bad_url_names_the_part_and_the_form(text: str, words: str) -> None:
-    with pytest.raises(UsageError, match="--log-path") as caught:
+    with pytest.raises(UsageError, match="--run-dir") as caught:
         bucket_url.parse(text)
     assert words in str(caught.value)
 

@@ -58,7 +58,7 @@ def test_ten_random_kills_on_network_mounts_and_the_run_completes(tmp_path: Path
         started = time.monotonic()
         try:
             for rank in range(3):
-                c.start(rank, c.command(rank, log_path=paths[rank]))
+                c.start(rank, c.command(rank, run_dir=paths[rank]))
             c.wait_until(lambda: iteration_of(c) >= 1, 120, "the first iteration")
             for n in range(1, KILLS + 1):
                 time.sleep(rng.uniform(0.0, 2.0))
@@ -67,7 +67,7 @@ def test_ten_random_kills_on_network_mounts_and_the_run_completes(tmp_path: Path
                 kills.append((victim, iteration_of(c)))
                 c.kill(victim)
                 time.sleep(rng.uniform(0.2, LEASE + 2.0))
-                c.start(victim, c.command(victim, log_path=paths[victim]))
+                c.start(victim, c.command(victim, run_dir=paths[victim]))
                 c.wait_until(lambda n=n: recoveries(run) >= n, RESUME_TIMEOUT_S,
                              f"recovery {n} (rank {victim} killed)")
             codes = c.wait_all(timeout=240)

@@ -273,8 +273,8 @@ class GatedWorker:
         self.out = out
         with open(out, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", GATED_WORKER, "run", "--worker", "1", "--log-path",
-                 str(c.log_path)], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                [sys.executable, "-c", GATED_WORKER, "run", "--worker", "1", "--run-dir",
+                 str(c.run_dir)], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                 env=c.env)
 
     def text(self) -> str:
@@ -299,12 +299,12 @@ def test_two_restarted_daemons_that_judged_the_holder_dead_one_runs_the_other_ex
     workers: list[GatedWorker] = []
     try:
         c.start(0)
-        c.wait_until(lambda: (c.log_path / "run.json").exists() or c.procs[0].poll() is not None,
+        c.wait_until(lambda: (c.run_dir / "run.json").exists() or c.procs[0].poll() is not None,
                      DAEMON_S, "the run manifest")
         assert c.procs[0].poll() is None, c.output(0)[-3000:]
-        manifest = json.loads((c.log_path / "run.json").read_text())
+        manifest = json.loads((c.run_dir / "run.json").read_text())
         # Rank 1's last holder failed: its claim is still there, its heartbeat says so.
-        store = FsStore(c.log_path)
+        store = FsStore(c.run_dir)
         dead = Claim(run_id=manifest["run_id"], generation=manifest["generation"], rank=1,
                      token="dead0000", host="node-x", address="127.0.0.1", probe_port=None,
                      pid=1111, started=time.time())

@@ -26,8 +26,8 @@ from tests.support.netfs import NetFs
 TIMEOUT = 30  # per wait; a loaded 2-core box answers a probe in well under a second
 
 
-def doctor_command(log_path: Path, rank: int, *, timeout: float = TIMEOUT) -> list[str]:
-    base = [sys.executable, "-m", "coordinator_cli", "doctor", "--log-path", str(log_path),
+def doctor_command(run_dir: Path, rank: int, *, timeout: float = TIMEOUT) -> list[str]:
+    base = [sys.executable, "-m", "coordinator_cli", "doctor", "--run-dir", str(run_dir),
             "--timeout", str(timeout), "--need-gb", "0"]
     return [*base, "--master", "--num-nodes", "3"] if rank == 0 else [*base, "--worker",
                                                                        str(rank)]
@@ -122,7 +122,7 @@ def test_doctor_reports_a_mount_with_negative_lookups_cached_with_its_fix(
     """One node on a (described) NFS mount with the default lookupcache: WARN and the fix."""
     lines: list[str] = []
     info = NFS_DEFAULT.replace("/shared", str(tmp_path))
-    ok = Doctor(log_path=tmp_path, rank=0, num_nodes=1, timeout_s=5, need_bytes=0,
+    ok = Doctor(run_dir=tmp_path, rank=0, num_nodes=1, timeout_s=5, need_bytes=0,
                 address="127.0.0.1", echo=lines.append, mountinfo=info).run()
     text = "\n".join(lines)
     assert ok, text

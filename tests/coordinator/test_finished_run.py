@@ -123,4 +123,4 @@ def test_every_node_started_again_on_a_finished_run_exits_0_and_more_iterations_
     finally:
         c.close()
     for rank in (0, 1):
-        assert scripted_log(c.log_path, rank) == [(it, int(p)) for it in range(3) for p in Phase]
+        assert scripted_log(c.run_dir, rank) == [(it, int(p)) for it in range(3) for p in Phase]

@@ -116,10 +116,10 @@ def test_a_fifo_as_run_json_is_named_and_nothing_hangs(
     run = tmp_path / "run"
     run.mkdir()
     os.mkfifo(run / "run.json")
-    args = {"status": ["status", "--log-path", str(run)],
-            "recover": ["recover", "--log-path", str(run), "--iteration", "0"],
-            "master": ["run", "--master", "--actions", "scripted", "--log-path", str(run)],
-            "worker": ["run", "--worker", "1", "--log-path", str(run)]}[command]
+    args = {"status": ["status", "--run-dir", str(run)],
+            "recover": ["recover", "--run-dir", str(run), "--iteration", "0"],
+            "master": ["run", "--master", "--actions", "scripted", "--run-dir", str(run)],
+            "worker": ["run", "--worker", "1", "--run-dir", str(run)]}[command]
     code, out, took = cli(*args)
     assert code == 7, out
     assert f"{run}/run.json: is a FIFO, not a regular file" in out
@@ -134,7 +134,7 @@ def test_a_fifo_heartbeat_and_a_heartbeat_symlinked_to_dev_zero_are_named_by_sta
     os.mkfifo(run / "ranks/1/heartbeat.json")
     plant(run, "ranks/0/x", "")
     (run / "ranks/0/heartbeat.json").symlink_to("/dev/zero")
-    code, out, took = cli("status", "--log-path", str(run))
+    code, out, took = cli("status", "--run-dir", str(run))
     assert code == 7, out
     assert f"{run}/ranks/1/heartbeat.json: is a FIFO, not a regular file" in out
     assert f"{run}/ranks/0/heartbeat.json: ranks/0/heartbeat.json is a symlink" in out
@@ -145,7 +145,7 @@ def test_recover_names_a_fifo_heartbeat(tmp_path: Path, sentinel: Path) -> None:
     run = a_run(tmp_path)
     (run / "ranks/1/heartbeat.json").unlink()
     os.mkfifo(run / "ranks/1/heartbeat.json")
-    code, out, took = cli("recover", "--log-path", str(run), "--iteration", "0")
+    code, out, took = cli("recover", "--run-dir", str(run), "--iteration", "0")
     assert code == 7 and f"{run}/ranks/1/heartbeat.json: is a FIFO" in out, out
     assert took < 15.0
 
@@ -153,7 +153,7 @@ def test_recover_names_a_fifo_heartbeat(tmp_path: Path, sentinel: Path) -> None:
 def test_a_directory_where_a_record_belongs_is_named(tmp_path: Path, sentinel: Path) -> None:
     run = a_run(tmp_path)
     (run / "ranks/0/heartbeat.json").mkdir(parents=True)
-    code, out, _ = cli("status", "--log-path", str(run))
+    code, out, _ = cli("status", "--run-dir", str(run))
     assert code == 7 and f"{run}/ranks/0/heartbeat.json: is a directory" in out, out
 
 
@@ -161,7 +161,7 @@ def test_an_oversized_record_is_refused_without_reading_it(tmp_path: Path, senti
     run = a_run(tmp_path)
     with open(run / "ranks/1/heartbeat.json", "wb") as f:
         f.truncate(64 << 20)  # sparse: 64 MiB claimed, nothing stored
-    code, out, took = cli("status", "--log-path", str(run))
+    code, out, took = cli("status", "--run-dir", str(run))
     assert code == 7 and "over the 4194304-byte limit" in out, out
     assert took < 15.0
 
@@ -177,7 +177,7 @@ def test_a_run_id_that_is_a_path_cannot_move_the_run_outside(
     plant(run, "run.json", body)
     plant(run, "ranks/1/heartbeat.json", heartbeat().to_json())
     code, out, _ = cli("run", "--master", "--num-nodes", "2", "--actions", "scripted",
-                       "--new-run", "--log-path", str(run))
+                       "--new-run", "--run-dir", str(run))
     assert code == 7, out
     assert f"{run}/run.json: run_id '../../outside/x' is not 8-64 lowercase hex digits" in out
     assert (run / "ranks/1/heartbeat.json").exists()  # nothing was archived
@@ -191,7 +191,7 @@ def test_recover_refuses_a_symlinked_iteration_directory_and_deletes_nothing_out
     (run / "iterations/000001").symlink_to(sentinel / "iterations-target")
     plant(run, "ranks/1/journal.json", Journal(run_id=RUN_ID, rank=1, completed_iteration=0,
                                                iteration=1, done=()).to_json())
-    code, out, _ = cli("recover", "--log-path", str(run), "--iteration", "0")
+    code, out, _ = cli("recover", "--run-dir", str(run), "--iteration", "0")
     assert code == 7, out
     assert f"{run}/iterations/000001: iterations/000001 is a symlink" in out
     assert (run / "iterations/000000/phase-05/arrive-1.json").exists()  # refused before removing
@@ -275,7 +275,7 @@ def test_recover_refuses_a_window_that_is_not_positive(
     tmp_path: Path, sentinel: Path, window: str
 ) -> None:
     run = a_run(tmp_path)
-    code, out, _ = cli("recover", "--log-path", str(run), "--iteration", "0",
+    code, out, _ = cli("recover", "--run-dir", str(run), "--iteration", "0",
                        f"--window={window}")
     assert code == 2 and f"--window {window} must be above 0" in out, out
 
@@ -288,7 +288,7 @@ def test_recover_sees_a_live_rank_whose_clock_is_100_s_behind(
     live = _fake_live_rank(run, 1, skew_s=100.0)
     try:
         time.sleep(0.5)
-        code, out, _ = cli("recover", "--log-path", str(run), "--iteration", "0")
+        code, out, _ = cli("recover", "--run-dir", str(run), "--iteration", "0")
     finally:
         live.kill()
         live.wait()
@@ -315,7 +315,7 @@ def test_recover_names_a_record_whose_fields_are_out_of_range_at_once(
 ) -> None:
     run = a_run(tmp_path)
     plant(run, rel, body)
-    code, out, took = cli("recover", "--log-path", str(run), "--iteration", "0")
+    code, out, took = cli("recover", "--run-dir", str(run), "--iteration", "0")
     assert code == 7 and f"{run}/{rel}: {problem}" in out, out
     assert took < 15.0
 
@@ -334,10 +334,10 @@ def test_status_names_a_truncated_or_out_of_range_record(
 ) -> None:
     run = a_run(tmp_path)
     plant(run, rel, body)
-    code, out, _ = cli("status", "--log-path", str(run))
+    code, out, _ = cli("status", "--run-dir", str(run))
     assert code == 7 and f"{run}/{rel}: " in out and problem in out, out
     if rel == "run.json":
-        code, out, _ = cli("recover", "--log-path", str(run), "--iteration", "0")
+        code, out, _ = cli("recover", "--run-dir", str(run), "--iteration", "0")
         assert code == 7 and f"{run}/run.json: not valid JSON" in out, out
 
 
@@ -354,7 +354,7 @@ def test_under_umask_000_every_directory_is_0755_and_every_file_0644(
         who = ["--master", "--num-nodes", "2", "--config", str(config)] if rank == 0 else \
             ["--worker", "1"]
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "coordinator_cli", "run", "--log-path", str(run), *who],
+            [sys.executable, "-m", "coordinator_cli", "run", "--run-dir", str(run), *who],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=lambda: os.umask(0)))
     assert [p.wait(timeout=60) for p in procs] == [0, 0]
@@ -378,7 +378,7 @@ def test_run_json_never_carries_node_local_keys_and_workers_use_their_own(
     run = tmp_path / "run"
     master = subprocess.Popen(
         [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "2",
-         "--config", str(config), "--log-path", str(run)],
+         "--config", str(config), "--run-dir", str(run)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -416,7 +416,7 @@ def test_bad_values_exit_2_before_anything_is_written(
     tmp_path: Path, sentinel: Path, args: list[str], message: str
 ) -> None:
     run = tmp_path / "run"
-    code, out, _ = cli("run", "--master", "--actions", "scripted", "--log-path", str(run), *args)
+    code, out, _ = cli("run", "--master", "--actions", "scripted", "--run-dir", str(run), *args)
     assert code == 2 and message in out, out
     assert "Traceback" not in out
     assert not (run / "run.json").exists()
@@ -425,13 +425,13 @@ def test_bad_values_exit_2_before_anything_is_written(
 def test_a_non_utf8_config_and_an_empty_log_path_exit_2(tmp_path: Path, sentinel: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_bytes(b"[run]\nseed = 1 # caf\xe9\n")
-    code, out, _ = cli("run", "--master", "--config", str(config), "--log-path",
+    code, out, _ = cli("run", "--master", "--config", str(config), "--run-dir",
                        str(tmp_path / "run"))
     assert code == 2 and f"--config {config} is not UTF-8 text (byte 20 is 0xe9)" in out, out
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    code, out, _ = cli("run", "--master", "--actions", "scripted", "--log-path", "", cwd=cwd)
-    assert code == 2 and "--log-path '' is empty" in out, out
+    code, out, _ = cli("run", "--master", "--actions", "scripted", "--run-dir", "", cwd=cwd)
+    assert code == 2 and "--run-dir '' is empty" in out, out
     assert list(cwd.iterdir()) == []  # nothing went into the current directory
 
 
@@ -452,7 +452,7 @@ def test_a_live_claim_of_another_run_is_never_taken_over(
     try:
         time.sleep(0.5)
         code, out, took = cli("run", "--master", "--num-nodes", "2", "--actions", "scripted",
-                              "--log-path", str(run))
+                              "--run-dir", str(run))
     finally:
         live.kill()
         live.wait()
@@ -468,7 +468,7 @@ def test_status_shows_record_text_as_plain_text(tmp_path: Path, sentinel: Path) 
     run = a_run(tmp_path)
     plant(run, "ranks/1/heartbeat.json",
           heartbeat(error="\x1b[2J\x1b]0;pwned\x07[bold red]boom[/bold red]").to_json())
-    code, out, _ = cli("status", "--log-path", str(run))
+    code, out, _ = cli("status", "--run-dir", str(run))
     assert code == 0, out
     assert "\x1b" not in out and "\x07" not in out
     assert "\\x1b[2J" in out and "[bold red]boom[/bold red]" in out

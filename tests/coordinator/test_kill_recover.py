@@ -25,8 +25,8 @@ ALL = [(it, int(p)) for it in range(3) for p in Phase]
 SCENARIOS = [(2, phase) for phase in (2, 10, 12)] + [(0, 4), (0, 10)]
 
 
-def _outputs(log_path: Path) -> dict[Path, int]:
-    return {p: p.stat().st_mtime_ns for p in (log_path / "iterations").glob("*/scripted/*/*.json")}
+def _outputs(run_dir: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in (run_dir / "iterations").glob("*/scripted/*/*.json")}
 
 
 @pytest.mark.parametrize(("victim", "phase"), SCENARIOS,
@@ -54,12 +54,12 @@ def test_survivors_exit_naming_the_dead_rank_and_recover_resumes_the_run(
             assert re.search(
                 rf"rank {victim} \(host [^)]+\) lost at iteration 1 phase {phase} \(", c.output(rank)
             ), c.output(rank)[-2000:]
-        before = _outputs(c.log_path)
+        before = _outputs(c.run_dir)
         assert before, "some actions completed before the kill"
 
         # No --iteration: recover finds it from the journals and says which.
         recover = subprocess.run(
-            [sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(c.log_path)],
+            [sys.executable, "-m", "coordinator_cli", "recover", "--run-dir", str(c.run_dir)],
             capture_output=True, text=True, timeout=60)
         assert recover.returncode == 0, recover.stderr
         assert "recovering iteration 1: the lowest iteration a journal has not completed" \
@@ -75,18 +75,18 @@ def test_survivors_exit_naming_the_dead_rank_and_recover_resumes_the_run(
         # is training (phase 10), a collective step: when one rank did not
         # finish it, every rank runs it again, together.
         redo = {(1, 10, r) for r in survivors} if phase == 10 else set()
-        after = _outputs(c.log_path)
+        after = _outputs(c.run_dir)
         kept = {p: m for p, m in before.items() if "phase-10" not in p.name or phase != 10
                 or "/000001/" not in str(p)}
         assert {p: after[p] for p in kept} == kept
-        runs = scripted_runs(c.log_path)
+        runs = scripted_runs(c.run_dir)
         assert {k for k, n in runs.items() if n != 1} == redo
         assert all(runs[k] == 2 for k in redo)
         for rank in range(3):
             expected = list(ALL)
             if (1, 10, rank) in redo:
                 expected.insert(expected.index((1, 11)), (1, 10))
-            assert scripted_log(c.log_path, rank) == expected
+            assert scripted_log(c.run_dir, rank) == expected
     finally:
         c.close()
 
@@ -122,16 +122,16 @@ def test_one_run_killed_in_three_more_phases_recovers_each_time_and_redoes_nothi
                 assert re.search(rf"rank {victim} \(host [^)]+\) lost at iteration {iteration} "
                                  rf"phase {phase} \(", c.output(rank)), c.output(rank)[-2000:]
             recover = subprocess.run(
-                [sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(c.log_path)],
+                [sys.executable, "-m", "coordinator_cli", "recover", "--run-dir", str(c.run_dir)],
                 capture_output=True, text=True, timeout=60)
             assert recover.returncode == 0, recover.stderr
             assert f"recovering iteration {iteration}:" in recover.stdout, recover.stdout
             c.start_all()
         codes = c.wait_all(timeout=90)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-2000:] for r in codes}
-        assert set(scripted_runs(c.log_path).values()) == {1}
+        assert set(scripted_runs(c.run_dir).values()) == {1}
         for rank in range(3):
-            assert scripted_log(c.log_path, rank) == ALL
+            assert scripted_log(c.run_dir, rank) == ALL
     finally:
         c.close()
 
@@ -143,18 +143,18 @@ def test_recover_refuses_while_a_rank_still_heartbeats(tmp_path: Path) -> None:
         c.start_all()
         c.wait_until(lambda: c.at_phase(1, 0, 1, "running"), 60, "rank 1 in its rollout")
         out = subprocess.run(
-            [sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(c.log_path),
+            [sys.executable, "-m", "coordinator_cli", "recover", "--run-dir", str(c.run_dir),
              "--iteration", "0"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2
         assert "refusing to recover while daemons still heartbeat" in out.stderr
         assert "rank 0" in out.stderr and "rank 1" in out.stderr
         dry = subprocess.run(
-            [sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(c.log_path),
+            [sys.executable, "-m", "coordinator_cli", "recover", "--run-dir", str(c.run_dir),
              "--iteration", "0", "--force", "--dry-run"], capture_output=True, text=True,
             timeout=60)
         assert dry.returncode == 0 and "would remove" in dry.stdout
         assert "ranks/1/claim.json" in dry.stdout, dry.stdout
-        assert (c.log_path / "ranks/1/claim.json").exists(), "a dry run removes nothing"
+        assert (c.run_dir / "ranks/1/claim.json").exists(), "a dry run removes nothing"
     finally:
         c.close()
 
@@ -169,11 +169,11 @@ def test_a_restart_without_recover_replaces_the_dead_claim_and_completes(tmp_pat
         assert c.wait(0, timeout=LEASE + 10) == 3 and c.wait(2, timeout=LEASE + 10) == 3
         # The dead daemon's claim is still there; its pid is gone on this host,
         # so the restarted rank 1 takes it over at once.
-        assert (c.log_path / "ranks/1/claim.json").exists()
+        assert (c.run_dir / "ranks/1/claim.json").exists()
         c.start_all()
         codes = c.wait_all(timeout=90)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-2000:] for r in codes}
         assert "taking over rank 1 from a dead holder" in c.output(1)
-        assert set(scripted_runs(c.log_path).values()) == {1}
+        assert set(scripted_runs(c.run_dir).values()) == {1}
     finally:
         c.close()

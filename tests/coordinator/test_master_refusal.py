@@ -137,7 +137,7 @@ def test_bare_workers_exit_2_with_the_masters_refusal_then_the_fixed_run_complet
     c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=bad)
     try:
         started = time.monotonic()
-        c.start_all()  # the workers: --worker R --log-path P and nothing else
+        c.start_all()  # the workers: --worker R --run-dir P and nothing else
         codes = c.wait_all(timeout=REFUSED_WITHIN_S)
         took = time.monotonic() - started
         assert codes == {0: 2, 1: 2, 2: 2}, {r: c.output(r)[-2000:] for r in c.procs}
@@ -146,7 +146,7 @@ def test_bare_workers_exit_2_with_the_masters_refusal_then_the_fixed_run_complet
             assert "the master (pid " in c.output(rank) and KEY in c.output(rank), \
                 c.output(rank)[-2000:]
         print(f"the refused master and both bare workers exited 2 in {took:.1f} s")
-        assert not (c.log_path / "run.json").exists()
+        assert not (c.run_dir / "run.json").exists()
 
         # Fixed: the master removes the refusal as it starts, then the same bare
         # workers join it (started within WINDOW_S of the refusal, they would take it
@@ -154,7 +154,7 @@ def test_bare_workers_exit_2_with_the_masters_refusal_then_the_fixed_run_complet
         c.config = good
         c.start(0)
         c.wait_until(lambda: c.heartbeat(0) is not None, 60, "the fixed master's heartbeat")
-        assert not (c.log_path / layout.MASTER_REFUSAL).exists()
+        assert not (c.run_dir / layout.MASTER_REFUSAL).exists()
         c.start(1)
         c.start(2)
         assert c.wait_all(timeout=90) == {0: 0, 1: 0, 2: 0}, \
@@ -162,4 +162,4 @@ def test_bare_workers_exit_2_with_the_masters_refusal_then_the_fixed_run_complet
     finally:
         c.close()
     for rank in range(3):
-        assert scripted_log(c.log_path, rank) == [(0, int(p)) for p in Phase]
+        assert scripted_log(c.run_dir, rank) == [(0, int(p)) for p in Phase]

@@ -32,10 +32,10 @@ def cluster(tmp_path: Path):
 
     def make(num_nodes: int = 3, *, scripted: str = "", iterations: int = 3,
              master_args: tuple[str, ...] = ("--rank-weights", "2,1,1"),
-             log_path: Path | None = None) -> LocalCluster:
+             run_dir: Path | None = None) -> LocalCluster:
         config = write_config(tmp_path / f"config{len(made)}.toml", iterations=iterations,
                               scripted=scripted)
-        c = LocalCluster(log_path or tmp_path / "run", tmp_path, num_nodes=num_nodes,
+        c = LocalCluster(run_dir or tmp_path / "run", tmp_path, num_nodes=num_nodes,
                          config=config, master_args=master_args)
         made.append(c)
         return c
@@ -50,27 +50,27 @@ def test_three_ranks_pass_every_phase_in_order_in_every_iteration(cluster) -> No
     c.start_all()
     codes = c.wait_all(timeout=90)
     assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-2000:] for r in codes}
-    manifest = json.loads((c.log_path / "run.json").read_text())
+    manifest = json.loads((c.run_dir / "run.json").read_text())
     assert manifest["weights"] == [2.0, 1.0, 1.0]
-    arrivals = arrivals_on_disk(c.log_path)
+    arrivals = arrivals_on_disk(c.run_dir)
     for it, phase in ALL:
         for rank in range(3):
             record = arrivals[(it, phase, rank)]
             assert record["status"] == "ok" and record["run_id"] == manifest["run_id"]
         release = json.loads(
-            (c.log_path / f"iterations/{it:06d}/phase-{phase:02d}/release.json").read_text())
+            (c.run_dir / f"iterations/{it:06d}/phase-{phase:02d}/release.json").read_text())
         assert release["decision"] == "continue"
     for rank in range(3):
         # Each rank executed every action exactly once, in phase order.
-        assert scripted_log(c.log_path, rank) == ALL
-        journal = json.loads((c.log_path / f"ranks/{rank}/journal.json").read_text())
+        assert scripted_log(c.run_dir, rank) == ALL
+        journal = json.loads((c.run_dir / f"ranks/{rank}/journal.json").read_text())
         assert journal["completed_iteration"] == 2
         # A finished daemon gives its rank back.
-        assert not (c.log_path / f"ranks/{rank}/claim.json").exists()
-    assert set(scripted_runs(c.log_path).values()) == {1}
+        assert not (c.run_dir / f"ranks/{rank}/claim.json").exists()
+    assert set(scripted_runs(c.run_dir).values()) == {1}
     # The phase-9 release says whether the collective phase 10 runs: every rank
     # runs it the first time.
-    release9 = json.loads((c.log_path / "iterations/000000/phase-09/release.json").read_text())
+    release9 = json.loads((c.run_dir / "iterations/000000/phase-09/release.json").read_text())
     assert release9["payload"]["run"] == {"10": True}
 
 
@@ -100,21 +100,21 @@ def test_second_daemon_for_a_held_rank_exits_2_naming_the_holder(cluster, tmp_pa
 
 
 def test_records_of_an_earlier_run_in_the_same_log_path_are_ignored(cluster, tmp_path) -> None:
-    old = cluster(iterations=1, log_path=tmp_path / "old")
+    old = cluster(iterations=1, run_dir=tmp_path / "old")
     old.start_all()
     assert old.wait_all(timeout=60) == {0: 0, 1: 0, 2: 0}
-    old_run = json.loads((old.log_path / "run.json").read_text())["run_id"]
-    # Leave every record of that run in a log path, except its manifest, plus
+    old_run = json.loads((old.run_dir / "run.json").read_text())["run_id"]
+    # Leave every record of that run in a run directory, except its manifest, plus
     # claims that look held and a master heartbeat that looks alive.
     planted = tmp_path / "new"
-    shutil.copytree(old.log_path, planted)
+    shutil.copytree(old.run_dir, planted)
     (planted / "run.json").unlink()
     for rank in range(3):
         claim = {"schema": "coordinator/claim", "version": 1, "run_id": old_run, "generation": 0,
                  "rank": rank, "token": f"old{rank}", "host": "gone-host", "address": "10.9.9.9",
                  "probe_port": 1, "pid": 1, "started": 0.0}
         (planted / f"ranks/{rank}/claim.json").write_text(json.dumps(claim))
-    new = cluster(iterations=1, log_path=planted)
+    new = cluster(iterations=1, run_dir=planted)
     new.start(1)
     new.start(2)
     time.sleep(1.5)  # the workers look at the stale master's records first
@@ -135,10 +135,10 @@ def test_failed_action_aborts_every_rank_naming_rank_phase_and_cause(cluster) ->
     for rank in range(3):
         out = c.output(rank)
         assert re.search(r"rank 2 .*failed iteration 1 phase 6 \(eval\).*injected failure", out), out
-    release = json.loads((c.log_path / "iterations/000001/phase-06/release.json").read_text())
+    release = json.loads((c.run_dir / "iterations/000001/phase-06/release.json").read_text())
     assert release["decision"] == "abort" and "injected failure" in release["abort"]["reason"]
     # The failed action posted no success record.
-    assert arrivals_on_disk(c.log_path)[(1, 6, 2)]["status"] == "failed"
+    assert arrivals_on_disk(c.run_dir)[(1, 6, 2)]["status"] == "failed"
 
 
 def test_sigterm_makes_a_daemon_leave_and_peers_stop_without_waiting_for_the_lease(cluster) -> None:
@@ -169,8 +169,8 @@ def test_status_shows_every_rank_what_it_waits_for_and_the_last_error(cluster) -
     c.wait_until(lambda: c.at_phase(2, 0, 1, "running"), 40, "rank 2 in its rollout")
 
     def status() -> dict:
-        out = subprocess.run([sys.executable, "-m", "coordinator_cli", "status", "--log-path",
-                              str(c.log_path), "--json"], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "coordinator_cli", "status", "--run-dir",
+                              str(c.run_dir), "--json"], capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
@@ -182,8 +182,8 @@ def test_status_shows_every_rank_what_it_waits_for_and_the_last_error(cluster) -
     assert [r["state"] for r in report["ranks"]] == ["waiting", "waiting", "running"]
     assert all(r["host"] and r["heartbeat_age_s"] < 3 for r in report["ranks"])
     assert report["ranks"][0]["address"] != "-"
-    table = subprocess.run([sys.executable, "-m", "coordinator_cli", "status", "--log-path",
-                            str(c.log_path)], capture_output=True, text=True, timeout=60).stdout
+    table = subprocess.run([sys.executable, "-m", "coordinator_cli", "status", "--run-dir",
+                            str(c.run_dir)], capture_output=True, text=True, timeout=60).stdout
     assert "waiting for" in table and "rollout" in table
     c.kill(2)
     c.wait_all(timeout=20)

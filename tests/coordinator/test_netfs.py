@@ -50,7 +50,7 @@ def test_three_ranks_on_three_client_mounts_complete_with_fast_barriers(tmp_path
         try:
             started = time.monotonic()
             for rank in range(3):
-                c.start(rank, c.command(rank, log_path=runs[rank]))
+                c.start(rank, c.command(rank, run_dir=runs[rank]))
             codes = c.wait_all(timeout=180)
             elapsed = time.monotonic() - started
             assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-2000:] for r in codes}
@@ -90,13 +90,13 @@ def _join_delay(tmp_path: Path, negative_timeout_s: float) -> float:
         export = fs.export / "run"
         try:
             for rank in (1, 2):
-                c.start(rank, c.command(rank, log_path=runs[rank]))
+                c.start(rank, c.command(rank, run_dir=runs[rank]))
             # Both workers have looked up run.json and found nothing: with
             # lookupcache=all-like caching their clients now remember that.
             c.wait_until(lambda: all("waiting for the master" in c.output(r) for r in (1, 2)),
                          60, "both workers to wait for the master")
             started = time.monotonic()
-            c.start(0, c.command(0, log_path=runs[0]))
+            c.start(0, c.command(0, run_dir=runs[0]))
 
             def joined() -> bool:
                 return all((hb := _heartbeat(export, r)) is not None and hb["state"] != "starting"

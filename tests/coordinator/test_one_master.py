@@ -40,13 +40,13 @@ GATED = (
 
 
 class Master:
-    def __init__(self, log_path: Path, config: Path, out: Path) -> None:
-        self.log_path = log_path
+    def __init__(self, run_dir: Path, config: Path, out: Path) -> None:
+        self.run_dir = run_dir
         self.out = out
         with open(out, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", GATED, "run", "--master", "--num-nodes", "2",
-                 "--config", str(config), "--log-path", str(log_path)],
+                 "--config", str(config), "--run-dir", str(run_dir)],
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
 
     def text(self) -> str:
@@ -64,9 +64,9 @@ class Master:
         os.write(self.proc.stdin.fileno(), b"g")
 
 
-def _claim_pid(log_path: Path) -> int | None:
+def _claim_pid(run_dir: Path) -> int | None:
     try:
-        return int(json.loads((log_path / "ranks/0/claim.json").read_text())["pid"])
+        return int(json.loads((run_dir / "ranks/0/claim.json").read_text())["pid"])
     except (FileNotFoundError, ValueError, KeyError):
         return None
 
@@ -109,8 +109,8 @@ def test_of_two_masters_started_at_once_exactly_one_runs_every_time(tmp_path: Pa
         for trial, winner in enumerate(winners):
             assert winner.proc.poll() is None, f"trial {trial}: the winner stopped: " \
                 f"{winner.text()}"
-            assert _claim_pid(winner.log_path) == winner.proc.pid
-            manifest = json.loads((winner.log_path / "run.json").read_text())
+            assert _claim_pid(winner.run_dir) == winner.proc.pid
+            manifest = json.loads((winner.run_dir / "run.json").read_text())
             assert manifest["generation"] == 0
     finally:
         for m in everyone:

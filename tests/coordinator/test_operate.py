@@ -23,7 +23,7 @@ def test_status_watch_follows_a_run_until_every_daemon_has_stopped(tmp_path: Pat
         c.start_all()
         c.wait_until(lambda: c.at_phase(0, 0, 5), 60, "the run under way")
         watch = subprocess.run(
-            [sys.executable, "-m", "coordinator_cli", "status", "--log-path", str(c.log_path), "--watch",
+            [sys.executable, "-m", "coordinator_cli", "status", "--run-dir", str(c.run_dir), "--watch",
              "--interval", "0.5"], capture_output=True, text=True, timeout=120)
         codes = c.wait_all(timeout=60)
         assert codes == {0: 0, 1: 0, 2: 0}
@@ -43,7 +43,7 @@ def test_status_watch_refuses_bad_options(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     for args, message in ((["--interval", "0"], "--interval 0 is outside 0.1..600"),
                           (["--json"], "--watch and --json do not go together")):
-        done = subprocess.run([sys.executable, "-m", "coordinator_cli", "status", "--log-path",
+        done = subprocess.run([sys.executable, "-m", "coordinator_cli", "status", "--run-dir",
                                str(tmp_path / "run"), "--watch", *args],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr, done.stderr
@@ -58,15 +58,15 @@ def test_timeline_skips_malformed_timing_records_and_refuses_a_bad_format(
         assert c.wait_all(timeout=60) == {0: 0, 1: 0}
     finally:
         c.close()
-    bad = c.log_path / "iterations/000001/timings/rank-1.json"
+    bad = c.run_dir / "iterations/000001/timings/rank-1.json"
     record = json.loads(bad.read_text())
     record["phases"]["3"]["arrived_at"] = "soon"  # a value a hostile writer could leave
     bad.write_text(json.dumps(record))
-    drawn = load(c.log_path)
+    drawn = load(c.run_dir)
     assert drawn.skipped == 1
     assert {(s.rank, s.iteration) for s in drawn.spans} == {(0, 0), (1, 0), (0, 1)}
     assert {s.kind for s in drawn.spans} == set(SpanKind)
-    done = subprocess.run([sys.executable, "-m", "coordinator_cli", "timeline", "--log-path",
-                           str(c.log_path), "--out", str(tmp_path / "t.svg")],
+    done = subprocess.run([sys.executable, "-m", "coordinator_cli", "timeline", "--run-dir",
+                           str(c.run_dir), "--out", str(tmp_path / "t.svg")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "give a file ending in .png or .html" in done.stderr

@@ -112,14 +112,14 @@ def test_a_master_refuses_an_asynchronous_run_whose_phase_10_deadline_is_below_r
         tmp_path: Path) -> None:
     from coordinator.machine.runplan import RunRequest, make_plan
 
-    request = RunRequest(log_path=tmp_path, rank=0, num_nodes=3, weights=None, config_file=None,
+    request = RunRequest(run_dir=tmp_path, rank=0, num_nodes=3, weights=None, config_file=None,
                          overrides={"run": {"train_nodes": "0", "max_off_policy_steps": 1},
                                     "coordination": {"phase_timeouts_s": {"train": 60.0,
                                                                           "rollout": 600.0}}})
     with pytest.raises(UsageError, match=r"phase_timeouts_s\.train=60 is below"):
         make_plan(request)
     assert not (tmp_path / "run.json").exists()  # refused before anything is written
-    request = RunRequest(log_path=tmp_path, rank=0, num_nodes=3, weights=(1.0, 0.0, 0.0),
+    request = RunRequest(run_dir=tmp_path, rank=0, num_nodes=3, weights=(1.0, 0.0, 0.0),
                          config_file=None, overrides={"run": {"train_nodes": "0"}})
     with pytest.raises(UsageError, match="give the rollout nodes 1,2 no work"):
         make_plan(request)

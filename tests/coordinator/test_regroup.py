@@ -29,9 +29,9 @@ ITERATIONS = 6
 RESUME_BOUND_S = LEASE + 5
 
 
-def recoveries(log_path: Path) -> list[dict]:
+def recoveries(run_dir: Path) -> list[dict]:
     try:
-        return json.loads((log_path / "recoveries.json").read_text())["recoveries"]  # type: ignore[no-any-return]
+        return json.loads((run_dir / "recoveries.json").read_text())["recoveries"]  # type: ignore[no-any-return]
     except (FileNotFoundError, ValueError):
         return []
 
@@ -52,7 +52,7 @@ def test_killed_daemons_restarted_alone_rejoin_and_the_run_completes(tmp_path: P
             time.sleep(delay)
             c.start(victim)
             restarted = time.monotonic()
-            c.wait_until(lambda n=n: len(recoveries(c.log_path)) >= n, RESUME_BOUND_S + 30,
+            c.wait_until(lambda n=n: len(recoveries(c.run_dir)) >= n, RESUME_BOUND_S + 30,
                          f"recovery {n} recorded")
             resumed.append(time.monotonic() - restarted)
             for rank, proc in survivors.items():
@@ -63,7 +63,7 @@ def test_killed_daemons_restarted_alone_rejoin_and_the_run_completes(tmp_path: P
         c.close()
     assert max(resumed) <= RESUME_BOUND_S, resumed
 
-    history = recoveries(c.log_path)
+    history = recoveries(c.run_dir)
     assert [(h["number"], h["iteration"], h["phase"], h["resume_iteration"])
             for h in history] == [(n, it, p, it) for n, (it, _, p, _) in enumerate(KILLS, 1)]
     for h, (_, victim, phase, _) in zip(history, KILLS, strict=True):
@@ -76,7 +76,7 @@ def test_killed_daemons_restarted_alone_rejoin_and_the_run_completes(tmp_path: P
     # died in training (a collective step), the survivors' training with it.
     redo = {(it, 10, r) for it, victim, phase, _ in KILLS if phase == 10
             for r in range(3) if r != victim}
-    runs = scripted_runs(c.log_path)
+    runs = scripted_runs(c.run_dir)
     assert {k for k, n in runs.items() if n != 1} == redo
     assert all(runs[k] == 2 for k in redo)
     for rank in range(3):
@@ -84,4 +84,4 @@ def test_killed_daemons_restarted_alone_rejoin_and_the_run_completes(tmp_path: P
         for it, _, _, _ in sorted(KILLS, reverse=True):
             if (it, 10, rank) in redo:
                 expected.insert(expected.index((it, 11)), (it, 10))
-        assert scripted_log(c.log_path, rank) == expected
+        assert scripted_log(c.run_dir, rank) == expected

@@ -97,7 +97,7 @@ def test_a_deterministic_failure_ends_the_run_with_exit_4_on_every_node(
     assert f"failed the same way {attempts} times" in c.output(0)
     for rank in (1, 2):
         assert "stopped for good" in c.output(rank) and "injected failure" in c.output(rank)
-    recoveries = json.loads((c.log_path / "recoveries.json").read_text())["recoveries"]
+    recoveries = json.loads((c.run_dir / "recoveries.json").read_text())["recoveries"]
     assert len(recoveries) == attempts - 1
     assert all(r["iteration"] == 1 and r["phase"] == 4 and r["fault"] for r in recoveries)
     assert took < 40 * attempts
@@ -119,5 +119,5 @@ def test_max_recoveries_holds_for_failures_that_are_not_repeats(tmp_path: Path) 
         c.close()
     assert codes == {0: 4, 1: 4, 2: 4}, {r: c.output(r)[-2000:] for r in codes}
     assert "coordination.max_recoveries=1 recoveries already made" in c.output(0)
-    recoveries = json.loads((c.log_path / "recoveries.json").read_text())["recoveries"]
+    recoveries = json.loads((c.run_dir / "recoveries.json").read_text())["recoveries"]
     assert [(r["iteration"], r["phase"]) for r in recoveries] == [(0, 4)]

@@ -33,12 +33,12 @@ KILLED_AT = (1, 1)  # iteration, phase
 SCRIPT = f'sleeps = ["2:{KILLED_AT[0]}:{KILLED_AT[1]}:1.5", "0:*:5:1.0"]'
 
 
-def session(log_path: Path) -> dict:
-    return json.loads((log_path / "session.json").read_text())  # type: ignore[no-any-return]
+def session(run_dir: Path) -> dict:
+    return json.loads((run_dir / "session.json").read_text())  # type: ignore[no-any-return]
 
 
-def timings(log_path: Path, rank: int) -> list[int]:
-    return sorted(int(p.parent.parent.name) for p in (log_path / "iterations").glob(
+def timings(run_dir: Path, rank: int) -> list[int]:
+    return sorted(int(p.parent.parent.name) for p in (run_dir / "iterations").glob(
         f"*/timings/rank-{rank}.json"))
 
 
@@ -55,14 +55,14 @@ def test_a_lost_worker_is_left_out_then_taken_back_at_an_iteration_boundary(
         c.kill(2)
         # Lease (3 s) to notice, shrink_after_s (2 s), then the group goes on:
         # the master records the recovery, then publishes the new session.
-        c.wait_until(lambda: len(recoveries(c.log_path)) == 1 and
-                     sorted(session(c.log_path)["members"]) == ["0", "1"], 60, "the shrunk group")
-        shrunk = session(c.log_path)
+        c.wait_until(lambda: len(recoveries(c.run_dir)) == 1 and
+                     sorted(session(c.run_dir)["members"]) == ["0", "1"], 60, "the shrunk group")
+        shrunk = session(c.run_dir)
         assert shrunk["start_iteration"] == KILLED_AT[0]
         c.wait_until(lambda: c.at_phase(0, KILLED_AT[0] + 1, 5), 60, "iteration 2 without 2")
         for rank in (0, 1):
             assert c.procs[rank].poll() is None, c.output(rank)[-2000:]
-        shown = " ".join(render(collect(c.log_path)).split())
+        shown = " ".join(render(collect(c.run_dir)).split())
         assert "going on without rank(s) [2] (on_failure shrink)" in shown
         assert "without rank(s) [2] (their unfinished tasks go to the others)" in shown
         c.start(2)
@@ -73,28 +73,28 @@ def test_a_lost_worker_is_left_out_then_taken_back_at_an_iteration_boundary(
 
     # Taking rank 2 back is no failure: nobody took the master for gone meanwhile.
     assert "to re-form the group: no reason given" not in c.output(1), c.output(1)[-3000:]
-    (recovery,) = recoveries(c.log_path)
+    (recovery,) = recoveries(c.run_dir)
     assert recovery["rank"] == 2 and recovery["left_out"] == [2], recovery
     assert recovery["members"].keys() == {"0", "1"}
     assert recovery["resume_iteration"] == KILLED_AT[0]
-    assert session(c.log_path)["members"].keys() == {"0", "1", "2"}
+    assert session(c.run_dir)["members"].keys() == {"0", "1", "2"}
 
     # Rank 2 came back between two iterations: none of the ones the others did
     # without it, every phase of every one after it.
-    back = min(it for it in timings(c.log_path, 2) if it > KILLED_AT[0])
+    back = min(it for it in timings(c.run_dir, 2) if it > KILLED_AT[0])
     assert back >= KILLED_AT[0] + 2
-    assert timings(c.log_path, 2) == [0, *range(back, ITERATIONS)]
-    log2 = scripted_log(c.log_path, 2)
+    assert timings(c.run_dir, 2) == [0, *range(back, ITERATIONS)]
+    log2 = scripted_log(c.run_dir, 2)
     assert log2 == [(0, int(p)) for p in Phase] + [(1, 0)] + [
         (it, int(p)) for it in range(back, ITERATIONS) for p in Phase]
-    journal = json.loads((c.log_path / "ranks" / "2" / "journal.json").read_text())
+    journal = json.loads((c.run_dir / "ranks" / "2" / "journal.json").read_text())
     assert journal["completed_iteration"] == ITERATIONS - 1
 
     # The survivors did every phase of every iteration exactly once: nothing was
     # redone, nothing skipped (rank 2's killed action was never finished by it).
-    runs = scripted_runs(c.log_path)
+    runs = scripted_runs(c.run_dir)
     for rank in (0, 1):
-        assert scripted_log(c.log_path, rank) == [
+        assert scripted_log(c.run_dir, rank) == [
             (it, int(p)) for it in range(ITERATIONS) for p in Phase]
     assert all(n == 1 for n in runs.values()), {k: n for k, n in runs.items() if n != 1}
 
@@ -113,15 +113,15 @@ def test_a_rank_back_during_the_last_iteration_exits_0_when_the_run_completes(
         c.start_all()
         c.wait_until(lambda: c.at_phase(2, last, 1, "running"), 120, "rank 2 in phase 1")
         c.kill(2)
-        c.wait_until(lambda: len(recoveries(c.log_path)) == 1 and
-                     sorted(session(c.log_path)["members"]) == ["0", "1"], 60, "the shrunk group")
+        c.wait_until(lambda: len(recoveries(c.run_dir)) == 1 and
+                     sorted(session(c.run_dir)["members"]) == ["0", "1"], 60, "the shrunk group")
         c.start(2)
         codes = c.wait_all(timeout=120)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
     finally:
         c.close()
-    assert f"completed run {session(c.log_path)['run_id']} without rank 2" in c.output(2)
-    assert timings(c.log_path, 2) == list(range(last))
+    assert f"completed run {session(c.run_dir)['run_id']} without rank 2" in c.output(2)
+    assert timings(c.run_dir, 2) == list(range(last))
 
 
 def test_fewer_nodes_back_than_min_nodes_stop_every_daemon_with_exit_3(tmp_path: Path) -> None:
@@ -169,10 +169,10 @@ def test_recover_after_a_shrink_resumes_where_it_says_without_the_left_out_rank_
         codes = {r: c.wait(r, 90) for r in (0, 1)}
         assert codes == {0: 4, 1: 4}, {r: c.output(r)[-3000:] for r in codes}
         assert "failed the same way 1 times" in c.output(0), c.output(0)[-3000:]
-        assert sorted(session(c.log_path)["members"]) == ["0", "1"]
+        assert sorted(session(c.run_dir)["members"]) == ["0", "1"]
 
         recover = subprocess.run(
-            [sys.executable, "-m", "coordinator_cli", "recover", "--log-path", str(c.log_path)],
+            [sys.executable, "-m", "coordinator_cli", "recover", "--run-dir", str(c.run_dir)],
             capture_output=True, text=True, timeout=60)
         assert recover.returncode == 0, recover.stderr
         assert f"recovering iteration {fails_at[0]}:" in recover.stdout, recover.stdout
@@ -192,13 +192,13 @@ def test_recover_after_a_shrink_resumes_where_it_says_without_the_left_out_rank_
     assert "group formed: ranks [0, 1] on hosts" in c.output(0), c.output(0)[-3000:]
     assert f"iterations {fails_at[0]}..3" in c.output(0)
     assert "rank(s) [2] rejoin the group at the end of iteration 2" in c.output(0)
-    assert sorted(session(c.log_path)["members"]) == ["0", "1", "2"]
+    assert sorted(session(c.run_dir)["members"]) == ["0", "1", "2"]
     assert "rank 2 rejoins the group at iteration 3" in c.output(2), c.output(2)[-3000:]
     # Nothing finished was redone (training included), nothing skipped: ranks 0
     # and 1 ran every action once (rank 1's failed one raised before its record).
     for rank in (0, 1):
-        assert scripted_log(c.log_path, rank) == [(it, int(p)) for it in range(4) for p in Phase]
-    assert all(n == 1 for n in scripted_runs(c.log_path).values()), scripted_runs(c.log_path)
+        assert scripted_log(c.run_dir, rank) == [(it, int(p)) for it in range(4) for p in Phase]
+    assert all(n == 1 for n in scripted_runs(c.run_dir).values()), scripted_runs(c.run_dir)
     # Rank 2: iteration 0, the start of the one it was killed in, then the last.
-    assert scripted_log(c.log_path, 2) == [(0, int(p)) for p in Phase] + [(1, 0)] + [
+    assert scripted_log(c.run_dir, 2) == [(0, int(p)) for p in Phase] + [(1, 0)] + [
         (3, int(p)) for p in Phase]

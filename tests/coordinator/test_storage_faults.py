@@ -87,8 +87,8 @@ def _all_json_parses(run: Path) -> list[str]:
 def _recover_and_finish(c: LocalCluster) -> None:
     hbs = [c.heartbeat(r) for r in range(3)]
     iteration = min(hb["iteration"] for hb in hbs if hb is not None)
-    out = subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--log-path",
-                          str(c.log_path), "--iteration", str(iteration)],
+    out = subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--run-dir",
+                          str(c.run_dir), "--iteration", str(iteration)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     c.start_all()
@@ -123,16 +123,16 @@ def test_every_daemon_exits_8_naming_the_path_and_recover_completes_the_run(
             assert time.monotonic() - hit < LEASE + 10
             words = "No space left on device (ENOSPC)" if fault == "ENOSPC" else \
                 "Read-only file system (EROFS)"
-            assert f"cannot write {c.log_path}/" in out and words in out, out[-2000:]
+            assert f"cannot write {c.run_dir}/" in out and words in out, out[-2000:]
             # Leaving at once, none met the directory half-removed by another (finding
             # 13: FileNotFoundError on .locks/cache.lock), and each one's own log stopped
             # with one line naming the error.
             assert "Traceback" not in out, out[-3000:]
             assert out.count("could not write this daemon's log") <= 1, out[-3000:]
-            assert f"rank {rank} joined run" in (c.log_path / f"ranks/{rank}/logs/daemon.log"
+            assert f"rank {rank} joined run" in (c.run_dir / f"ranks/{rank}/logs/daemon.log"
                                                  ).read_text()
         assert list(node_tmp.iterdir()) == []  # the last to leave removed it, then the base
-        assert _all_json_parses(c.log_path) == []
+        assert _all_json_parses(c.run_dir) == []
         if filler is not None:
             filler.unlink()
         else:

@@ -79,9 +79,9 @@ def test_a_broken_setting_ends_the_run_non_zero_naming_the_cause(
     sets = lambda items: [a for item in items for a in ("--set", item)]  # noqa: E731
     commands = [
         ["coordinator", "run", "--master", "--num-nodes", "2", "--rank-weights", "1,1",
-         "--log-path", str(run), "--iterations", "2", "--on-failure", policy,
+         "--run-dir", str(run), "--iterations", "2", "--on-failure", policy,
          *sets([*QUICK, *master_sets, *everywhere])],
-        ["coordinator", "run", "--worker", "1", "--log-path", str(run), *sets(everywhere)],
+        ["coordinator", "run", "--worker", "1", "--run-dir", str(run), *sets(everywhere)],
     ]
     # Each attempt: engines start (about 5 s), every request fails, the group
     # regroups (a lease at most) and tries once more (coordination.max_attempts=2).

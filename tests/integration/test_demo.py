@@ -45,7 +45,7 @@ def test_the_demo_on_vllm_trains_two_nodes_reloading_in_place_and_draws_its_rewa
     before = set(glob.glob(f"{tempfile.gettempdir()}/vllm_dist_*"))
     # Measured 80 s on the 2-core machine, 37 s of it the two engines starting.
     done = subprocess.run(
-        [sys.executable, "-m", "coordinator_cli", "demo", "--log-path", str(run), "--nodes", "2",
+        [sys.executable, "-m", "coordinator_cli", "demo", "--run-dir", str(run), "--nodes", "2",
          "--iterations", "2", "--eval-interval", "1", "--engine", "vllm", "--vllm", str(VLLM),
          "--arch", "qwen2"],
         capture_output=True, text=True, timeout=600)

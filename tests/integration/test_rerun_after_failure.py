@@ -29,9 +29,9 @@ def test_a_transient_failure_is_redone_by_the_rerun_and_the_run_completes(
                          "rollout.keep_rank_files=true")
              for a in ("--set", s)]
     commands = [
-        ["coordinator", "run", "--master", "--num-nodes", "2", "--log-path", str(run),
+        ["coordinator", "run", "--master", "--num-nodes", "2", "--run-dir", str(run),
          "--iterations", "1", *quick, *agent],
-        ["coordinator", "run", "--worker", "1", "--log-path", str(run), *agent],
+        ["coordinator", "run", "--worker", "1", "--run-dir", str(run), *agent],
     ]
     done = run_nodes(commands, cwd=tmp_path, timeout_s=240,
                      env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -54,9 +54,9 @@ def in_rollout(c: LocalCluster, rank: int, iteration: int) -> bool:
 def idle_trainer(c: LocalCluster, rank: int, iteration: int) -> list[psutil.Process]:
     """Rank's trainer processes once it rolls out `iteration` (its trainer idles)."""
     c.wait_until(lambda: in_rollout(c, rank, iteration) and
-                 bool(trainer_processes(c.log_path, rank)), 600,
+                 bool(trainer_processes(c.run_dir, rank)), 600,
                  f"rank {rank}'s rollout of iteration {iteration}, its trainer idle")
-    return trainer_processes(c.log_path, rank)
+    return trainer_processes(c.run_dir, rank)
 
 
 def wait_for_line(c: LocalCluster, rank: int, pattern: str, *, within: float) -> float:
@@ -88,7 +88,7 @@ def test_a_lost_trainer_is_named_within_the_lease_and_its_replacement_redoes_at_
     process killed between jobs (iteration 1), one that stops answering (2), and a
     lost master node under on_failure "wait" (3)."""
     c = cluster(tmp_path, warm_model, iterations=ITERATIONS, on_failure="wait")
-    run = c.log_path
+    run = c.run_dir
     try:
         c.start_all()
         # Iteration 1's rollout: iteration 0 trained, the group idles. Rank 2's dies.

@@ -77,7 +77,7 @@ def test_a_multi_turn_agent_trains_three_iterations_on_its_exact_tokens(
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
     finally:
         c.close()
-    run = c.log_path
+    run = c.run_dir
     tokenizer = AutoTokenizer.from_pretrained(warm_model)
     two_turn = 0
     for it in range(ITERATIONS):
@@ -145,7 +145,7 @@ def test_a_rank_killed_mid_rollout_never_runs_a_saved_episode_again(
     config.write_text(KILL_CONFIG.format(model=warm_model, lease=LEASE))
     c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config,
                      env={"COUNTING_AGENT_LOG": str(counts), "COUNTING_AGENT_SLEEP": "0.3"})
-    manifest = c.log_path / "iterations/000000/rollout/rank-2/manifest.json"
+    manifest = c.run_dir / "iterations/000000/rollout/rank-2/manifest.json"
 
     def saved() -> set[str]:
         try:
@@ -175,7 +175,7 @@ def test_a_rank_killed_mid_rollout_never_runs_a_saved_episode_again(
     assert len(runs) == 18 and all(n >= 2 for n in runs.values())
     assert before and all(runs[t] == 2 for t in before), (before, runs)
     assert sum(n - 2 for n in runs.values()) <= 3 * 2, runs
-    metrics = json.loads((c.log_path / "iterations/000000/metrics/rollout.json").read_text())
+    metrics = json.loads((c.run_dir / "iterations/000000/metrics/rollout.json").read_text())
     assert metrics["num_samples"] == 36 and metrics["num_failed"] == 0
 
 
@@ -213,7 +213,7 @@ def test_an_agent_that_never_returns_fails_the_phase_at_the_budget_not_at_the_en
     started = tmp_path / "episodes.log"
     agent = "tests.integration.broken_plugins:NeverReturningAgent"
     command = ["coordinator", "run", "--master", "--num-nodes", "1", "--rank-weights", "1",
-               "--log-path", str(run), "--iterations", "1", "--on-failure", "exit",
+               "--run-dir", str(run), "--iterations", "1", "--on-failure", "exit",
                "--set", f"rollout.agent={agent}", "--set", "rollout.episode_timeout_s=5",
                "--set", "rollout.concurrency=64",
                "--set", "coordination.heartbeat_interval_s=0.5",

@@ -38,7 +38,7 @@ def test_one_node_trains_on_some_gpus_while_its_others_roll_out_ahead_and_it_lea
     shutil.copytree(warm_model, run / "model-init")  # the demo's model, built once per suite
     sets = ("run.train_nodes=0:0", "run.rollout_nodes=0:1", "run.max_off_policy_steps=1",
             "schedule.eval_interval=0")
-    commands = [["coordinator", "run", "--master", "--num-nodes", "1", "--log-path", str(run),
+    commands = [["coordinator", "run", "--master", "--num-nodes", "1", "--run-dir", str(run),
                  "--iterations", str(ITERATIONS), *(a for s in sets for a in ("--set", s))]]
     # One daemon, its engine and one trainer: 26 s on the 2-core machine.
     done = run_nodes(commands, cwd=tmp_path, timeout_s=400)

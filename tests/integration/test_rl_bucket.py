@@ -32,7 +32,7 @@ from tests.support.cluster import LocalCluster
 from trainer.checkpoint import verify_checkpoint
 
 pytestmark = pytest.mark.slow
-README_BUCKET = "az://runs/rl-try"  # the --log-path of README.md's bucket lines
+README_BUCKET = "az://runs/rl-try"  # the --run-dir of README.md's bucket lines
 LEASE = 8.0  # a loaded 2-core box running three engines and torchrun
 
 
@@ -49,9 +49,9 @@ class BucketRun(LocalCluster):
                          master_args=("--rank-weights", "1,1,1"))
         self.bucket = bucket
 
-    def command(self, rank: int, log_path: Path | None = None) -> list[str]:
+    def command(self, rank: int, run_dir: Path | None = None) -> list[str]:
         cmd = super().command(rank)
-        cmd[cmd.index("--log-path") + 1] = self.bucket.url
+        cmd[cmd.index("--run-dir") + 1] = self.bucket.url
         return cmd
 
     def node(self, rank: int) -> Path:

@@ -160,7 +160,7 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
         (r, it, p, k) for r in range(3) for it in (0, 1) for p in range(14) for k in SpanKind}
     assert drawn.skipped == 0 and not drawn.recoveries
     for out in (tmp_path / "timeline.png", tmp_path / "timeline.html"):
-        done = subprocess.run([sys.executable, "-m", "coordinator_cli", "timeline", "--log-path", str(run),
+        done = subprocess.run([sys.executable, "-m", "coordinator_cli", "timeline", "--run-dir", str(run),
                                "--out", str(out)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert "3 ranks, 2 iterations, 0 recoveries" in done.stdout
@@ -178,13 +178,13 @@ def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
 ) -> None:
     # 30 epochs: a job of a few seconds, so the kill lands in it, after its first line.
     c = cluster(tmp_path, warm_model, iterations=2, epochs=30)
-    trainer_log = c.log_path / "ranks/2/logs/trainer.log"
+    trainer_log = c.run_dir / "ranks/2/logs/trainer.log"
     try:
         c.start_all()
         c.wait_until(lambda: trainer_log.exists() and "[trainer it=1 rank=2/3] batch" in
                      trainer_log.read_text(), 600, "node 2's trainer in iteration 1")
         if victim == "trainer":
-            trainer_processes(c.log_path, 2)[0].kill()
+            trainer_processes(c.run_dir, 2)[0].kill()
         else:
             c.procs[2].kill()  # the whole node: its daemon, torchrun and trainer go down
         killed = time.monotonic()
@@ -204,19 +204,19 @@ def test_a_killed_trainer_or_node_stops_every_node_and_recover_reruns_training(
                 assert re.search(r"rank 2 \(host [^)]+\) lost at iteration 1 phase 10 \(train\)",
                                  c.output(rank)), c.output(rank)[-2000:]
         time.sleep(1.0)
-        assert not trainer_processes(c.log_path), "every node stopped its torchrun"
+        assert not trainer_processes(c.run_dir), "every node stopped its torchrun"
 
-        out = subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--log-path",
-                              str(c.log_path), "--iteration", "1"],
+        out = subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--run-dir",
+                              str(c.run_dir), "--iteration", "1"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         c.start_all()
         codes = c.wait_all(timeout=600)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
         # Training of iteration 1 was rerun from iteration 0's checkpoint.
-        job = json.loads((c.log_path / "iterations/000001/train/job.json").read_text())
+        job = json.loads((c.run_dir / "iterations/000001/train/job.json").read_text())
         assert job["model_dir"].endswith("checkpoints/iter-000000")
-        assert (c.log_path / "checkpoints/iter-000001/manifest.json").exists()
+        assert (c.run_dir / "checkpoints/iter-000001/manifest.json").exists()
         # The rollout of iteration 1, finished before the kill, was not redone.
         assert "already done (journal), not redone" in c.output(1)
     finally:

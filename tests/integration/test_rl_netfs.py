@@ -90,7 +90,7 @@ def netfs_cluster(tmp_path: Path, fs: NetFs, model: Path, *, iterations: int = 2
 
 def start_all(c: LocalCluster) -> None:
     for rank in range(3):
-        c.start(rank, c.command(rank, log_path=c.mount_paths[rank]))  # type: ignore[attr-defined]
+        c.start(rank, c.command(rank, run_dir=c.mount_paths[rank]))  # type: ignore[attr-defined]
 
 
 def test_three_nodes_train_two_iterations_each_on_its_own_mount(
@@ -131,12 +131,12 @@ def check_best_kept_and_exported(run: Path, mount: Path, tmp_path: Path) -> None
     accuracy = json.loads((run / "iterations/000001/metrics/eval.json").read_text())["accuracy"]
     best = json.loads((run / "checkpoints/best.json").read_text())
     assert (best["iteration"], best["evaluated_at"], best["value"]) == (0, 1, accuracy)
-    status = subprocess.run([coordinator(), "status", "--log-path", str(mount), "--json"],
+    status = subprocess.run([coordinator(), "status", "--run-dir", str(mount), "--json"],
                             capture_output=True, text=True, timeout=60)
     rows = json.loads(status.stdout)["iterations"]
     assert [r["checkpoint"] for r in rows] == [f"best ({accuracy:.4g})", "kept"], rows
     out = tmp_path / "best-model"
-    done = subprocess.run([coordinator(), "export", "--log-path", str(mount), "--best",
+    done = subprocess.run([coordinator(), "export", "--run-dir", str(mount), "--best",
                            "eval/accuracy", "--out", str(out)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and "iter-000000" in done.stdout, done.stderr
@@ -215,7 +215,7 @@ def restart_alone(c: LocalCluster, export_run: Path, killed: int, *, delay: floa
     survivors = {r: p for r, p in c.procs.items() if r != killed}
     before = recoveries(export_run)
     time.sleep(delay)
-    c.start(killed, c.command(killed, log_path=c.mount_paths[killed]))  # type: ignore[attr-defined]
+    c.start(killed, c.command(killed, run_dir=c.mount_paths[killed]))  # type: ignore[attr-defined]
     restarted = time.monotonic()
     # The restarted daemon starts python, torch and the engine stack (~5 s on a
     # loaded 2-core box); sshfs adds a second or two per record it waits on.
@@ -331,7 +331,7 @@ def stop_all_then_recover(c: LocalCluster, export_run: Path, killed: int, iterat
                           r"phase (\d+)", c.output(rank))
         assert found and int(found[1]) in phases, c.output(rank)[-2000:]
     print(f"\nrank {killed} killed: the others stopped in {time.monotonic() - killed_at:.1f} s")
-    done = subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--log-path",
+    done = subprocess.run([sys.executable, "-m", "coordinator_cli", "recover", "--run-dir",
                            str(c.mount_paths[0])],  # type: ignore[attr-defined]
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

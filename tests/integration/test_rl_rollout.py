@@ -75,7 +75,7 @@ def test_three_ranks_roll_out_and_the_batch_holds_every_assigned_task_times_the_
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
     finally:
         c.close()
-    it = c.log_path / "iterations" / "000000"
+    it = c.run_dir / "iterations" / "000000"
     plan_path = it / "shard-train.json"
     plan = ShardPlan.from_bytes(plan_path.read_bytes(), plan_path)
     shares = [len(plan.tasks_for(r)) for r in range(3)]
@@ -102,18 +102,18 @@ def test_three_ranks_roll_out_and_the_batch_holds_every_assigned_task_times_the_
     from coordinator.records import layout
 
     for rank in range(3):
-        arrival = json.loads((c.log_path / layout.arrival(0, 0, rank)).read_text())
+        arrival = json.loads((c.run_dir / layout.arrival(0, 0, rank)).read_text())
         assert arrival["payload"]["reward"].startswith("reward.path's compute_score in a "
                                                        "file of SHA-256 "), arrival
     # Every engine was stopped at phase 7: no server process is left.
     import psutil
 
-    run_id = json.loads((c.log_path / "run.json").read_text())["run_id"]
+    run_id = json.loads((c.run_dir / "run.json").read_text())["run_id"]
     servers = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
     servers = [s for s in servers if "rollout.hf.server" in s]
     assert not [s for s in servers if run_id in s], servers
     # The engines served the node-local, verified copies of the model.
-    engine_log = (c.log_path / "ranks" / "1" / "logs").iterdir()
+    engine_log = (c.run_dir / "ranks" / "1" / "logs").iterdir()
     assert any(run_id in p.read_text(errors="replace") for p in engine_log)
 
 

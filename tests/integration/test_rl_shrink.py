@@ -60,7 +60,7 @@ def lose_node_2_then_restart_it(c: LocalCluster, it_dir: Path, *,
     `back_after`, if given) and run to the end.  Returns the train plan as it was
     and node 2's chunks saved before the kill.  With `fresh_disk`, node 2 comes back
     with that empty directory as its TMPDIR: a replaced node, its cache gone."""
-    run = c.log_path
+    run = c.run_dir
     manifest = it_dir / "rollout/rank-2/manifest.json"
     try:
         start_all(c)
@@ -74,7 +74,7 @@ def lose_node_2_then_restart_it(c: LocalCluster, it_dir: Path, *,
                          f"the master past iteration {back_after[0]} phase {back_after[1]}")
         if fresh_disk is not None:
             fresh_disk.mkdir(mode=0o700)
-        c.start(2, c.command(2, log_path=c.mount_paths[2]),  # type: ignore[attr-defined]
+        c.start(2, c.command(2, run_dir=c.mount_paths[2]),  # type: ignore[attr-defined]
                 env=None if fresh_disk is None else {"TMPDIR": str(fresh_disk)})
         codes = c.wait_all(timeout=900)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}

@@ -55,7 +55,7 @@ def run_with_fault(tmp_path: Path, model: Path, fault: dict[str, object],
 
 
 def phase12(c: LocalCluster, rank: int) -> dict:
-    path = c.log_path / f"iterations/000000/phase-12/arrive-{rank}.json"
+    path = c.run_dir / f"iterations/000000/phase-12/arrive-{rank}.json"
     return json.loads(path.read_text())  # type: ignore[no-any-return]
 
 
@@ -86,20 +86,20 @@ def test_a_failed_reload_falls_back_to_a_restart_and_the_run_completes(
     assert codes == {0: 0, 1: 0}, {r: c.output(r)[-2000:] for r in codes}
     # The built-in task went through the chat template; its answers end at the end of turn.
     tokenizer = AutoTokenizer.from_pretrained(warm_qwen2)
-    batch = load_train_batch(c.log_path / "iterations/000000/batch.pt")
+    batch = load_train_batch(c.run_dir / "iterations/000000/batch.pt")
     start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     assert all(ids[0] == start for ids in batch.prompt_ids)
     assert tokenizer.decode(batch.prompt_ids[0][-3:]) == "<|im_start|>assistant\n"
     assert any(ids[-1] == end for ids in batch.response_ids)
     # The checkpoint keeps the model's bf16; the training state keeps fp32 masters.
-    checkpoint = next((c.log_path / "checkpoints").glob("iter-000000*"))
+    checkpoint = next((c.run_dir / "checkpoints").glob("iter-000000*"))
     assert {t.dtype for t in load_file(checkpoint / "model.safetensors").values()} == {
         torch.bfloat16}
-    state = c.log_path / "train_state/iter-000000"
+    state = c.run_dir / "train_state/iter-000000"
     (index,) = train_state.complete_state(state)
     assert {t.dtype for t in train_state.load_shard(state, index).weights.values()} == {
         torch.float32}
-    slept = json.loads((c.log_path / f"iterations/000000/phase-07/arrive-{FAULTY}.json")
+    slept = json.loads((c.run_dir / f"iterations/000000/phase-07/arrive-{FAULTY}.json")
                        .read_text())["payload"]
     served = phase12(c, FAULTY)["payload"]
     assert served["engine"] == "restarted after a failed reload"

@@ -53,7 +53,7 @@ def test_the_usage_line_as_the_readme_writes_it_trains_every_iteration_and_learn
         loud = [line for line in log.splitlines()
                 if re.search(r" (WARNING|ERROR|CRITICAL) ", line)]
         assert loud == [], loud
-    status = subprocess.run([coordinator(), "status", "--log-path", str(run), "--json"],
+    status = subprocess.run([coordinator(), "status", "--run-dir", str(run), "--json"],
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     rows = json.loads(status.stdout)["iterations"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-README_PATH = "/tmp/rl-try"  # the --log-path README.md's usage line uses
+README_PATH = "/tmp/rl-try"  # the --run-dir README.md's usage line uses
 
 
 def usage_line(marker: str = "usage-line") -> list[list[str]]:

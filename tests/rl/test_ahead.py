@@ -160,7 +160,7 @@ def test_the_master_refuses_gpu_ranges_that_do_not_fit_before_writing_run_json(
     from coordinator.errors import UsageError
     from coordinator.machine.runplan import RunRequest, make_plan
 
-    request = RunRequest(log_path=tmp_path, rank=0, num_nodes=2, weights=None, config_file=None,
+    request = RunRequest(run_dir=tmp_path, rank=0, num_nodes=2, weights=None, config_file=None,
                          overrides={"run": {"actions": "rl", "train_nodes": "0:0-1",
                                             "rollout_nodes": "0:2-3,1"}})
     with pytest.raises(UsageError, match=r"gives node 0 2 GPU\(s\) to train on, but "

@@ -37,33 +37,47 @@ def invoke(*args: str) -> tuple[int, str]:
     (["--num-nodes", "0"], "--num-nodes 0 is below 1"),
 ])
 def test_bad_master_values_exit_2_naming_value_and_fix(tmp_path, args, message) -> None:
-    code, out = invoke("run", "--master", "--log-path", str(tmp_path), *args)
+    code, out = invoke("run", "--master", "--run-dir", str(tmp_path), *args)
     assert code == 2, out
     assert message in out
 
 
 def test_worker_rank_out_of_range_exits_2(tmp_path) -> None:
-    code, out = invoke("run", "--worker", "3", "--num-nodes", "3", "--log-path", str(tmp_path))
+    code, out = invoke("run", "--worker", "3", "--num-nodes", "3", "--run-dir", str(tmp_path))
     assert code == 2 and "--worker 3 is out of range for --num-nodes 3" in out
-    code, out = invoke("run", "--worker", "-1", "--log-path", str(tmp_path))
+    code, out = invoke("run", "--worker", "-1", "--run-dir", str(tmp_path))
     assert code == 2 and "--worker -1 is below 1" in out
 
 
 def test_master_and_worker_together_exit_2(tmp_path) -> None:
-    code, out = invoke("run", "--master", "--worker", "1", "--log-path", str(tmp_path))
+    code, out = invoke("run", "--master", "--worker", "1", "--run-dir", str(tmp_path))
     assert code == 2 and "--master and --worker 1 both given" in out
 
 
-def test_no_log_path_exits_2() -> None:
+def test_no_run_dir_exits_2() -> None:
     code, out = invoke("run", "--master")
-    assert code == 2 and "--log-path is required" in out
+    assert code == 2 and "--run-dir is required" in out
+
+
+@pytest.mark.parametrize("command", ["run", "status", "recover", "timeline", "doctor", "export"])
+def test_every_command_takes_the_run_dir_also_as_the_flag_file_scripts_log_path(
+        tmp_path, command) -> None:
+    """One declaration for every command: --run-dir, and --log-path (the name the
+    flag-file run.sh used) is the same option."""
+    missing = tmp_path / "absent"
+    for flag in ("--run-dir", "--log-path"):
+        extra = ["--out", str(tmp_path / "out")] if command == "export" else []
+        code, out = invoke(command, flag, "" if command in ("run", "doctor") else str(missing),
+                           *extra)
+        assert code == 2, out
+        assert "--run-dir" in out and "No such option" not in out, out
 
 
 def test_a_log_path_that_is_a_file_exits_2(tmp_path) -> None:
     f = tmp_path / "file"
     f.write_text("x")
-    code, out = invoke("run", "--master", "--log-path", str(f))
-    assert code == 2 and f"--log-path {f} is a file, not a directory" in out
+    code, out = invoke("run", "--master", "--run-dir", str(f))
+    assert code == 2 and f"--run-dir {f} is a file, not a directory" in out
 
 
 def test_a_log_path_that_is_not_writable_exits_2(tmp_path) -> None:
@@ -74,7 +88,7 @@ def test_a_log_path_that_is_not_writable_exits_2(tmp_path) -> None:
     else:
         ro.chmod(0o555)
     try:
-        code, out = invoke("run", "--master", "--log-path", str(ro))
+        code, out = invoke("run", "--master", "--run-dir", str(ro))
         assert code == 2 and "is not writable" in out
     finally:
         if os.geteuid() == 0:
@@ -84,19 +98,19 @@ def test_a_log_path_that_is_not_writable_exits_2(tmp_path) -> None:
 def test_no_rank_at_all_exits_2_and_env_ranks_are_honoured(tmp_path, monkeypatch) -> None:
     for var in ("RANK", "NODE_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
-    code, out = invoke("run", "--log-path", str(tmp_path))
+    code, out = invoke("run", "--run-dir", str(tmp_path))
     assert code == 2 and "no rank given: pass --master" in out
     monkeypatch.setenv("SLURM_PROCID", "4")
-    code, out = invoke("run", "--num-nodes", "2", "--log-path", str(tmp_path))
+    code, out = invoke("run", "--num-nodes", "2", "--run-dir", str(tmp_path))
     assert code == 2 and "--worker 4 is out of range for --num-nodes 2" in out
 
 
 def test_unknown_config_keys_exit_2_naming_the_closest_setting(tmp_path) -> None:
-    code, out = invoke("run", "--master", "--log-path", str(tmp_path), "--actions", "scripted",
+    code, out = invoke("run", "--master", "--run-dir", str(tmp_path), "--actions", "scripted",
                        "--set", "coordination.leese_s=3")
     assert code == 2 and \
         "coordination.leese_s: no such setting; did you mean coordination.lease_s?" in out
-    code, out = invoke("run", "--master", "--log-path", str(tmp_path), "--actions", "scripted",
+    code, out = invoke("run", "--master", "--run-dir", str(tmp_path), "--actions", "scripted",
                        "--lease", "1", "--heartbeat-interval", "2")
     assert code == 2 and "must be below coordination.lease_s=1.0" in out
 
@@ -104,11 +118,11 @@ def test_unknown_config_keys_exit_2_naming_the_closest_setting(tmp_path) -> None
 def test_a_worker_beyond_the_masters_node_count_exits_2(tmp_path) -> None:
     master = subprocess.Popen(
         [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "2",
-         "--actions", "scripted", "--log-path", str(tmp_path)],
+         "--actions", "scripted", "--run-dir", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "coordinator_cli", "run", "--worker", "5", "--log-path",
+            [sys.executable, "-m", "coordinator_cli", "run", "--worker", "5", "--run-dir",
              str(tmp_path)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2
         assert "--worker 5 is out of range: run" in out.stderr and "workers are 1..1" in out.stderr
@@ -118,19 +132,19 @@ def test_a_worker_beyond_the_masters_node_count_exits_2(tmp_path) -> None:
 
 
 def test_recover_rejects_a_negative_or_unreached_iteration(tmp_path) -> None:
-    code, out = invoke("recover", "--log-path", str(tmp_path), "--iteration", "-1")
+    code, out = invoke("recover", "--run-dir", str(tmp_path), "--iteration", "-1")
     assert code == 2 and "--iteration -1 is outside 0..999999" in out
     subprocess.run(
         [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "1",
-         "--actions", "scripted", "--iterations", "2", "--log-path", str(tmp_path)],
+         "--actions", "scripted", "--iterations", "2", "--run-dir", str(tmp_path)],
         check=True, capture_output=True, timeout=60)
-    code, out = invoke("recover", "--log-path", str(tmp_path), "--iteration", "7")
+    code, out = invoke("recover", "--run-dir", str(tmp_path), "--iteration", "7")
     assert code == 2 and "--iteration 7 was never reached" in out
     assert "between 0 and 2" in out
 
 
 def test_recover_without_a_run_exits_2(tmp_path) -> None:
-    code, out = invoke("recover", "--log-path", str(tmp_path), "--iteration", "0")
+    code, out = invoke("recover", "--run-dir", str(tmp_path), "--iteration", "0")
     assert code == 2 and "holds no run" in out
 
 
@@ -146,7 +160,7 @@ def test_a_yaml_config_works_like_toml(tmp_path) -> None:
     assert yaml_config == resolve_config(load_file(tmp_path / "c.toml"))
     assert yaml_config.coordination.lease_s == 9.0
     (tmp_path / "c.ini").write_text("x")
-    code, out = invoke("run", "--master", "--log-path", str(tmp_path / "run"), "--config",
+    code, out = invoke("run", "--master", "--run-dir", str(tmp_path / "run"), "--config",
                        str(tmp_path / "c.ini"))
     assert code == 2 and "use .toml, .yaml or .yml" in out
 
@@ -199,11 +213,11 @@ def test_the_trainer_refuses_an_unknown_key_too() -> None:
 def test_a_train_typo_exits_2_at_start_from_set_and_from_a_config_file(tmp_path) -> None:
     message = "train.lrr: no such setting; did you mean train.lr?"
     run = tmp_path / "run"
-    code, out = invoke("run", "--master", "--log-path", str(run), "--set", "train.lrr=1e-5")
+    code, out = invoke("run", "--master", "--run-dir", str(run), "--set", "train.lrr=1e-5")
     assert code == 2 and message in out, out
     config = tmp_path / "c.toml"
     config.write_text("[train]\nlrr = 1e-5\n")
-    code, out = invoke("run", "--master", "--log-path", str(run), "--config", str(config))
+    code, out = invoke("run", "--master", "--run-dir", str(run), "--config", str(config))
     assert code == 2 and message in out, out
     assert not (run / "run.json").exists()  # refused before anything was written
 
@@ -211,7 +225,7 @@ def test_a_train_typo_exits_2_at_start_from_set_and_from_a_config_file(tmp_path)
 def test_a_worker_refuses_its_own_typo_without_waiting_for_the_master(tmp_path) -> None:
     # No master ever comes: before, the worker waited for one (here 20 s, then exit 5).
     started = time.monotonic()
-    code, out = invoke("run", "--worker", "1", "--log-path", str(tmp_path), "--set",
+    code, out = invoke("run", "--worker", "1", "--run-dir", str(tmp_path), "--set",
                        "coordination.join_timeout_s=20", "--set", "rollout.grup_size=4")
     assert code == 2 and "rollout.grup_size: no such setting; did you mean " \
         "rollout.group_size?" in out, out
@@ -221,7 +235,7 @@ def test_a_worker_refuses_its_own_typo_without_waiting_for_the_master(tmp_path) 
 def test_a_missing_config_file_exits_2_and_a_symlinked_one_is_read(tmp_path) -> None:
     from coordinator.config.run_config import load_file
 
-    code, out = invoke("run", "--master", "--log-path", str(tmp_path / "run"), "--config",
+    code, out = invoke("run", "--master", "--run-dir", str(tmp_path / "run"), "--config",
                        str(tmp_path / "nope.toml"))
     assert code == 2 and f"--config {tmp_path / 'nope.toml'} does not exist" in out
     (tmp_path / "real.toml").write_text("[train]\nlr = 1e-5\n")

@@ -79,7 +79,7 @@ def test_a_verl_name_is_answered_from_the_same_table(raw, meant) -> None:
 
 
 def test_a_verl_override_on_the_command_line_exits_2_naming_our_key(tmp_path) -> None:
-    result = CliRunner().invoke(app, ["run", "--master", "--log-path", str(tmp_path), "--set",
+    result = CliRunner().invoke(app, ["run", "--master", "--run-dir", str(tmp_path), "--set",
                                       "actor_rollout_ref.rollout.n=8"])
     assert result.exit_code == 2
     assert ("actor_rollout_ref.rollout.n: no such setting; did you mean rollout.group_size?"

@@ -62,6 +62,6 @@ def test_a_bad_setting_exits_2_with_the_message_run_gives(tmp_path) -> None:
     for bad in ("rollout.group_size=1", "train.lrr=1", "engine.port=70000"):
         code, out, err = invoke("config", "--set", bad)
         assert code == 2 and out == "", (bad, out)
-        run_code, _, run_err = invoke("run", "--master", "--log-path", str(tmp_path / "r"),
+        run_code, _, run_err = invoke("run", "--master", "--run-dir", str(tmp_path / "r"),
                                       "--set", bad)
         assert run_code == 2 and err == run_err and err.startswith("error: "), (err, run_err)

@@ -62,7 +62,7 @@ def export(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_newest_checkpoint_exports_as_a_plain_hf_model_with_its_logits_and_dtype(
         run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "exports" / "newest"
-    done = export("--log-path", str(run_dir), "--out", str(out))
+    done = export("--run-dir", str(run_dir), "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "checkpoints/iter-000004 (the newest published checkpoint)" in done.stdout
     assert "weights BF16" in done.stdout, done.stdout
@@ -80,7 +80,7 @@ def test_the_newest_checkpoint_exports_as_a_plain_hf_model_with_its_logits_and_d
         [{"role": "user", "content": "12>"}], add_generation_prompt=True, tokenize=False)
     # --iteration takes an older one: fp32, its tokenizer files carried from the model.
     older = tmp_path / "older"
-    assert export("--log-path", str(run_dir), "--out", str(older),
+    assert export("--run-dir", str(run_dir), "--out", str(older),
                   "--iteration", "3").returncode == 0
     assert torch.equal(logits(older), logits(layout.checkpoint(run_dir, 3)))
     assert logits(older).dtype == torch.float32
@@ -98,14 +98,14 @@ def test_a_file_altered_after_publishing_is_refused_and_nothing_reaches_out(
     data[-1] ^= 1  # one bit of the last weight: same size, other hash
     weights.write_bytes(bytes(data))
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["export", "--log-path", str(altered), "--out", str(out)])
+    result = CliRunner().invoke(app, ["export", "--run-dir", str(altered), "--out", str(out)])
     assert result.exit_code == 7, result.output
     assert "iter-000003/model.safetensors: copied" in result.output
     assert "the file is altered" in result.output and "nothing was written" in result.output
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no out, no staging
     weights.write_bytes(bytes(data[: len(data) // 2]))  # truncated
     (source / "notes.txt").write_text("planted")  # and a file the manifest does not list
-    result = CliRunner().invoke(app, ["export", "--log-path", str(altered), "--out", str(out)])
+    result = CliRunner().invoke(app, ["export", "--run-dir", str(altered), "--out", str(out)])
     assert result.exit_code == 7 and "notes.txt: extra file not in the manifest" in result.output
     assert not out.exists()
 
@@ -116,24 +116,24 @@ def test_a_non_empty_out_is_refused_unless_forced_and_the_run_is_never_an_out(
     out.mkdir()
     (out / "mine.txt").write_text("the user's")
     invoke = CliRunner().invoke
-    refused = invoke(app, ["export", "--log-path", str(run_dir), "--out", str(out)])
+    refused = invoke(app, ["export", "--run-dir", str(run_dir), "--out", str(out)])
     assert refused.exit_code == 2 and "is not empty" in refused.output
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
-    forced = invoke(app, ["export", "--log-path", str(run_dir), "--out", str(out), "--force"])
+    forced = invoke(app, ["export", "--run-dir", str(run_dir), "--out", str(out), "--force"])
     assert forced.exit_code == 0, forced.output
     assert not (out / "mine.txt").exists() and (out / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the old one removed, not aside
     for inside in (run_dir.parent, run_dir / "checkpoints" / "x"):
-        bad = invoke(app, ["export", "--log-path", str(run_dir), "--out", str(inside), "--force"])
+        bad = invoke(app, ["export", "--run-dir", str(run_dir), "--out", str(inside), "--force"])
         assert bad.exit_code == 2 and "checkpoints" in bad.output, bad.output
-    missing = invoke(app, ["export", "--log-path", str(run_dir), "--out", str(tmp_path / "n"),
+    missing = invoke(app, ["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "n"),
                            "--iteration", "1"])
     assert missing.exit_code == 2
     assert "is not a published checkpoint" in missing.output and "present: 3, 4" in missing.output
-    both = invoke(app, ["export", "--log-path", str(run_dir), "--out", str(tmp_path / "n"),
+    both = invoke(app, ["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "n"),
                         "--iteration", "3", "--best", "eval/accuracy"])
     assert both.exit_code == 2 and "give one of them" in both.output
-    wrong = invoke(app, ["export", "--log-path", str(run_dir), "--out", str(tmp_path / "n"),
+    wrong = invoke(app, ["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "n"),
                          "--best", "train/loss"])
     assert wrong.exit_code == 2 and "only an eval metric chooses a checkpoint" in wrong.output
 
@@ -153,12 +153,12 @@ def test_best_chooses_by_the_eval_that_measured_each_checkpoint(
     for metric, chosen in (("eval/accuracy", 3), ("accuracy", 3), ("eval/val_loss", 4),
                            ("eval/val_loss:max", 3), ("eval/accuracy:min", 4)):
         out = tmp_path / metric.replace("/", "-").replace(":", "-")
-        result = CliRunner().invoke(app, ["export", "--log-path", str(run_dir), "--out",
+        result = CliRunner().invoke(app, ["export", "--run-dir", str(run_dir), "--out",
                                           str(out), "--best", metric])
         assert result.exit_code == 0, result.output
         assert f"iter-{chosen:06d}" in result.output, (metric, result.output)
         assert f"measured by iteration {chosen + 1}" in result.output
-    result = CliRunner().invoke(app, ["export", "--log-path", str(run_dir), "--out",
+    result = CliRunner().invoke(app, ["export", "--run-dir", str(run_dir), "--out",
                                       str(tmp_path / "x"), "--best", "eval/bleu"])
     assert result.exit_code == 2 and "has an eval with bleu" in result.output
 
@@ -210,7 +210,7 @@ def test_phase_13_keeps_the_best_checkpoint_beside_the_newest_and_records_it(
                       7: "kept"}
     # The export takes the record's choice.
     out = tmp_path / "best"
-    result = CliRunner().invoke(app, ["export", "--log-path", str(tmp_path), "--out", str(out),
+    result = CliRunner().invoke(app, ["export", "--run-dir", str(tmp_path), "--out", str(out),
                                       "--best", "eval/accuracy"])
     assert result.exit_code == 0, result.output
     assert "the best by checkpoint.keep_best, iter-000003: eval/accuracy 0.6" in result.output
@@ -257,7 +257,7 @@ def test_a_delta_checkpoint_exports_whole_as_the_trainer_wrote_it(
                                   last_published=last, delta_parent=layout.checkpoint(run, 5))
     assert manifest.delta is not None
     out = tmp_path / "exports" / "newest"
-    done = export("--log-path", str(run), "--out", str(out))
+    done = export("--run-dir", str(run), "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "checkpoints/iter-000006 (the newest published checkpoint)" in done.stdout
     assert "model.safetensors" in {p.name for p in out.iterdir()} and not (out / "delta").exists()

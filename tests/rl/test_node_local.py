@@ -154,7 +154,7 @@ def test_a_planted_symlink_is_refused_and_leaving_never_empties_its_target(
 
 def one_node_run(run_dir: Path, tmpdir: Path, *, user: str | None, keep: bool) -> None:
     """The RL loop on one node, one small iteration, as `user` (None: this one)."""
-    cmd = [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "1", "--log-path",
+    cmd = [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "1", "--run-dir",
            str(run_dir), "--iterations", "1", "--eval-interval", "0",
            "--no-eval-before-train", "--set", "rollout.tasks_per_iteration=16",
            "--set", f"checkpoint.keep_local_cache={str(keep).lower()}"]

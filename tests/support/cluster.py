@@ -54,9 +54,9 @@ def write_config(path: Path, *, iterations: int = 3, lease: float = 3.0, scripte
 
 
 class LocalCluster:
-    def __init__(self, log_path: Path, work: Path, *, num_nodes: int, config: Path,
+    def __init__(self, run_dir: Path, work: Path, *, num_nodes: int, config: Path,
                  master_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
-        self.log_path = log_path
+        self.run_dir = run_dir
         self.work = work
         self.num_nodes = num_nodes
         self.config = config
@@ -66,9 +66,9 @@ class LocalCluster:
         self.logs: dict[int, Path] = {}
         self.starts = 0
 
-    def command(self, rank: int, log_path: Path | None = None) -> list[str]:
+    def command(self, rank: int, run_dir: Path | None = None) -> list[str]:
         base = [sys.executable, "-m", "coordinator_cli", "run",
-                "--log-path", str(log_path or self.log_path)]
+                "--run-dir", str(run_dir or self.run_dir)]
         if rank == 0:
             return [*base, "--master", "--num-nodes", str(self.num_nodes), "--config",
                     str(self.config), *self.master_args]
@@ -107,7 +107,7 @@ class LocalCluster:
 
     def heartbeat(self, rank: int) -> dict[str, Any] | None:
         try:
-            return json.loads((self.log_path / "ranks" / str(rank) / "heartbeat.json").read_text())
+            return json.loads((self.run_dir / "ranks" / str(rank) / "heartbeat.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
@@ -138,23 +138,23 @@ class LocalCluster:
                 proc.wait(timeout=10)
 
 
-def arrivals_on_disk(log_path: Path) -> dict[tuple[int, int, int], dict[str, Any]]:
+def arrivals_on_disk(run_dir: Path) -> dict[tuple[int, int, int], dict[str, Any]]:
     """Every arrival record on disk keyed by (iteration, phase, rank)."""
     out = {}
-    for path in (log_path / "iterations").glob("*/phase-*/arrive-*.json"):
+    for path in (run_dir / "iterations").glob("*/phase-*/arrive-*.json"):
         record = json.loads(path.read_text())
         out[(record["iteration"], record["phase"], record["rank"])] = record
     return out
 
 
-def scripted_log(log_path: Path, rank: int) -> list[tuple[int, int]]:
-    path = log_path / "ranks" / str(rank) / "scripted-log.json"
+def scripted_log(run_dir: Path, rank: int) -> list[tuple[int, int]]:
+    path = run_dir / "ranks" / str(rank) / "scripted-log.json"
     return [tuple(x) for x in json.loads(path.read_text())]  # type: ignore[misc]
 
 
-def scripted_runs(log_path: Path) -> dict[tuple[int, int, int], int]:
+def scripted_runs(run_dir: Path) -> dict[tuple[int, int, int], int]:
     out = {}
-    for path in (log_path / "iterations").glob("*/scripted/rank-*/phase-*.json"):
+    for path in (run_dir / "iterations").glob("*/scripted/rank-*/phase-*.json"):
         record = json.loads(path.read_text())
         out[(record["iteration"], record["phase"], record["rank"])] = record["runs"]
     return out

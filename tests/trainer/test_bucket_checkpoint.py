@@ -75,7 +75,7 @@ def test_a_checkpoint_in_a_bucket_is_published_by_its_manifest_and_verified_on_c
 
 def test_coordinator_export_takes_the_runs_bucket_url_and_verifies_what_it_fetches(
         azurite: Server, tmp_path: Path, tiny_model: Path) -> None:
-    """`coordinator export --log-path az://...` (rl/export.py): the checkpoint's objects
+    """`coordinator export --run-dir az://...` (rl/export.py): the checkpoint's objects
     fetched straight into the export, each checked against the manifest; an object
     replaced after publishing is named by its URL and nothing reaches --out."""
     import subprocess
@@ -88,7 +88,7 @@ def test_coordinator_export_takes_the_runs_bucket_url_and_verifies_what_it_fetch
     env = bucket.node_env(tmp_path, "exporter")
 
     def export(out: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([coordinator(), "export", "--log-path", bucket.url, "--out",
+        return subprocess.run([coordinator(), "export", "--run-dir", bucket.url, "--out",
                                str(out)], env=env, capture_output=True, text=True,
                               timeout=120)  # seconds: imports and a 1.4 MB checkpoint
 
