@@ -34,7 +34,7 @@ from rollout.agents import EngineEndpoint
 from rollout.client import CompletionClient
 from rollout.engines import serving
 from rollout.engines.engine import Engine, EngineError, EngineState, make_engine
-from rollout.engines.serving import Parked, Served
+from rollout.engines.weight_updates import Parked, Served
 from trainer.probes import ProbeSet
 
 log = logging.getLogger(__name__)

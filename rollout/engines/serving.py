@@ -35,8 +35,6 @@ from rollout.engines.config import EngineError, EngineState
 from rollout.engines.engine import Engine
 from rollout.engines.weight_updates import Parked, Served, UpdateRule
 
-__all__ = ["Parked", "Served", "park", "park_step", "serve", "serve_step"]
-
 log = logging.getLogger("rollout.engines.engine")
 
 

@@ -13,19 +13,18 @@ from rl.run_layouts import LAYOUTS, RunLayout, layout_of, markdown_table
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize(("rollout", "train", "k", "expected"), [
-    ("", "", 0, RunLayout.COLOCATED),
-    ("", "0", 0, RunLayout.DISAGGREGATED),
-    ("1-2", "0", 0, RunLayout.DISAGGREGATED),
-    ("0:4-7,1-2", "0:0-3", 0, RunLayout.SPLIT_NODE),
-    ("", "0", 1, RunLayout.ASYNCHRONOUS),
-    ("0:4-7", "0:0-3", 2, RunLayout.ASYNCHRONOUS),  # one split node, asynchronous
+@pytest.mark.parametrize(("rollout", "train", "k", "nodes", "expected"), [
+    ("", "", 0, 3, RunLayout.COLOCATED),
+    ("", "0", 0, 3, RunLayout.DISAGGREGATED),
+    ("1-2", "0", 0, 3, RunLayout.DISAGGREGATED),
+    ("0:4-7,1-2", "0:0-3", 0, 3, RunLayout.SPLIT_NODE),
+    ("", "0", 1, 3, RunLayout.ASYNCHRONOUS),
+    ("0:4-7", "0:0-3", 2, 1, RunLayout.ASYNCHRONOUS),  # one split node, asynchronous
 ])
-def test_each_placement_gives_its_layout(rollout: str, train: str, k: int,
+def test_each_placement_gives_its_layout(rollout: str, train: str, k: int, nodes: int,
                                          expected: RunLayout) -> None:
     placement = Placement.of(rollout_nodes=rollout, train_nodes=train, max_off_policy_steps=k,
-                             num_nodes=1 if rollout.startswith("0:") and "," not in rollout
-                             else 3)
+                             num_nodes=nodes)
     assert layout_of(placement) is expected
 
 

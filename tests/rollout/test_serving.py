@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rollout.engines.config import EngineConfig, EngineError, EngineState, WeightUpdate
-from rollout.engines.serving import Parked, Served, park, park_step, serve, serve_step
-from rollout.engines.weight_updates import WEIGHT_UPDATES, UpdateRule
+from rollout.engines.serving import park, park_step, serve, serve_step
+from rollout.engines.weight_updates import WEIGHT_UPDATES, Parked, Served, UpdateRule
 
 
 def rule(reloads: bool) -> UpdateRule:
