@@ -46,7 +46,7 @@ from rl.layout import Split
 from rl.loop import Loop
 from rl.plan import shard_plan
 from rl.reward_check import BUILTIN_AGENT, same_agents
-from rl.sections import requests_in_flight
+from rl.sections import episodes_in_flight
 from rollout.agents import Agent, GroupAgent, load_agent, run_groups
 from rollout.budget import check_failures, check_failures_so_far
 from rollout.errors import BudgetError
@@ -192,7 +192,7 @@ def _generate(loop: Loop, ctx: StepContext, split: Split, iteration: int,
     started = last_report = time.monotonic()
     groups = run_groups(_agent(loop, iteration, split), todo, loop.engines.endpoint(),
                         group_size=group_size,
-                        concurrency=requests_in_flight(s.rollout, s.engine),
+                        concurrency=episodes_in_flight(s.rollout, s.engine),
                         timeout_s=s.rollout.episode_timeout_s, check_cancel=ctx.check_cancel)
     try:
         for done, (_task, samples) in enumerate(groups, start=1):

@@ -169,6 +169,11 @@ class RolloutSection(Section):
         0, "Requests in flight; 0 keeps each engine replica's batch full: 64 per replica "
         "(engine.data_parallel_size).", ge=0,
         fix="give the requests to keep in flight, or 0 for 64 per engine replica")
+    episode_concurrency: int = setting(
+        0, "Agent episodes run at once (rollout.agent); 0 for 4 per request in flight: an "
+        "episode also waits on its tools and environment, and the engine still receives at "
+        "most the requests in flight.", ge=0,
+        fix="give the episodes to run at once, or 0 for 4 per request in flight")
     request_retries: int = setting(3, "Retries of a failed request before its group fails.",
                                    ge=0)
     max_failed_fraction: float = setting(
@@ -203,6 +208,19 @@ REQUESTS_PER_REPLICA = 64
 
 def requests_in_flight(rollout: RolloutSection, engine: EngineConfig) -> int:
     return rollout.concurrency or REQUESTS_PER_REPLICA * engine.data_parallel_size
+
+
+# Agent episodes per request in flight when rollout.episode_concurrency is 0.  An
+# episode holds no request while its tools or environment run; verl, SkyRL and
+# prime-rl's verifiers start a batch's episodes all at once and let the engine
+# queue.  One thread each here, so a bound: 4x keeps the engine's batch full for
+# episodes that spend up to three quarters of their time outside it.
+EPISODES_PER_REQUEST = 4
+
+
+def episodes_in_flight(rollout: RolloutSection, engine: EngineConfig) -> int:
+    return rollout.episode_concurrency or EPISODES_PER_REQUEST * requests_in_flight(rollout,
+                                                                                    engine)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,7 +57,9 @@ _CANCEL_CHECK_S: Final = 0.2
 
 
 class CompletionClient:
-    """`iter_groups`/`generate_groups` run at most `concurrency` requests at once."""
+    """At most `concurrency` completion requests at once: `iter_groups` and
+    `generate_groups` keep that many in flight, and `complete_one`, which agent
+    episodes call from their own threads, waits for a free slot."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class CompletionClient:
         self._model = model
         self._model_lock = threading.Lock()
         self.concurrency = concurrency
+        self._slots = threading.BoundedSemaphore(concurrency)
         self.request_timeout_s = request_timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -185,9 +188,12 @@ class CompletionClient:
 
     def complete_one(self, prompt: Prompt, *, n: int, max_tokens: int, **kw: Any,
                      ) -> list[Sample]:
-        """One attempt: n samples of `prompt`, in choice order.  Raises ClientError."""
+        """One attempt: n samples of `prompt`, in choice order.  Raises ClientError.
+        Waits while `concurrency` other calls are in flight."""
         path, body = request_body(prompt, model=self.model, n=n, max_tokens=max_tokens, **kw)
-        return parse_samples(self.request("POST", path, body), n, path)
+        with self._slots:
+            answer = self.request("POST", path, body)
+        return parse_samples(answer, n, path)
 
     # --- groups ---------------------------------------------------------------
 

@@ -169,6 +169,22 @@ def test_no_more_requests_than_the_concurrency_limit_are_in_flight(server: FakeS
     assert server.max_in_flight == 3
 
 
+def test_single_requests_from_many_threads_share_the_same_limit(server: FakeServer) -> None:
+    """Agent episodes (one thread each, more of them than requests in flight) call
+    complete_one: the engine still sees at most `concurrency` requests at once."""
+    server.delay_s = 0.1
+    client = _client(server, concurrency=3, model="policy")
+    answers: list[str] = []
+    threads = [threading.Thread(target=lambda i=i: answers.append(
+        client.complete_one(f"ok:{i}", n=1, max_tokens=1)[0].text)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)  # 4 rounds of 0.1 s when the limit holds
+    assert sorted(answers) == sorted(f"ok:{i}#0" for i in range(12))
+    assert server.max_in_flight == 3
+
+
 def test_transient_errors_are_retried_with_exponential_backoff(server: FakeServer) -> None:
     sleeps = Sleeps()
     res = _client(server, retries=3, backoff_s=0.5, sleep=sleeps).generate_groups(
