@@ -4,7 +4,7 @@
     python benchmarks/async_bench.py --real [--real-iterations 8]
 
 1. Simulation (default): 3 real `coordinator run` daemons with the scripted
-   actions and GPU-like phase durations (coordinator/machine/scripted.py rollout_s,
+   actions and GPU-like phase durations (rl/scripted.py rollout_s,
    train_s; rollout:train 3:2), node 0 training and nodes 1-2 rolling out.
    The synchronous loop (run.max_off_policy_steps = 0) against the
    asynchronous one (k = 1), which rolls out iteration N+1 during N's phase

@@ -19,10 +19,10 @@ from typing import Any
 import typer
 
 from coordinator.errors import ExitCode, UsageError
-from coordinator.records import weights
 from coordinator.records.records import MAX_RANKS
-from coordinator.records.weights import Weights
 from coordinator.storage import bucket_url, fsio
+from rollout import rank_weights as weights
+from rollout.rank_weights import Weights
 
 RANK_ENV_VARS = ("RANK", "NODE_RANK", "SLURM_PROCID", "SKYPILOT_NODE_RANK")
 
@@ -44,7 +44,7 @@ def fail_usage(message: str) -> typer.Exit:
 
 
 def parse_weights(text: str | None, *, num_nodes: int | None) -> Weights | None:
-    """--rank-weights checked by the one rule (coordinator/records/weights.py), against
+    """--rank-weights checked by the one rule (rollout/rank_weights.py), against
     --num-nodes when given."""
     if text is None:
         return None

@@ -25,9 +25,9 @@ import typer
 
 from coordinator.config.run_config import to_plain
 from coordinator.config.settings import iter_settings
-from coordinator.machine.scripted import ScriptedConfig
 from coordinator_cli.args import parse_set, set_dotted
 from rl.config import SECTION_CLASSES
+from rl.scripted import ScriptedConfig
 
 # Every section a `--set` key may name: the rl kind's, and the scripted kind's.
 # A key of any other section is read as JSON (or as text).

@@ -30,7 +30,7 @@ compares this table with it):
 | 13 final_sync | `reporting.end_iteration` | - |
 <!-- rl-phases:end -->
 
-With a disaggregated placement (`run.train_nodes`, coordinator/config/placement.py)
+With a disaggregated placement (`run.train_nodes`, rl/placement.py)
 phases 9-10 train on the training nodes only, and in an asynchronous run
 (`run.max_off_policy_steps` >= 1) `training.train` on a rollout node rolls out
 the next iteration instead (`rollouts.roll_out_next`), and on a split node

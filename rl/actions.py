@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator.config.placement import Placement
 from coordinator.config.run_config import RunConfig
 from coordinator.machine.actions import ActionKind, StepContext
 from coordinator.records.phases import Phase
-from coordinator.records.records import Arrival
+from coordinator.records.records import Arrival, Weights
 from rl import (
     aggregation,
     engines,
     evaluation,
     history,
     layout,
+    placement,
     plan,
     reporting,
     rollouts,
@@ -32,6 +32,7 @@ from rl import (
 )
 from rl.config import NODE_LOCAL_KEYS, resolve_sections
 from rl.loop import Loop
+from rl.placement import RlRunSection
 from rl.schedule import phases_of
 
 Work = Callable[[Loop, StepContext], Mapping[str, Any]]
@@ -103,16 +104,18 @@ def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> RlA
     return RlActions(config, rank=rank, num_nodes=num_nodes, run_dir=run_dir)
 
 
-def check_placement(config: RunConfig, placement: Placement) -> None:
-    """The rl kind's rules for the placement's GPU ranges (rl/loop.py)."""
+def check_run(config: RunConfig, num_nodes: int, weights: Weights) -> None:
+    """The placement (rl/placement.py), and its GPU ranges against the rl kind's
+    settings (rl/loop.py)."""
     from rl.config import parse_sections
     from rl.loop import check_gpu_placement
 
-    check_gpu_placement(parse_sections(config.sections), placement)
+    check_gpu_placement(parse_sections(config.sections), placement.check_run(
+        config, num_nodes, weights))
 
 
 KIND = ActionKind(name="rl", build=build, resolve_sections=resolve_sections,
-                  runs_on_buckets=True, check_placement=check_placement,
+                  runs_on_buckets=True, run_section=RlRunSection, check_run=check_run,
                   node_local=NODE_LOCAL_KEYS, summarize=history.summarize,
                   iteration_report=history.report, phases=phases_of)
 

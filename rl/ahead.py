@@ -1,7 +1,7 @@
 """Phase 10 on a split node: training and the next iteration's rollout at once.
 
 A node that run.train_nodes and run.rollout_nodes both name, by disjoint GPU
-ranges (coordinator/config/placement.py), trains iteration N on its train GPUs while
+ranges (rl/placement.py), trains iteration N on its train GPUs while
 its engine, on its rollout GPUs, rolls out its shard of N+1.  Training runs in
 the phase's own thread; the rollout in a thread of its own, with a context
 whose cancel check also stops it when training fails.  The phase ends when

@@ -26,7 +26,6 @@ from typing import Any, Final
 
 from coordinator.config.run_config import (
     CoordinationConfig,
-    RunSection,
     UnknownSettingError,
     closest_name,
     deep_merge,
@@ -37,6 +36,7 @@ from coordinator.config.run_config import (
 from coordinator.config.settings import iter_settings
 from coordinator.errors import UsageError
 from rl.data_source import without_eval_data
+from rl.placement import RlRunSection
 from rl.schedule import RolloutSplit, ScheduleSection, schedule_of
 from rl.sections import (
     CheckpointSection,
@@ -98,10 +98,11 @@ def with_model_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
     return deep_merge({k: dict(v) for k, v in TINY_MODEL_DEFAULTS.items()}, raw)
 
 
-# Each section's dataclass; with [run] and [coordination] (coordinator/config/run_config.py),
+# Each section's dataclass; with [run] (coordinator/config/run_config.py and the rl
+# kind's placement keys, rl/placement.py) and [coordination],
 # every setting a config file or --set may give.
 SECTION_CLASSES: Final[Mapping[str, type]] = {
-    "run": RunSection, "coordination": CoordinationConfig, "schedule": ScheduleSection,
+    "run": RlRunSection, "coordination": CoordinationConfig, "schedule": ScheduleSection,
     "model": ModelSection, "data": DataSection, "reward": RewardSection,
     "rollout": RolloutSection,
     "engine": EngineConfig, "train": TrainConfig, "torchrun": TorchrunSection,

@@ -13,7 +13,7 @@
               fails; then the served weights are checked against the
               checkpoint's probes.  The payload says how and which engine pid.
 
-With a disaggregated placement (coordinator/config/placement.py) the training nodes
+With a disaggregated placement (rl/placement.py) the training nodes
 run no engine, and the rollout nodes' engines stay up through training: phase
 7 leaves them serving (in an asynchronous run they roll out the next
 iteration during phase 10), and phase 12 updates their weights between

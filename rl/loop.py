@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from coordinator.config.placement import Placement, Role
 from coordinator.config.run_config import RunConfig
 from coordinator.errors import ActionError, UnsafeFileError, UsageError
 from coordinator.machine.actions import StepContext
@@ -29,6 +28,7 @@ from rl.config import RlSections, parse_sections
 from rl.contracts import INITIAL_POLICY
 from rl.data_source import task_source
 from rl.engine_host import EngineHost
+from rl.placement import Placement, Role, placement_of
 from rl.run_layouts import LayoutRule, rule_of
 from rl.trainer_host import TrainerHost
 from rollout.errors import TaskDataError
@@ -123,8 +123,8 @@ class Loop:
         self.num_nodes = num_nodes
         self.run_dir = run_dir
         # Which nodes roll out and which train, and how far rollout runs ahead
-        # (coordinator/config/placement.py); checked by the master at its start.
-        self.placement = config.run.placement(num_nodes)
+        # (rl/placement.py); checked by the master at its start.
+        self.placement = placement_of(config, num_nodes)
         # What each phase does in this layout (rl/run_layouts.py): asked, not branched on.
         self.layout: LayoutRule = rule_of(self.placement)
         self.s, train_devices = placed_on_gpus(self.s, self.placement, rank)

@@ -44,6 +44,7 @@ from rl.config import RlSections, parse_sections
 from rl.data_source import task_source
 from rl.layout import Split
 from rl.loop import Loop, check_gpu_placement
+from rl.placement import placement_of
 from rl.reward_check import check_reward_file, check_truths
 from rl.setting_rules import (
     RESTART_ADVICE,
@@ -262,7 +263,7 @@ def check_setup(config: RunConfig, *, num_nodes: int) -> SetupCheck:
     found: list[str | None] = []
     s = parse_sections(config.sections)
     try:
-        check_gpu_placement(s, config.run.placement(num_nodes))
+        check_gpu_placement(s, placement_of(config, num_nodes))
     except UsageError as exc:
         found.append(str(exc))
     model = _model_without_weights(s, found)

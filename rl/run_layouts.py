@@ -1,6 +1,6 @@
 """How a run is laid out on its nodes, and what each layout does: one table.
 
-    layout         placement (coordinator/config/placement.py)     GPUs   phase 7  phase 10             aggregation
+    layout         placement (rl/placement.py)     GPUs   phase 7  phase 10             aggregation
     colocated      every node rolls out and trains (the default)   shared parks    trains               on-policy
     disaggregated  whole nodes per role, max_off_policy_steps 0    own    -        trains               on-policy
     split node     as disaggregated, a node's GPUs split by role   own    -        trains (its train    on-policy
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from coordinator.config.placement import Placement
+from rl.placement import Placement
 
 
 class RunLayout(str, enum.Enum):

@@ -23,8 +23,8 @@ from fractions import Fraction
 from typing import ClassVar, Final
 
 from coordinator.records.records import Record
-from coordinator.records.weights import check as check_weights
 from rollout.errors import ShardingError
+from rollout.rank_weights import check as check_weights
 
 SHARD_PLAN_SCHEMA: Final = "coordinator/shard-plan"
 # A measured-slow rank keeps at least this fraction of the fastest rank's
@@ -34,7 +34,7 @@ MIN_RELATIVE_WEIGHT: Final = 0.05
 
 
 def validate_weights(weights: Sequence[float]) -> tuple[float, ...]:
-    """Weights as floats by the run's one rule (coordinator/records/weights.py), as a ShardingError."""
+    """Weights as floats by the run's one rule (rollout/rank_weights.py), as a ShardingError."""
     try:
         return check_weights(weights)
     except ValueError as exc:

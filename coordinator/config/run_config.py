@@ -22,7 +22,6 @@ from typing import Any, ClassVar, Final
 
 from coordinator.config import on_failure
 from coordinator.config.on_failure import OnFailure
-from coordinator.config.placement import Placement
 from coordinator.config.settings import (  # noqa: F401  (re-exported: the names config users import)
     CLOSE_ENOUGH,
     Section,
@@ -132,7 +131,9 @@ class CoordinationConfig(Section):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSection(Section):
-    """What the run does; `iterations` and `progress` are operational."""
+    """What the run does; `iterations` and `progress` are operational.  An action
+    kind may declare `[run]` keys of its own in a subclass (ActionKind.run_section:
+    the rl kind's placement, rl/placement.py)."""
 
     SECTION: ClassVar[str] = "run"
 
@@ -143,20 +144,6 @@ class RunSection(Section):
         "rl", "The action kind (an entry point of coordinator.actions): rl, or scripted "
         "(no ML; a smoke test of the shared filesystem).", flag="--actions")
     progress: bool = setting(True, "Read by nothing: kept so that configs that give it still parse.")
-    # Placement and asynchrony (coordinator/config/placement.py).  A single node may be
-    # given as a number (--set run.train_nodes=0).
-    rollout_nodes: str | int = setting(
-        "", "Ranks that roll out, e.g. '1-3' ('': every node; coordinator/config/placement.py).")
-    train_nodes: str | int = setting(
-        "", "Ranks that train, e.g. '0' ('': every node).")
-    max_off_policy_steps: int = setting(
-        0, "How many policy versions a sample may lag (0: the synchronous loop).", ge=0)
-
-    def placement(self, num_nodes: int) -> Placement:
-        """The run's placement, checked against the node count (UsageError)."""
-        return Placement.of(rollout_nodes=str(self.rollout_nodes),
-                            train_nodes=str(self.train_nodes),
-                            max_off_policy_steps=self.max_off_policy_steps, num_nodes=num_nodes)
 
 
 # Keys an operator may change on a restart without changing the experiment.
@@ -219,9 +206,11 @@ class RunConfig:
         return drop_keys(self.to_dict(), self.node_local)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> RunConfig:
+    def from_dict(cls, raw: Mapping[str, Any],
+                  run_section: type[RunSection] = RunSection) -> RunConfig:
+        """`run_section`: the action kind's [run] keys (ActionKind.run_section)."""
         raw = dict(raw)
-        run = from_mapping(RunSection, raw.pop("run", {}), "run")
+        run = from_mapping(run_section, raw.pop("run", {}), "run")
         coordination = from_mapping(CoordinationConfig, raw.pop("coordination", {}), "coordination")
         return cls(run=run, coordination=coordination, sections=raw)
 

@@ -9,10 +9,12 @@ journal skips completed ones on resume, but a rank killed mid-action runs it
 again.  A long action calls `ctx.check_cancel()` now and then, and registers
 its child processes with `ctx.add_child`, so that a lost peer stops it fast.
 
-Two implementations ship, each registered as an entry point of the group
-`coordinator.actions`: `scripted` (coordinator/machine/scripted.py: writes marker
-files, sleeps, fails on request; used by tests, benchmarks and as a cluster
-smoke test) and `rl` (the rl package: the real loop).
+Two implementations ship in rl/, each registered as an entry point of the
+group `coordinator.actions`: `scripted` (rl/scripted.py: writes marker files,
+sleeps, fails on request, simulates the loop's schedule; used by tests,
+benchmarks and as a cluster smoke test) and `rl` (the real loop).  A kind may
+add [run] keys of its own (`run_section`) and check a new run's shape
+(`check_run`): both kinds add the placement (rl/placement.py).
 """
 
 from __future__ import annotations
@@ -25,13 +27,11 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from coordinator.config.placement import Placement
-from coordinator.config.run_config import RunConfig
+from coordinator.config.run_config import RunConfig, RunSection
 from coordinator.errors import PhaseFailedError, UsageError
 from coordinator.machine.runtime import Runtime
 from coordinator.records.phases import Phase
-from coordinator.records.records import Arrival
-from coordinator.records.weights import Weights
+from coordinator.records.records import Arrival, Weights
 
 
 @dataclass(kw_only=True)
@@ -143,10 +143,14 @@ class ActionKind:
     # (so a bucket run directory can carry it: coordinator/storage/objstore.py).  A kind
     # that writes files by other means is refused on a bucket at start.
     runs_on_buckets: bool = False
-    # (config, placement) -> None, or UsageError: the placement's GPU ranges
-    # against the kind's own settings, checked by the master before run.json
-    # is written (coordinator/machine/runplan.py)
-    check_placement: Callable[[RunConfig, Placement], None] | None = None
+    # The kind's [run] keys: RunSection, or a subclass adding its own (the rl
+    # kind's placement of roles on nodes, rl/placement.py)
+    run_section: type[RunSection] = RunSection
+    # (config, num_nodes, weights) -> None, or UsageError: the kind's own checks
+    # of a new or resumed run's shape (the rl kind: its placement against the
+    # node count, the GPUs and the rank weights), made by the master before
+    # run.json is written (coordinator/machine/runplan.py)
+    check_run: Callable[[RunConfig, int, Weights], None] | None = None
 
     def phases_of(self, config: RunConfig) -> tuple[Phase, ...]:
         return tuple(Phase) if self.phases is None else self.phases(config)
@@ -192,10 +196,18 @@ def kind(name: str) -> ActionKind:
     return loaded
 
 
+def kind_of(raw: Mapping[str, Any]) -> ActionKind:
+    """The action kind a raw (or resolved) config names in run.actions."""
+    run = raw.get("run", {})
+    name = run.get("actions") if isinstance(run, Mapping) else None
+    return kind(str(RunSection.actions if name is None else name))
+
+
 def resolve_config(raw: Mapping[str, Any]) -> RunConfig:
-    """Parse a raw config dict and fill every section's defaults."""
-    config = RunConfig.from_dict(raw)
-    action_kind = kind(config.run.actions)
+    """Parse a raw config dict (its [run] keys: those of the kind run.actions names)
+    and fill every section's defaults."""
+    action_kind = kind_of(raw)
+    config = RunConfig.from_dict(raw, action_kind.run_section)
     sections = dict(action_kind.resolve_sections(config.sections))
     return RunConfig(run=config.run, coordination=config.coordination, sections=sections,
                      node_local=action_kind.node_local)
@@ -203,6 +215,4 @@ def resolve_config(raw: Mapping[str, Any]) -> RunConfig:
 
 def node_local_keys(raw: Mapping[str, Any]) -> tuple[str, ...]:
     """The node-local keys of the action kind a raw (or resolved) config names."""
-    run = raw.get("run", {})
-    name = run.get("actions", "rl") if isinstance(run, Mapping) else "rl"
-    return kind(str(name)).node_local
+    return kind_of(raw).node_local

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from coordinator.config.run_config import RunConfig
 from coordinator.errors import CoordinatorError, RunCompleted
+from coordinator.machine.actions import kind_of
 from coordinator.machine.polling import Clock
 from coordinator.records import layout
 from coordinator.records.records import Heartbeat, Journal, Manifest, NodeState
@@ -110,7 +111,7 @@ def watch_worker(store: Store, *, rank: int, retry_s: float,
             if manifest is None:
                 state["watch"] = None
                 return
-            config = RunConfig.from_dict(manifest.config)
+            config = RunConfig.from_dict(manifest.config, kind_of(manifest.config).run_section)
             journal = read_record(store, layout.journal(0), Journal, retry_s=retry_s)
             master = read_record(store, layout.heartbeat(0), Heartbeat, retry_s=retry_s)
         except CoordinatorError as exc:

@@ -36,8 +36,7 @@ from coordinator.machine.actions import kind, node_local_keys, resolve_config
 from coordinator.machine.polling import Backoff
 from coordinator.ops.status import collect
 from coordinator.records import layout
-from coordinator.records.records import Manifest
-from coordinator.records.weights import Weights
+from coordinator.records.records import Manifest, Weights
 from coordinator.storage import fsio
 from coordinator.storage.store import FsStore, read_record
 
@@ -92,22 +91,9 @@ def _plan_master(req: RunRequest) -> RunPlan:
     num_nodes = req.num_nodes or 1
     # The CLI checked the weights against the node count (coordinator_cli/args.py).
     weights = req.weights if req.weights is not None else tuple(1.0 for _ in range(num_nodes))
-    placement = config.run.placement(num_nodes)  # UsageError before anything is written
-    check_placement = kind(config.run.actions).check_placement
-    if check_placement is not None:
-        check_placement(config, placement)
-    timeouts = config.coordination.phase_timeouts_s
-    if placement.asynchronous and timeouts.train < timeouts.rollout:
-        raise UsageError(
-            f"coordination.phase_timeouts_s.train={timeouts.train:g} is below "
-            f"phase_timeouts_s.rollout={timeouts.rollout:g}: in an asynchronous run phase 10 "
-            "also carries the next iteration's rollout; give train at least the rollout's")
-    if not placement.colocated:
-        log.info("placement: %s", placement.describe())
-        if not isinstance(weights, str) and not sum(placement.rollout_weights(weights)):
-            raise UsageError(
-                f"--rank-weights {','.join(f'{w:g}' for w in weights)} give the rollout nodes "
-                f"{','.join(map(str, placement.rollout))} no work: give them weights above 0")
+    check_run = kind(config.run.actions).check_run
+    if check_run is not None:
+        check_run(config, num_nodes, weights)  # UsageError before anything is written
     if config.coordination.min_nodes > num_nodes:
         raise UsageError(
             f"coordination.min_nodes={config.coordination.min_nodes} is above --num-nodes "

@@ -2,7 +2,8 @@
 
 The records (frozen dataclasses written as strict JSON: records, codec), the
 layout of the run directory (layout), the fourteen phases and their rules
-(phases), and the rank weights a run's record carries (weights).  Pure: no I/O.
+(phases).  The run's record carries each rank's weight as a number; what a
+weight means is the action kind's (rollout/rank_weights.py).  Pure: no I/O.
 
 May import: the base (coordinator.errors, coordinator.routing).
 """

@@ -13,15 +13,14 @@ import dataclasses
 import enum
 import functools
 import json
+import math
 import re
 import typing
 from pathlib import Path
-from typing import Any, ClassVar, Final, TypeVar
+from typing import Any, ClassVar, Final, Literal, TypeVar
 
 from coordinator.errors import ExitCode, MalformedRecordError
 from coordinator.records import codec
-from coordinator.records.weights import Weights
-from coordinator.records.weights import check as check_weights
 
 VERSION: Final = 1
 RUN_ID: Final = re.compile(r"[0-9a-f]{8,64}")
@@ -29,6 +28,10 @@ MAX_RANKS: Final = 4096
 MAX_ITERATIONS: Final = 1_000_000
 NUM_PHASES: Final = 14
 JsonObject = dict[str, Any]
+# Each rank's share of the work as --rank-weights gave it, or "auto".  The
+# protocol records and compares them; what a share means, and the rule they
+# obey, belong to the action kind (the rl kind: rollout/rank_weights.py).
+Weights = tuple[float, ...] | Literal["auto"]
 
 
 class NodeState(str, enum.Enum):
@@ -221,8 +224,11 @@ class Manifest(Record):
         check_generation(self.generation)
         if not 1 <= self.num_nodes <= MAX_RANKS:
             raise ValueError(f"num_nodes {self.num_nodes} is outside 1..{MAX_RANKS}")
-        if isinstance(self.weights, tuple):
-            check_weights(self.weights, num_nodes=self.num_nodes)
+        if isinstance(self.weights, tuple) and (
+                len(self.weights) != self.num_nodes
+                or not all(math.isfinite(w) for w in self.weights)):
+            raise ValueError(f"weights {list(self.weights)} must be {self.num_nodes} finite "
+                             "numbers, one per node")
         if isinstance(self.weights, str) and self.weights != "auto":
             raise ValueError(f"weights {self.weights!r} must be a list of numbers or 'auto'")
 

@@ -31,7 +31,7 @@ RACE_TIMEOUT_S = 60.0  # the loser reads run.json and the claim: seconds at most
 GATED = (
     "import os, sys\n"
     "from coordinator_cli.app import main\n"
-    "import coordinator.machine.daemon, coordinator.machine.runplan, coordinator.machine.scripted\n"
+    "import coordinator.machine.daemon, coordinator.machine.runplan, rl.scripted\n"
     "os.write(1, b'ready\\n')\n"
     "os.read(0, 1)\n"
     "sys.argv = ['coordinator'] + sys.argv[1:]\n"

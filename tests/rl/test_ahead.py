@@ -104,9 +104,9 @@ def test_the_group_stopping_stops_the_rollout_too(tmp_path: Path, rollout: Rollo
 
 def test_a_split_node_gives_its_engine_and_its_trainer_their_own_gpus(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from coordinator.config.placement import Placement
     from rl.config import parse_sections
     from rl.loop import placed_on_gpus
+    from rl.placement import Placement
     from trainer.config import Offload
 
     p = Placement.of(rollout_nodes="0:4-7,1", train_nodes="0:0-3", max_off_policy_steps=1,
@@ -142,10 +142,10 @@ def test_a_split_node_gives_its_engine_and_its_trainer_their_own_gpus(
 ])
 def test_gpus_that_do_not_fit_the_settings_are_refused_naming_both(
         monkeypatch: pytest.MonkeyPatch, sections: dict[str, Any], said: str) -> None:
-    from coordinator.config.placement import Placement
     from coordinator.errors import UsageError
     from rl.config import parse_sections
     from rl.loop import placed_on_gpus
+    from rl.placement import Placement
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     p = Placement.of(rollout_nodes="0:4-7", train_nodes="0:0-3", max_off_policy_steps=1,

@@ -6,6 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator.machine import scripted
+from rl import scripted
 
 KIND = dataclasses.replace(scripted.KIND, name="plain", runs_on_buckets=False)

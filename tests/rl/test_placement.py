@@ -3,14 +3,16 @@ pure rules the loop asks (who rolls out in phase 10, the oldest version a batch 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from coordinator.config.placement import Placement, Role, parse_placement
 from coordinator.config.run_config import RunSection
 from coordinator.errors import UsageError
+from coordinator.machine.actions import kind, resolve_config
 from coordinator.records.phases import Phase
+from rl.placement import Placement, RlRunSection, Role, parse_placement, placement_of
 
 
 def placement(rollout: str = "", train: str = "", k: int = 0, n: int = 3) -> Placement:
@@ -104,8 +106,25 @@ def test_whole_nodes_and_a_split_node_together() -> None:
 
 
 def test_the_run_section_takes_a_single_node_as_a_number() -> None:
-    section = RunSection(train_nodes=0, max_off_policy_steps=1)
-    assert section.placement(3).train == (0,)
+    config = resolve_config({"run": {"train_nodes": 0, "max_off_policy_steps": 1}})
+    assert isinstance(config.run, RlRunSection)
+    assert placement_of(config, 3).train == (0,)
+
+
+def test_the_placement_keys_belong_to_the_kinds_that_declare_them() -> None:
+    """The coordinator's own [run] knows nothing of roles: the rl and scripted kinds
+    declare them (ActionKind.run_section), a kind that does not refuses them, and a
+    config resolved for it places every role on every node."""
+    from coordinator.config.run_config import RunConfig
+    from coordinator.config.settings import UnknownSettingError
+
+    for name in ("rl", "scripted"):
+        assert kind(name).run_section is RlRunSection
+    assert not {"train_nodes", "rollout_nodes", "max_off_policy_steps"} & {
+        f.name for f in dataclasses.fields(RunSection)}
+    with pytest.raises(UnknownSettingError, match=r"run\.train_nodes"):
+        RunConfig.from_dict({"run": {"train_nodes": "0"}})
+    assert placement_of(RunConfig.from_dict({}), 2).colocated
 
 
 def test_a_master_refuses_an_asynchronous_run_whose_phase_10_deadline_is_below_rollouts(

@@ -1,19 +1,19 @@
 """Rank weights: each node's share of the rollout work, checked by one rule.
 
 `--rank-weights 2,1,1` (or `auto`) is parsed and checked once at the command
-line (`parse`, against --num-nodes); run.json records the result and the
-manifest's parser applies the same `check` to what it reads back (run.json is
-untrusted, a boundary of its own); every layer after these two receives
-weights that passed it.
+line (`parse`, against --num-nodes).  run.json records the result; the
+protocol only checks that it holds one finite number per node
+(coordinator/records/records.py `Manifest`), and the shard planner applies
+`check` again to what it reads back (rollout/sharding.py: run.json is
+untrusted, a boundary of its own).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
 
-Weights = tuple[float, ...] | Literal["auto"]
+from coordinator.records.records import Weights
 
 
 def check(values: Sequence[object], *, num_nodes: int | None = None) -> tuple[float, ...]:

@@ -18,7 +18,7 @@ Config section `[scripted]`; every rule is a string "RANK:ITERATION:PHASE"
     train_s = 0.0                  # a simulated training step on each training node
 
 `rollout_s` and `train_s` simulate the RL loop's schedule with the run's
-placement (coordinator/config/placement.py): a rollout node spends `rollout_s` in
+placement (rl/placement.py): a rollout node spends `rollout_s` in
 phase 1, or, in an asynchronous run, in phase 10 of the iteration before (the
 next iteration's rollout, marked done in
 `iterations/<N>/scripted/rank-<R>/rollout.json`, so phase 1 then skips it);
@@ -41,15 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from coordinator.config.placement import Placement
 from coordinator.config.run_config import RunConfig, from_mapping, to_plain
 from coordinator.config.settings import Section, setting
 from coordinator.errors import ActionError, UsageError
 from coordinator.machine.actions import ActionKind, StepContext
 from coordinator.records import layout
 from coordinator.records.phases import Phase
-from coordinator.records.records import Arrival
+from coordinator.records.records import Arrival, Weights
 from coordinator.storage import fsio
+from rl import placement
+from rl.placement import Placement, RlRunSection, placement_of
 
 
 def _part(text: str, rule: str) -> int | None:
@@ -225,9 +226,13 @@ class ScriptedActions:
 def build(config: RunConfig, *, rank: int, num_nodes: int, run_dir: Path) -> ScriptedActions:
     scripted = from_mapping(ScriptedConfig, config.sections.get("scripted", {}), "scripted")
     return ScriptedActions(scripted, rank=rank, run_dir=run_dir,
-                           placement=config.run.placement(num_nodes),
+                           placement=placement_of(config, num_nodes),
                            iterations=config.run.iterations)
 
 
+def check_run(config: RunConfig, num_nodes: int, weights: Weights) -> None:
+    placement.check_run(config, num_nodes, weights)
+
+
 KIND = ActionKind(name="scripted", build=build, resolve_sections=resolve_sections,
-                  runs_on_buckets=True)
+                  runs_on_buckets=True, run_section=RlRunSection, check_run=check_run)

@@ -26,18 +26,28 @@ only samples of policy versions >= i - k (`oldest_version`); the rollout
 nodes drop staler groups and generate them again.
 
 The master hosts the trainer group's rendezvous store (phase 9), so node 0
-always trains.  Checked once at the master's start, against --num-nodes.
+always trains.  Checked once at the master's start (`check_run`, the kinds'
+ActionKind.check_run), against --num-nodes and the rank weights.
+
+These are the rl kind's own `[run]` keys (`RlRunSection`): the coordinator's
+phase machine never reads them; the rl kind and the scripted kind that
+simulates its schedule (rl/scripted.py) declare them as their run_section.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
+from coordinator.config.run_config import RunConfig, RunSection, from_mapping, setting, to_plain
 from coordinator.errors import UsageError
 from coordinator.records.phases import Phase
+from coordinator.records.records import Weights
+
+log = logging.getLogger(__name__)
 
 # More than a few steps off policy and truncated importance sampling no longer
 # corrects much; prime-rl's own ceiling is 8.
@@ -249,3 +259,45 @@ class Placement:
                 if self.asynchronous else "synchronous")
         return (f"disaggregated: {self._where(Role.ROLLOUT)} roll out, "
                 f"{self._where(Role.TRAIN)} train; {mode}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RlRunSection(RunSection):
+    """[run] with the placement keys; a single node may be given as a number
+    (--set run.train_nodes=0)."""
+
+    rollout_nodes: str | int = setting(
+        "", "Ranks that roll out, e.g. '1-3' ('': every node; rl/placement.py).")
+    train_nodes: str | int = setting(
+        "", "Ranks that train, e.g. '0' ('': every node).")
+    max_off_policy_steps: int = setting(
+        0, "How many policy versions a sample may lag (0: the synchronous loop).", ge=0)
+
+
+def placement_of(config: RunConfig, num_nodes: int) -> Placement:
+    """The run's placement, checked against the node count (UsageError).  A config
+    resolved for a kind without these keys places every role on every node."""
+    run = config.run
+    if not isinstance(run, RlRunSection):
+        run = from_mapping(RlRunSection, to_plain(run), "run")
+    return Placement.of(rollout_nodes=str(run.rollout_nodes), train_nodes=str(run.train_nodes),
+                        max_off_policy_steps=run.max_off_policy_steps, num_nodes=num_nodes)
+
+
+def check_run(config: RunConfig, num_nodes: int, weights: Weights) -> Placement:
+    """The placement of a new or resumed run, checked by the master before run.json
+    is written: against the node count, the phase timeouts and the rank weights."""
+    placement = placement_of(config, num_nodes)
+    timeouts = config.coordination.phase_timeouts_s
+    if placement.asynchronous and timeouts.train < timeouts.rollout:
+        raise UsageError(
+            f"coordination.phase_timeouts_s.train={timeouts.train:g} is below "
+            f"phase_timeouts_s.rollout={timeouts.rollout:g}: in an asynchronous run phase 10 "
+            "also carries the next iteration's rollout; give train at least the rollout's")
+    if not placement.colocated:
+        log.info("placement: %s", placement.describe())
+        if not isinstance(weights, str) and not sum(placement.rollout_weights(weights)):
+            raise UsageError(
+                f"--rank-weights {','.join(f'{w:g}' for w in weights)} give the rollout nodes "
+                f"{','.join(map(str, placement.rollout))} no work: give them weights above 0")
+    return placement
