@@ -78,9 +78,11 @@ def test_a_run_that_asked_for_no_training_is_not_held_to_it(tmp_path: Path) -> N
     assert rollout_only.problem is None and "rollout only" in rollout_only.text
 
 
-def _failing_reads(monkeypatch: Any, seconds: float) -> list[Path]:
+def _failing_reads(monkeypatch: Any, seconds: float,
+                   succeeded: list[Path] | None = None) -> list[Path]:
     """Metrics files answer EIO from the first read of one until `seconds` later:
-    a file server failing over, or a bucket throttling GETs."""
+    a file server failing over, or a bucket throttling GETs.  Each read that
+    succeeds is added to `succeeded`."""
     import errno
     import time
 
@@ -96,6 +98,10 @@ def _failing_reads(monkeypatch: Any, seconds: float) -> list[Path]:
             if time.monotonic() - started < seconds:
                 failed.append(path)
                 raise OSError(errno.EIO, "Input/output error", str(path))
+            data = real(path, **kwargs)
+            if succeeded is not None:
+                succeeded.append(path)
+            return data
         return real(path, **kwargs)
 
     monkeypatch.setattr(fsio, "read_bytes", read_bytes)
@@ -109,11 +115,14 @@ def test_a_finished_run_whose_metrics_fail_to_read_for_a_while_still_exits_0(
 
     iteration(tmp_path, 0, eval_failed=0)
     iteration(tmp_path, 1)
-    failed = _failing_reads(monkeypatch, seconds=1.5)  # longer than a 1 s retry
+    read: list[Path] = []
+    failed = _failing_reads(monkeypatch, seconds=1.5, succeeded=read)  # past a 1 s retry
     line = completed_run(kind("rl"), tmp_path, config(), run_id="r", recoveries=0,
                          last_phase=Phase.FINAL_SYNC)  # raises PhaseFailedError (exit 4) else
     assert line == "2 iterations of run r: 2048 samples trained, 0 failed, 0 recoveries"
     assert len(failed) > 1  # the fault was hit, retried, and read through
+    # Each metrics file of the run read through once, none again once it was.
+    assert sorted(read) == sorted(tmp_path.glob("iterations/*/metrics/*.json")), read
 
 
 def test_metrics_that_stay_unreadable_past_the_deadline_fail_the_run_naming_the_file(
