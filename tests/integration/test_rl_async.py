@@ -74,4 +74,10 @@ def test_one_node_trains_on_some_gpus_while_its_others_roll_out_ahead_and_it_lea
     served = [arrival(run, it, 12, 0) for it in range(ITERATIONS)]
     assert [s["engine"] for s in served] == ["updated in place"] * ITERATIONS, served
     assert len({s["engine_pid"] for s in served}) == 1, served
+    # Phase 1 of every iteration checked that the engine serves phase 0's choice,
+    # the newest policy (issue 32, point 6), rolled out ahead or not.
+    from rl.contracts import policy_version
+
+    chosen = [arrival(run, it, 1, 0)["serving"] for it in range(ITERATIONS)]
+    assert [policy_version(name) for name in chosen] == list(range(ITERATIONS)), chosen
     assert f"{ITERATIONS * 1024} samples trained, 0 failed, 0 recoveries" in log, log[-2000:]
