@@ -21,7 +21,7 @@ and its trainer ranks on its train GPUs, and in phase 10 does both at once.
 With `max_off_policy_steps = k >= 1` (disaggregated only: rollout and training
 on the same GPUs at once is out of scope) the rollout nodes roll out
 iteration i+1's shard during phase 10 of iteration i, while the training
-nodes train on iteration i's batch (`carries_next_rollout`).  A batch holds
+nodes train on iteration i's batch (rl/run_layouts.py `rolls_out_next`).  A batch holds
 only samples of policy versions >= i - k (`oldest_version`); the rollout
 nodes drop staler groups and generate them again.
 
@@ -44,7 +44,6 @@ from typing import Final
 
 from coordinator.config.run_config import RunConfig, RunSection, from_mapping, setting, to_plain
 from coordinator.errors import UsageError
-from coordinator.records.phases import Phase
 from coordinator.records.records import Weights
 
 log = logging.getLogger(__name__)
@@ -230,14 +229,6 @@ class Placement:
     def rollout_weights(self, weights: Iterable[float]) -> list[float]:
         """The rank weights with every node that does not roll out at zero."""
         return [w if self.rolls_out(r) else 0.0 for r, w in enumerate(weights)]
-
-    def carries_next_rollout(self, phase: Phase, rank: int, iteration: int,
-                             iterations: int) -> bool:
-        """Whether `rank` rolls out iteration+1's shard in this phase: phase 10 of an
-        asynchronous run, on a rollout node (a split node while it also trains), when
-        the run has a next iteration."""
-        return (self.asynchronous and phase is Phase.TRAIN and self.rolls_out(rank)
-                and iteration + 1 < iterations)
 
     def oldest_version(self, iteration: int) -> int:
         """The oldest policy version a sample of `iteration`'s batch may come from

@@ -52,6 +52,12 @@ class LayoutRule:
     phase_12: str
     aggregation: str
 
+    def rolls_out_next(self, *, rolls_out: bool, iteration: int, iterations: int) -> bool:
+        """Whether a node rolls out iteration+1's shard during phase 10 of `iteration`:
+        in a layout that rolls out ahead, on a rollout node (a split node while it
+        also trains), when the run has a next iteration."""
+        return self.rolls_out_ahead and rolls_out and iteration + 1 < iterations
+
 
 _SERVE = ("the rollout nodes' running engines take the new checkpoint (reloaded in place, "
           "or restarted on it: engine.weight_update)")

@@ -51,6 +51,7 @@ from coordinator.records.records import Arrival, Weights
 from coordinator.storage import fsio
 from rl import placement
 from rl.placement import Placement, RlRunSection, placement_of
+from rl.run_layouts import rule_of
 
 
 def _part(text: str, rule: str) -> int | None:
@@ -160,7 +161,8 @@ class ScriptedActions:
             seconds, rolled = seconds + c.rollout_s, [iteration]
         training = c.train_s if phase is Phase.TRAIN and p.trains(rank) else 0.0
         ahead = 0.0
-        if p.carries_next_rollout(phase, rank, iteration, self.iterations) and c.rollout_s:
+        if phase is Phase.TRAIN and c.rollout_s and rule_of(p).rolls_out_next(
+                rolls_out=p.rolls_out(rank), iteration=iteration, iterations=self.iterations):
             ahead, rolled = c.rollout_s, [iteration + 1]
         # A split node trains and rolls out at once, on GPUs of their own.
         return seconds + max(training, ahead), rolled

@@ -146,8 +146,8 @@ def train(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     (some GPUs train, others roll out) both at once (rl/ahead.py)."""
     if not loop.trains:
         return {}
-    ahead = loop.layout.rolls_out_ahead and loop.rolls_out \
-        and ctx.iteration + 1 < loop.config.run.iterations
+    ahead = loop.layout.rolls_out_next(rolls_out=loop.rolls_out, iteration=ctx.iteration,
+                                       iterations=loop.config.run.iterations)
     if not loop.trains_here:
         if ahead:
             from rl.rollouts import roll_out_next

@@ -11,8 +11,8 @@ import pytest
 from coordinator.config.run_config import RunSection
 from coordinator.errors import UsageError
 from coordinator.machine.actions import kind, resolve_config
-from coordinator.records.phases import Phase
 from rl.placement import Placement, RlRunSection, Role, parse_placement, placement_of
+from rl.run_layouts import rule_of
 
 
 def placement(rollout: str = "", train: str = "", k: int = 0, n: int = 3) -> Placement:
@@ -34,21 +34,26 @@ def test_a_bad_rank_list_names_the_key_and_the_fix(text: str, said: str) -> None
     assert said in str(caught.value)
 
 
+def ahead(p: Placement, rank: int, iteration: int, iterations: int) -> bool:
+    """Whether `rank` rolls out iteration+1's shard in phase 10 (rl/run_layouts.py)."""
+    return rule_of(p).rolls_out_next(rolls_out=p.rolls_out(rank), iteration=iteration,
+                                     iterations=iterations)
+
+
 def test_the_default_is_colocated_and_synchronous() -> None:
     p = placement()
     assert p.colocated and not p.asynchronous and p.rollout == p.train == (0, 1, 2)
     assert p.rollout_weights([1, 2, 3]) == [1, 2, 3]
-    assert not p.carries_next_rollout(Phase.TRAIN, 1, 0, 8)
+    assert not ahead(p, 1, 0, 8)
 
 
 def test_naming_the_training_nodes_gives_the_rest_the_rollout() -> None:
     p = placement(train="0", k=1)
     assert (p.rollout, p.train, p.asynchronous, p.colocated) == ((1, 2), (0,), True, False)
     assert p.rollout_weights([1.0, 2.0, 3.0]) == [0.0, 2.0, 3.0]
-    assert p.carries_next_rollout(Phase.TRAIN, 1, 0, 8)
-    assert not p.carries_next_rollout(Phase.TRAIN, 0, 0, 8)  # a training node
-    assert not p.carries_next_rollout(Phase.ROLLOUT, 1, 0, 8)
-    assert not p.carries_next_rollout(Phase.TRAIN, 1, 7, 8)  # no iteration 8
+    assert ahead(p, 1, 0, 8)
+    assert not ahead(p, 0, 0, 8)  # a training node
+    assert not ahead(p, 1, 7, 8)  # no iteration 8
     assert [p.oldest_version(i) for i in range(4)] == [0, 0, 1, 2]
     assert "nodes 1,2 roll out, nodes 0 train" in p.describe()
 
@@ -86,7 +91,7 @@ def test_a_split_node_rolls_out_on_some_gpus_and_trains_on_the_others() -> None:
     assert (p.rollout, p.train, p.split_nodes) == ((0,), (0,), (0,))
     assert not p.colocated and p.asynchronous
     assert p.gpus(0, Role.ROLLOUT) == (4, 5, 6, 7) and p.gpus(0, Role.TRAIN) == (0, 1, 2, 3)
-    assert p.carries_next_rollout(Phase.TRAIN, 0, 0, 8)  # while it trains
+    assert ahead(p, 0, 0, 8)  # while it trains
     assert p.visible_devices(0, Role.TRAIN, None) == "0,1,2,3"
     # Indices count the GPUs the daemon sees: under CUDA_VISIBLE_DEVICES they pick from it.
     assert p.visible_devices(0, Role.ROLLOUT, "8,9,10,11,12,13,14,15") == "12,13,14,15"

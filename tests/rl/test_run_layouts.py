@@ -38,16 +38,15 @@ def test_every_layout_has_a_rule_and_a_row_and_only_colocated_shares_gpus() -> N
 
 
 def test_the_loop_asks_the_table_instead_of_the_placements_booleans() -> None:
-    """Outside rl/run_layouts.py no module of the loop reads whether the placement
-    is colocated, asynchronous or has split nodes: it asks loop.layout.  Not the
-    loop: rl/placement.py, which defines them and checks a new run's placement,
-    and rl/scripted.py, which simulates the schedule without a loop."""
+    """Outside rl/run_layouts.py and rl/placement.py (which defines them and checks a
+    new run's placement) no module of rl/ reads whether the placement is colocated,
+    asynchronous or has split nodes: it asks the layout's rule."""
     found = []
     for path in sorted((ROOT / "rl").glob("*.py")):
-        if path.name in ("run_layouts.py", "placement.py", "scripted.py"):
+        if path.name in ("run_layouts.py", "placement.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in (
-                    "colocated", "asynchronous", "split_nodes", "carries_next_rollout"):
+                    "colocated", "asynchronous", "split_nodes"):
                 found.append(f"{path.name}:{node.lineno} .{node.attr}")
     assert found == []
