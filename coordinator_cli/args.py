@@ -19,7 +19,7 @@ from typing import Any
 import typer
 
 from coordinator.errors import ExitCode, UsageError
-from coordinator.records.records import MAX_RANKS
+from coordinator.records.bounds import MAX_RANKS
 from coordinator.storage import bucket_url, fsio
 from rollout import rank_weights as weights
 from rollout.rank_weights import Weights

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Final
 
 from coordinator.records import layout
-from coordinator.records.records import check_rank
+from coordinator.records.bounds import check_rank
 
 INITIAL_MODEL: Final = "model-init"
 TRAIN_STATE_DIR: Final = "train_state"

@@ -57,7 +57,7 @@ import filelock
 import psutil
 
 from coordinator.errors import ActionError
-from coordinator.records.records import check_run_id
+from coordinator.records.bounds import check_run_id
 from coordinator.storage import private_dir
 from coordinator.storage.private_dir import PrivateDir
 

@@ -34,8 +34,8 @@ from coordinator.config.settings import (  # noqa: F401  (re-exported: the names
     unknown_setting,
 )
 from coordinator.errors import UsageError
+from coordinator.records.bounds import MAX_RANKS
 from coordinator.records.phases import TimeoutKey
-from coordinator.records.records import MAX_RANKS
 
 if sys.version_info >= (3, 11):
     import tomllib

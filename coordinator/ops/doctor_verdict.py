@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import ClassVar, Final
 
 from coordinator import routing
-from coordinator.records.records import Record, check_rank
+from coordinator.records.bounds import check_rank
+from coordinator.records.records import Record
 from coordinator.storage import mounts
 
 BUCKET: Final = "bucket"  # how a node's mount reads when the run directory is one

@@ -29,8 +29,9 @@ from coordinator.errors import UsageError
 from coordinator.machine.actions import kind, resolve_config
 from coordinator.ops.status import collect
 from coordinator.records import layout
+from coordinator.records.bounds import MAX_ITERATIONS
 from coordinator.records.phases import Phase
-from coordinator.records.records import MAX_ITERATIONS, Heartbeat, Journal, Manifest, Session
+from coordinator.records.records import Heartbeat, Journal, Manifest, Session
 from coordinator.storage import fsio
 from coordinator.storage.store import FsStore, publish_record, read_record
 

@@ -31,8 +31,9 @@ from coordinator import routing
 from coordinator.errors import MalformedRecordError, UsageError
 from coordinator.machine.regroup import Recovery, read_log
 from coordinator.records import layout
+from coordinator.records.bounds import check_iteration
 from coordinator.records.phases import Phase
-from coordinator.records.records import Manifest, check_iteration
+from coordinator.records.records import Manifest
 from coordinator.storage.store import FsStore, read_document, read_record
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import hashlib
 import re
 from typing import Final
 
-from coordinator.records.records import check_iteration, check_phase, check_rank
+from coordinator.records.bounds import check_iteration, check_phase, check_rank
 
 MANIFEST: Final = "run.json"
 SESSION: Final = "session.json"

@@ -14,19 +14,25 @@ import enum
 import functools
 import json
 import math
-import re
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Final, Literal, TypeVar
 
 from coordinator.errors import ExitCode, MalformedRecordError
 from coordinator.records import codec
+from coordinator.records.bounds import (
+    MAX_ITERATIONS,
+    MAX_RANKS,
+    check_generation,
+    check_iteration,
+    check_phase,
+    check_pid,
+    check_point,
+    check_rank,
+    check_run_id,
+)
 
 VERSION: Final = 1
-RUN_ID: Final = re.compile(r"[0-9a-f]{8,64}")
-MAX_RANKS: Final = 4096
-MAX_ITERATIONS: Final = 1_000_000
-NUM_PHASES: Final = 14
 JsonObject = dict[str, Any]
 # Each rank's share of the work as --rank-weights gave it, or "auto".  The
 # protocol records and compares them; what a share means, and the rule they
@@ -155,53 +161,6 @@ def _fields(cls: type[Record]) -> tuple[tuple[str, codec.Decoder], ...]:
     """(name, decoder) of a record's fields; resolving type hints is slow, so once per class."""
     hints = typing.get_type_hints(cls)
     return tuple((f.name, codec.decoder(hints[f.name])) for f in dataclasses.fields(cls))
-
-
-def check_rank(rank: int, num_nodes: int = MAX_RANKS) -> int:
-    if not 0 <= rank < min(num_nodes, MAX_RANKS):
-        raise ValueError(f"rank {rank} is outside 0..{min(num_nodes, MAX_RANKS) - 1}")
-    return rank
-
-
-def check_iteration(iteration: int) -> int:
-    if not 0 <= iteration < MAX_ITERATIONS:
-        raise ValueError(f"iteration {iteration} is outside 0..{MAX_ITERATIONS - 1}")
-    return iteration
-
-
-def check_phase(phase: int) -> int:
-    if not 0 <= phase < NUM_PHASES:
-        raise ValueError(f"phase {phase} is outside 0..{NUM_PHASES - 1}")
-    return phase
-
-
-def check_run_id(run_id: str) -> str:
-    # It becomes a directory name (archive/<run_id>): hex only, never a path.
-    if not RUN_ID.fullmatch(run_id):
-        raise ValueError(f"run_id {run_id!r} is not 8-64 lowercase hex digits")
-    return run_id
-
-
-def check_pid(pid: int) -> int:
-    if not 0 < pid < 1 << 32:
-        raise ValueError(f"pid {pid} is not a process id (1..2^32-1)")
-    return pid
-
-
-def check_generation(generation: int) -> int:
-    if not 0 <= generation < 1 << 31:
-        raise ValueError(f"generation {generation} is outside 0..2^31-1")
-    return generation
-
-
-def check_point(point: tuple[int, int] | None, name: str) -> None:
-    """An (iteration, phase) pair such as a heartbeat's `arrived` and `released`."""
-    if point is not None:
-        try:
-            check_iteration(point[0])
-            check_phase(point[1])
-        except ValueError as exc:
-            raise ValueError(f"{name} {list(point)}: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
