@@ -3,10 +3,10 @@
     publisher (trainer rank 0)                   a node (phase 12, trainer/local_copy.py)
     the new file, staged on its disk             the parent's file, in its node-local copy
       vs the file it published last (its disk)     + delta/<file> read once from the share
-      -> per tensor: nothing (unchanged), the      -> the changes put back, every tensor's
-         changed elements (flat indices, new          SHA-256 and the size checked against
-         bits), or the whole tensor, whichever        the manifest, then written
-         is smaller
+      -> per tensor: nothing (unchanged), the      -> the parent's file cloned by the kernel,
+         changed elements (flat indices, new          the changes written into the clone in
+         bits), or the whole tensor, whichever        place, every tensor's SHA-256 and the
+         is smaller                                   size checked against the manifest
       -> delta/<file> (safetensors), the new
          file's SHA-256 and size, each tensor's
 
@@ -194,15 +194,16 @@ def load_parts(data: bytes) -> dict[str, Any]:
     return load(data)
 
 
-def apply(parent: bytearray, delta: bytes, *, result: str, where: Path,
+def apply(parent: bytearray | mmap.mmap, delta: bytes, *, result: str, where: Path,
           digests: Mapping[str, str]) -> None:
-    """`parent` (a weights file's bytes) made into the result in place: the delta's
-    changes put back, then every tensor checked against `digests` (CheckpointError
-    naming the first that differs: a broken chain or an altered delta).  The header
-    is the parent's (encode publishes a delta only between files with the same
-    header) and the tensors tile the rest (header()), so matching digests make the
-    file the trainer wrote, byte for byte: no whole-file hash, whose one stream
-    runs on one core while the tensors' run on all of them."""
+    """`parent` (a weights file's bytes, writable: a map of its copy) made into the
+    result in place: the delta's changes put back, then every tensor checked against
+    `digests` (CheckpointError naming the first that differs: a broken chain or an
+    altered delta).  The header is the parent's (encode publishes a delta only
+    between files with the same header) and the tensors tile the rest (header()),
+    so matching digests make the file the trainer wrote, byte for byte: no
+    whole-file hash, whose one stream runs on one core while the tensors' run on
+    all of them."""
     import torch
 
     _, spans = header(parent, where)

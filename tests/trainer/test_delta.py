@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -101,9 +102,12 @@ def test_a_delta_moves_a_fraction_of_the_weights_and_each_node_makes_the_trainer
                                                       "model.safetensors"]
     # A node holding the parent applies one link; a second call reuses the sealed copy.
     node_b = tmp_path / "node-b"
-    copy_to_local_cache(share / "iter-000001", node_b)
+    parent = copy_to_local_cache(share / "iter-000001", node_b)
     again = copy_to_local_cache(share / "iter-000002", node_b)
     assert (again / "model.safetensors").read_bytes() == full_bytes(tmp_path, w2)
+    # The link went into a clone of the parent's file: the parent's copy is as it was.
+    assert (parent / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
+    assert copy_to_local_cache(share / "iter-000001", node_b) == parent
     inode = (again / "model.safetensors").stat().st_ino
     assert copy_to_local_cache(share / "iter-000002", node_b) == again
     assert (again / "model.safetensors").stat().st_ino == inode
@@ -137,6 +141,8 @@ def test_an_altered_delta_is_refused_naming_the_file_and_nothing_is_cached(
     w0 = weights()
     publish(share, 0, w0, last)
     publish(share, 1, step(w0, 0.02, 1), last, parent=0)
+    parent = copy_to_local_cache(share / "iter-000000", tmp_path / "node")
+    inode = (parent / "model.safetensors").stat().st_ino
     path = share / "iter-000001" / "delta" / "model.safetensors"
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x40  # a bit of a changed value
@@ -146,6 +152,31 @@ def test_an_altered_delta_is_refused_naming_the_file_and_nothing_is_cached(
         copy_to_local_cache(share / "iter-000001", tmp_path / "node")
     assert [p.name for p in (tmp_path / "node").iterdir() if p.name.startswith("iter-000001")] \
         == []
+    # The parent's copy, which the failed link was applied to a clone of, is untouched.
+    assert copy_to_local_cache(share / "iter-000000", tmp_path / "node") == parent
+    assert (parent / "model.safetensors").stat().st_ino == inode
+    assert (parent / "model.safetensors").read_bytes() == full_bytes(tmp_path, w0)
+
+
+def test_where_the_kernel_cannot_clone_the_parent_it_is_copied_and_the_link_applied(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """copy_file_range refused (another filesystem, an old kernel): the same result."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    w1 = step(w0, 0.02, 1)
+    publish(share, 0, w0, last)
+    publish(share, 1, w1, last, parent=0)
+    copy_to_local_cache(share / "iter-000000", tmp_path / "node")
+    refused: list[int] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> int:
+        refused.append(1)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    copy = copy_to_local_cache(share / "iter-000001", tmp_path / "node")
+    assert refused
+    assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
 
 
 def test_a_delta_consistent_with_a_forged_manifest_is_caught_by_the_tensor_checksums(
