@@ -1,12 +1,22 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch  # loaded before the line below: this process keeps torch's own thread count
 
 from coordinator.storage import fsio
+
+# The processes the tests start (daemons, engines, trainers: often 6-9 at once on this
+# machine's 2 cores) use one OpenMP thread each, as the trainer's processes do in a run
+# (rl/trainer_host.py).  With torch's default, a thread per core in each, they contend:
+# a 3-node RL test took 10-15 % longer and 15 % more CPU (test_rl_agent's multi-turn
+# test, twice each way: 47.9 and 46.3 s against 41.9 and 42.9 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+assert torch.get_num_threads() >= 1
 
 
 @pytest.fixture
