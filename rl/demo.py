@@ -61,20 +61,28 @@ def engine_settings(engine: str, *, vllm: str, nodes: int) -> list[str]:
     return [*items, "engine.extra_args=" + json.dumps(extra)]
 
 
+def core_shares(nodes: int) -> list[list[int]]:
+    """Each simulated node's share of the cores this process may use (at least one)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [cores[r * len(cores) // nodes:(r + 1) * len(cores) // nodes]
+            or [cores[r % len(cores)]] for r in range(nodes)]
+
+
 def node_environments(engine: str, *, vllm: str, nodes: int) -> list[dict[str, str]]:
-    """Each node's own environment on this one machine: for vLLM on CPU, its share of
-    the cores the demo may use (VLLM_CPU_OMP_THREADS_BIND); left to choose, every
-    engine binds its compute threads to the same ones."""
+    """Each node's own environment on this one machine: its share of the cores the demo
+    may use.  vLLM on CPU binds its compute threads to its share
+    (VLLM_CPU_OMP_THREADS_BIND; left to choose, every engine binds to the same ones);
+    the hf engine (and each node's trainer) runs as many OpenMP threads as its share
+    has cores (OMP_NUM_THREADS; by default each would run one per core of the machine,
+    and the nodes' threads would contend for them)."""
     if engine != "vllm":
-        return [{} for _ in range(nodes)]
+        return [{"OMP_NUM_THREADS": str(len(share))} for share in core_shares(nodes)]
     from rollout.engines.vllm_platform import probe
 
     if probe(vllm).device != "cpu":
         return [{} for _ in range(nodes)]
-    cores = sorted(os.sched_getaffinity(0))
-    shares = [cores[r * len(cores) // nodes:(r + 1) * len(cores) // nodes]
-              or [cores[r % len(cores)]] for r in range(nodes)]
-    return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))} for share in shares]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))}
+            for share in core_shares(nodes)]
 
 
 @dataclass(frozen=True, kw_only=True)
