@@ -8,7 +8,8 @@
         delta checkpoint: the parent's copy first (the same call: cached, or made from
                           its own parent, down to the full base), then its plain files
                           copied as above, and each delta/<file> read once and applied
-                          to the parent's file (trainer/delta.py), every tensor checked
+                          to a kernel-side clone of the parent's file (trainer/delta.py;
+                          the parent's copy is never written), every tensor checked
                           against the manifest (which makes the whole file checked)
           v
         manifest.json written last (the seal), the directory renamed into place
