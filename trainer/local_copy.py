@@ -201,16 +201,30 @@ def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, resu
                 f"{src_dir / name}: applied to {parent_file.name}, it makes {size} bytes, "
                 f"its manifest says {entry.size}: the delta or the parent is altered",
                 path=src_dir / name)
-        mapped = mmap.mmap(handle.fileno(), 0)
         try:
-            delta.apply(mapped, data, result=result, where=src_dir / name,
+            mapped = mmap.mmap(handle.fileno(), 0)
+        except OSError as exc:  # a filesystem without shared writable maps (some FUSE)
+            log.info("%s cannot be mapped for writing (%s): the delta is applied in memory "
+                     "and the file written whole", out, exc)
+            buffer = bytearray(size)
+            if handle.readinto(buffer) != size:
+                raise CheckpointError(f"{out}: the clone of {parent_file} reads short of "
+                                      f"its {size} bytes", path=out) from None
+            delta.apply(buffer, data, result=result, where=src_dir / name,
                         digests=manifest.delta.tensors)
-            mapped.flush()
-        finally:
-            # A failed check's traceback may still hold views of the map: it is then
-            # unmapped when they go (the file is removed with its temporary directory).
-            with contextlib.suppress(BufferError):
-                mapped.close()
+            handle.seek(0)
+            handle.write(buffer)
+            handle.flush()
+        else:
+            try:
+                delta.apply(mapped, data, result=result, where=src_dir / name,
+                            digests=manifest.delta.tensors)
+                mapped.flush()
+            finally:
+                # A failed check's traceback may still hold views of the map: it is then
+                # unmapped when they go (the file is removed with its temporary directory).
+                with contextlib.suppress(BufferError):
+                    mapped.close()
         os.fsync(handle.fileno())
 
 

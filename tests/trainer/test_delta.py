@@ -179,6 +179,36 @@ def test_where_the_kernel_cannot_clone_the_parent_it_is_copied_and_the_link_appl
     assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
 
 
+def test_where_the_clone_cannot_be_mapped_for_writing_the_link_is_applied_in_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem without shared writable maps (some FUSE mounts): the same result."""
+    import mmap
+
+    from trainer import local_copy
+
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    w1 = step(w0, 0.02, 1)
+    publish(share, 0, w0, last)
+    publish(share, 1, w1, last, parent=0)
+    copy_to_local_cache(share / "iter-000000", tmp_path / "node")
+
+    class Unmappable:
+        calls = 0
+
+        def mmap(self, *args: Any, **kwargs: Any) -> Any:
+            Unmappable.calls += 1
+            raise OSError(errno.ENODEV, "No such device")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mmap, name)
+
+    monkeypatch.setattr(local_copy, "mmap", Unmappable())
+    copy = copy_to_local_cache(share / "iter-000001", tmp_path / "node")
+    assert Unmappable.calls == 1
+    assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
+
+
 def test_a_delta_consistent_with_a_forged_manifest_is_caught_by_the_tensor_checksums(
         tmp_path: Path) -> None:
     """Even with its manifest entry matching (a hostile or buggy publisher), the
