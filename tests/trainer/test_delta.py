@@ -158,32 +158,20 @@ def test_an_altered_delta_is_refused_naming_the_file_and_nothing_is_cached(
     assert (parent / "model.safetensors").read_bytes() == full_bytes(tmp_path, w0)
 
 
-def test_where_the_kernel_cannot_clone_the_parent_it_is_copied_and_the_link_applied(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """copy_file_range refused (another filesystem, an old kernel): the same result."""
-    share, last = tmp_path / "share", tmp_path / "last"
-    w0 = weights()
-    w1 = step(w0, 0.02, 1)
-    publish(share, 0, w0, last)
-    publish(share, 1, w1, last, parent=0)
-    copy_to_local_cache(share / "iter-000000", tmp_path / "node")
-    refused: list[int] = []
-
-    def refuse(*args: Any, **kwargs: Any) -> int:
-        refused.append(1)
-        raise OSError(errno.EXDEV, "Invalid cross-device link")
-
-    monkeypatch.setattr(os, "copy_file_range", refuse)
-    copy = copy_to_local_cache(share / "iter-000001", tmp_path / "node")
-    assert refused
-    assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
+def refusing(code: int, calls: list[str]) -> Any:
+    """A system call that fails with errno `code`, counting its calls."""
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        calls.append(os.strerror(code))
+        raise OSError(code, os.strerror(code))
+    return refused
 
 
-def test_where_the_clone_cannot_be_mapped_for_writing_the_link_is_applied_in_memory(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A filesystem without shared writable maps (some FUSE mounts): the same result."""
-    import mmap
-
+@pytest.mark.parametrize("refused", ["copy_file_range", "mmap"])
+def test_where_the_kernel_refuses_a_fast_path_the_link_makes_the_same_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: str) -> None:
+    """copy_file_range refused (another filesystem, an old kernel: the parent is copied
+    through the process), or a writable shared map (some FUSE mounts: the link is put
+    in in memory and the clone written whole): the trainer's file, byte for byte."""
     from trainer import local_copy
 
     share, last = tmp_path / "share", tmp_path / "last"
@@ -192,20 +180,13 @@ def test_where_the_clone_cannot_be_mapped_for_writing_the_link_is_applied_in_mem
     publish(share, 0, w0, last)
     publish(share, 1, w1, last, parent=0)
     copy_to_local_cache(share / "iter-000000", tmp_path / "node")
-
-    class Unmappable:
-        calls = 0
-
-        def mmap(self, *args: Any, **kwargs: Any) -> Any:
-            Unmappable.calls += 1
-            raise OSError(errno.ENODEV, "No such device")
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(mmap, name)
-
-    monkeypatch.setattr(local_copy, "mmap", Unmappable())
+    calls: list[str] = []
+    if refused == "copy_file_range":
+        monkeypatch.setattr(os, "copy_file_range", refusing(errno.EXDEV, calls))
+    else:
+        monkeypatch.setattr(local_copy.mmap, "mmap", refusing(errno.ENODEV, calls))
     copy = copy_to_local_cache(share / "iter-000001", tmp_path / "node")
-    assert Unmappable.calls == 1
+    assert calls
     assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
 
 
