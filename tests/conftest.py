@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch  # loaded before the line below: this process keeps torch's own thread count
+import torch  # noqa: F401  (loaded before OMP_NUM_THREADS is set below: this process keeps torch's own thread count)
 
 from coordinator.storage import fsio
 
@@ -16,7 +16,6 @@ from coordinator.storage import fsio
 # a 3-node RL test took 10-15 % longer and 15 % more CPU (test_rl_agent's multi-turn
 # test, twice each way: 47.9 and 46.3 s against 41.9 and 42.9 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-assert torch.get_num_threads() >= 1
 
 
 @pytest.fixture

@@ -202,27 +202,29 @@ def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, resu
                 f"its manifest says {entry.size}: the delta or the parent is altered",
                 path=src_dir / name)
         try:
-            mapped = mmap.mmap(handle.fileno(), 0)
+            mapped: mmap.mmap | None = mmap.mmap(handle.fileno(), 0)
         except OSError as exc:  # a filesystem without shared writable maps (some FUSE)
             log.info("%s cannot be mapped for writing (%s): the delta is applied in memory "
                      "and the file written whole", out, exc)
-            buffer = bytearray(size)
-            if handle.readinto(buffer) != size:
-                raise CheckpointError(f"{out}: the clone of {parent_file} reads short of "
-                                      f"its {size} bytes", path=out) from None
-            delta.apply(buffer, data, result=result, where=src_dir / name,
-                        digests=manifest.delta.tensors)
-            handle.seek(0)
-            handle.write(buffer)
-            handle.flush()
-        else:
-            try:
-                delta.apply(mapped, data, result=result, where=src_dir / name,
-                            digests=manifest.delta.tensors)
+            mapped = None
+        try:
+            if mapped is None:
+                buffer = bytearray(size)
+                if handle.readinto(buffer) != size:
+                    raise CheckpointError(f"{out}: the clone of {parent_file} reads short "
+                                          f"of its {size} bytes", path=out)
+            delta.apply(buffer if mapped is None else mapped, data, result=result,
+                        where=src_dir / name, digests=manifest.delta.tensors)
+            if mapped is None:
+                handle.seek(0)
+                handle.write(buffer)
+                handle.flush()
+            else:
                 mapped.flush()
-            finally:
-                # A failed check's traceback may still hold views of the map: it is then
-                # unmapped when they go (the file is removed with its temporary directory).
+        finally:
+            # A failed check's traceback may still hold views of the map: it is then
+            # unmapped when they go (the file is removed with its temporary directory).
+            if mapped is not None:
                 with contextlib.suppress(BufferError):
                     mapped.close()
         os.fsync(handle.fileno())
