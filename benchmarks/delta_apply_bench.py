@@ -15,7 +15,8 @@ holding the parent's copy (its pages in the page cache, as on a node that made i
         tensor's SHA-256 checked, a new file written and fsynced;
   ours  copy_to_local_cache: the parent's file cloned by the kernel (copy_file_range),
         the changed elements written into the clone through a shared map, every
-        tensor's SHA-256 checked, the file fsynced, the copy sealed.
+        tensor's SHA-256 checked, the copy sealed for this boot (not fsynced:
+        coordinator/storage/local_seal.py; fsynced where the kernel names no boot).
 
 Both check every tensor they make against the manifest.  The last line reads
     delta apply: peer X s, ours Y s, peer/ours Z

@@ -158,10 +158,11 @@ def tmp_sibling(final_dir: Path) -> Path:
     return tmp
 
 
-def seal_files(tmp: Path, manifest: Manifest) -> None:
-    """Write the manifest, restrict modes, and fsync every file and the dir."""
+def seal_files(tmp: Path, manifest: Manifest, *, fsync: bool = True) -> None:
+    """Write the manifest, restrict modes, and fsync every file and the dir (unless
+    `fsync` is False: a node-local copy sealed for this boot, local_copy.py)."""
     (tmp / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-    fsync_tree(tmp)
+    fsync_tree(tmp, fsync=fsync)
 
 
 def _fsync_file(path: Path) -> None:
@@ -172,12 +173,15 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(tmp: Path) -> None:
-    """Restrict modes and fsync every file and directory under tmp, then tmp."""
+def fsync_tree(tmp: Path, *, fsync: bool = True) -> None:
+    """Restrict modes and fsync every file and directory under tmp, then tmp (only
+    the modes when `fsync` is False)."""
     for path in tmp.rglob("*"):
         os.chmod(path, DIR_MODE if path.is_dir() else FILE_MODE)
-        if path.is_file():
+        if fsync and path.is_file():
             _fsync_file(path)
+    if not fsync:
+        return
     for path in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
         fsync_dir(path)
     fsync_dir(tmp)

@@ -12,7 +12,12 @@
                           the parent's copy is never written), every tensor checked
                           against the manifest (which makes the whole file checked)
           v
-        manifest.json written last (the seal), the directory renamed into place
+        manifest.json, then the seal (coordinator/storage/local_seal.py) written
+        last, the directory renamed into place
+
+The files are not fsynced where the kernel names its boot: the seal names the
+boot that wrote them, and a copy sealed before a reboot is made again (a
+process killed mid-copy loses nothing written: its pages are in the page cache).
 
 Each byte crosses the shared filesystem once per node (docs/PROTOCOL.md, "How a
 checkpoint's bytes travel").  A copy cut short (a node killed while copying or
@@ -37,6 +42,7 @@ import filelock
 
 from coordinator import routing
 from coordinator.errors import MalformedRecordError
+from coordinator.storage import local_seal
 from coordinator.storage.fsio import FILE_MODE, ensure_dir, fsync_dir, remove_tree, rename
 from coordinator.storage.verified import copy_verified, in_parallel, read_verified
 from rollout.errors import CheckpointError
@@ -60,14 +66,17 @@ MAX_CHAIN: Final = 1000
 
 
 def sealed_copy_of(local: Path, manifest: Manifest, *, only: bool = True) -> bool:
-    """Whether `local`, a copy on this node's disk, holds `manifest`'s checkpoint: its own
-    manifest (written last, once every file was verified as it was made) has the same
-    bytes, and every file is there, a regular file of the listed size (and, `only`, no
-    other file).  Trusted this way, not hashed again at every use: the copy is this
-    user's (mode 0700, rl/node_local.py), and a copy cut short has no manifest or a
-    short file.  Plain local reads: beneath a bucket's node-local root too."""
+    """Whether `local`, a copy on this node's disk, holds `manifest`'s checkpoint: it is
+    sealed for this boot (local_seal: the seal is written last, once every file was
+    verified as it was made), its own manifest has the same bytes, and every file is
+    there, a regular file of the listed size (and, `only`, no other file).  Trusted
+    this way, not hashed again at every use: the copy is this user's (mode 0700,
+    rl/node_local.py), and a copy cut short has no seal.  Plain local reads: beneath a
+    bucket's node-local root too."""
     expected = manifest.to_bytes()
     files = manifest.local_files()
+    if not local_seal.sealed(local):
+        return False
     try:
         with open(local / MANIFEST_NAME, "rb") as handle:
             if handle.read(len(expected) + 1) != expected:
@@ -115,18 +124,20 @@ def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int)
     for stale in cache_root.glob(f".{dest.name}.tmp-*"):  # a copier killed mid-copy
         remove_tree(stale)  # (one copier per cache at a time: copy_to_local_cache's lock)
     tmp = tmp_sibling(dest)
+    fsync = local_seal.durable()  # else sealed for this boot (module docstring)
     try:
         made = manifest.delta.results if manifest.delta is not None else {}
         plain = {name: entry for name, entry in manifest.local_files().items()
                  if name not in made}
         for name in plain:
             ensure_dir((tmp / name).parent)
-        in_parallel({name: functools.partial(_copy, src_dir / name, tmp / name, entry)
+        in_parallel({name: functools.partial(_copy, src_dir / name, tmp / name, entry, fsync)
                      for name, entry in plain.items()})
         for result, entry in sorted(made.items()):  # one at a time: each is held in memory
             assert parent is not None and manifest.delta is not None
-            _apply(src_dir, manifest, parent / result, tmp / result, result, entry)
-        seal_files(tmp, manifest)
+            _apply(src_dir, manifest, parent / result, tmp / result, result, entry, fsync)
+        seal_files(tmp, manifest, fsync=fsync)
+        local_seal.write_seal(tmp)
         rename(tmp, dest)
         fsync_dir(cache_root)
         if manifest.delta is not None:
@@ -163,17 +174,18 @@ def _parent_copy(src_dir: Path, manifest: Manifest, cache_root: Path,
     return _local_copy(parent_dir, parent, cache_root, depth + 1)
 
 
-def _copy(src: Path, dst: Path, entry: FileEntry) -> None:
+def _copy(src: Path, dst: Path, entry: FileEntry, fsync: bool) -> None:
     try:
-        copy_verified(src, dst, size=entry.size, sha256=entry.sha256)
+        copy_verified(src, dst, size=entry.size, sha256=entry.sha256, fsync=fsync)
     except MalformedRecordError as exc:
         raise CheckpointError(f"{exc}; retry", path=src) from exc
 
 
 def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, result: str,
-           entry: FileEntry) -> None:
+           entry: FileEntry, fsync: bool) -> None:
     """delta/<result> read once from the share (checked against its manifest entry),
-    applied to the parent's file, the result checked and written (fsynced)."""
+    applied to the parent's file, the result checked and written (and fsynced, with
+    `fsync`; else left to the kernel's writeback: sealed for this boot)."""
     assert manifest.delta is not None
     name = delta_file(result)
     listed = manifest.files[name]
@@ -219,7 +231,7 @@ def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, resu
                 handle.seek(0)
                 handle.write(buffer)
                 handle.flush()
-            else:
+            elif fsync:
                 mapped.flush()
         finally:
             # A failed check's traceback may still hold views of the map: it is then
@@ -227,7 +239,8 @@ def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, resu
             if mapped is not None:
                 with contextlib.suppress(BufferError):
                     mapped.close()
-        os.fsync(handle.fileno())
+        if fsync:
+            os.fsync(handle.fileno())
 
 
 def _clone(source: BinaryIO, dst: Path) -> None:
@@ -276,7 +289,9 @@ def local_view(directory: Path) -> Path:
         except MalformedRecordError as exc:
             raise CheckpointError(str(exc), path=path) from exc
 
-    # The local manifest goes first, and comes back once every file is verified.
+    # The seal and the local manifest go first, and come back once every file is
+    # verified (the files fsynced first where the kernel names no boot: local_seal).
+    local_seal.unseal(directory)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(directory / MANIFEST_NAME)
     in_parallel({name: functools.partial(fetch, name, entry)
@@ -284,4 +299,9 @@ def local_view(directory: Path) -> Path:
     local_manifest = directory / MANIFEST_NAME
     local_manifest.write_bytes(manifest.to_bytes())
     os.chmod(local_manifest, FILE_MODE)
+    if local_seal.durable():
+        for name in [*manifest.files, MANIFEST_NAME]:
+            with open(directory / name, "rb") as handle:
+                os.fsync(handle.fileno())
+    local_seal.write_seal(directory)
     return directory

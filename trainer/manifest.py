@@ -32,6 +32,7 @@ from typing import ClassVar, Final
 from coordinator.errors import MalformedRecordError, UnsafeFileError
 from coordinator.records.records import JsonObject, Record
 from coordinator.storage import trees
+from coordinator.storage.local_seal import SEAL_NAME
 from coordinator.storage.store import read_document
 from rollout.errors import CheckpointError
 from trainer.probes import ProbeSet
@@ -178,13 +179,14 @@ class Manifest(Record):
 
 
 def list_files(root: Path) -> list[str]:
-    """Every file under `root` but the manifest, relative, with "/" separators."""
+    """Every file under `root` but the manifest and a node-local copy's seal
+    (coordinator/storage/local_seal.py), relative, with "/" separators."""
     try:
         names = trees.list_files(root)
     except UnsafeFileError as exc:
         raise CheckpointError(f"{exc.path}: checkpoints may not contain symlinks: remove it",
                               path=exc.path) from None
-    return [name for name in names if name != MANIFEST_NAME]
+    return [name for name in names if name not in (MANIFEST_NAME, SEAL_NAME)]
 
 
 

@@ -10,7 +10,9 @@
                 the share, hashed as it is copied (every file at once): the
                 publisher never reads the share back
     remember    once sealed, the staged full files become `last-published/`, the
-                parent of the next delta
+                parent of the next delta, kept for this machine's boot (not
+                fsynced; coordinator/storage/local_seal.py): after a reboot the
+                next publication is full
 
 Without room on this node's disk the checkpoint is written to the share directly
 and read back to hash it (logged); the next publication is then full.
@@ -29,10 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from coordinator.storage import local_seal
 from coordinator.storage.fsio import ensure_dir, publish_bytes, remove_tree, rename
 from coordinator.storage.verified import copy_hashed, in_parallel
 from rollout.errors import CheckpointError
 from trainer import delta
+from trainer.checkpoint import fsync_tree
 from trainer.manifest import (
     DeltaInfo,
     FileEntry,
@@ -45,7 +49,9 @@ from trainer.manifest import (
 log = logging.getLogger(__name__)
 
 LAST_PUBLISHED: Final = "last-published"
-RECORD: Final = "published.json"  # in last-published/: {"name", "digest", "base", "length"}
+# In last-published/: {"name", "digest", "base", "length", "seal"}; "seal" is
+# local_seal's mark of the boot the files were kept in.
+RECORD: Final = "published.json"
 
 
 def default_last() -> Path:
@@ -96,10 +102,14 @@ def _parent_record(parent: Path, last: Path) -> tuple[str, int, str] | str:
         record = json.loads((last / RECORD).read_bytes())
         name, digest = record["name"], record["digest"]
         base, length = str(record["base"]), int(record["length"])
+        seal = record["seal"]
     except FileNotFoundError:
         return "this process has published nothing it kept"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{last / RECORD} is unreadable ({exc})"
+    if not local_seal.trusted(seal):
+        return (f"the files were kept before this machine restarted ({seal!r}), unsynced: "
+                "they may not all have reached the disk")
     if name != parent.name:
         return f"the files kept are {name}'s"
     try:
@@ -183,6 +193,9 @@ def remember(staged: Staged | None, name: str, manifest: Manifest, last: Path) -
         log.info("the published files are not kept for a delta (%s)", exc)
         remove_tree(staged.full)
         return
+    if local_seal.durable():
+        fsync_tree(last)
     base, length = (manifest.delta.base, manifest.delta.length) if manifest.delta else (name, 0)
     publish_bytes(last / RECORD, json.dumps({"name": name, "digest": manifest.digest,
-                                             "base": base, "length": length}).encode())
+                                             "base": base, "length": length,
+                                             "seal": local_seal.mark()}).encode())

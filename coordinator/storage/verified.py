@@ -197,9 +197,11 @@ def file_digest(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def copy_hashed(src: Path, dst: Path, *, limit: int | None = None) -> tuple[int, str]:
-    """Copy `src` to a new file `dst` (fsynced) in one pass, hashing what was read:
-    (bytes copied, SHA-256).  Stops once more than `limit` bytes were read.
+def copy_hashed(src: Path, dst: Path, *, limit: int | None = None,
+                fsync: bool = True) -> tuple[int, str]:
+    """Copy `src` to a new file `dst` (fsynced, unless `fsync` is False: a node-local
+    copy sealed for this boot, coordinator/storage/local_seal.py) in one pass, hashing
+    what was read: (bytes copied, SHA-256).  Stops once more than `limit` bytes were read.
 
     A reader thread keeps up to _AHEAD blocks in flight while this one hashes and
     writes them, so the copy runs at the slower of the source's read and the
@@ -235,7 +237,8 @@ def copy_hashed(src: Path, dst: Path, *, limit: int | None = None) -> tuple[int,
                 if limit is not None and copied > limit:
                     break
             out.flush()
-            os.fsync(out.fileno())
+            if fsync:
+                os.fsync(out.fileno())
     finally:
         stop.set()
         with contextlib.suppress(queue.Empty):
@@ -246,14 +249,15 @@ def copy_hashed(src: Path, dst: Path, *, limit: int | None = None) -> tuple[int,
     return copied, digest.hexdigest()
 
 
-def copy_verified(src: Path, dst: Path, *, size: int, sha256: str) -> None:
+def copy_verified(src: Path, dst: Path, *, size: int, sha256: str,
+                  fsync: bool = True) -> None:
     """Copy `src` to a new file `dst`, hashing what was read; IntegrityError if it differs.
 
     The copy is checked against the manifest's size and hash as it is made, so
     a source that changes mid-copy is caught, never cached; the source is read
     once (no separate verification pass).
     """
-    copied, digest = copy_hashed(src, dst, limit=size)
+    copied, digest = copy_hashed(src, dst, limit=size, fsync=fsync)
     if copied != size or digest != sha256:
         raise IntegrityError(
             src, f"copied {copied} bytes with SHA-256 {digest[:16]}..., its manifest "

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from rollout.errors import CheckpointError
+from coordinator.storage.local_seal import SEAL_NAME
 from trainer import delta
 from trainer.checkpoint import publish_checkpoint, read_manifest, verify_checkpoint
 from trainer.local_copy import copy_to_local_cache
@@ -98,7 +99,7 @@ def test_a_delta_moves_a_fraction_of_the_weights_and_each_node_makes_the_trainer
     copy = copy_to_local_cache(share / "iter-000002", tmp_path / "node-a")
     assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w2)
     assert (copy / MANIFEST_NAME).read_bytes() == m2.to_bytes()
-    assert sorted(p.name for p in copy.iterdir()) == ["config.json", MANIFEST_NAME,
+    assert sorted(p.name for p in copy.iterdir()) == [SEAL_NAME, "config.json", MANIFEST_NAME,
                                                       "model.safetensors"]
     # A node holding the parent applies one link; a second call reuses the sealed copy.
     node_b = tmp_path / "node-b"
