@@ -12,10 +12,11 @@ holding the parent's copy (its pages in the page cache, as on a node that made i
 
   peer  the apply as it was before the kernel-side clone (rebuilt here): the parent's
         file read into memory, the delta put back (trainer/delta.py apply), every
-        tensor's SHA-256 checked, a new file written and fsynced;
+        tensor's SHA-256 checked (the manifest's checksum then: computed here from
+        the trainer's file before the trials), a new file written and fsynced;
   ours  copy_to_local_cache: the parent's file cloned by the kernel (copy_file_range),
         the changed elements written into the clone through a shared map, every
-        tensor's SHA-256 checked, the copy sealed for this boot (not fsynced:
+        tensor's BLAKE3 checked (the manifest's `tensor_hash`), the copy sealed for this boot (not fsynced:
         coordinator/storage/local_seal.py; fsynced where the kernel names no boot).
 
 Both check every tensor they make against the manifest.  The last line reads
@@ -78,9 +79,15 @@ def tensors(mib: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return parent, child
 
 
-def peer(share: Path, parent_copy: Path, out: Path) -> None:
-    """The apply before the clone: read the parent's file, put the delta back, check,
-    write a new file and fsync it."""
+def sha256_digests(path: Path) -> dict[str, str]:
+    """Every tensor's SHA-256 in the safetensors file `path` (what a manifest held)."""
+    data = path.read_bytes()
+    return delta.tensor_digests(data, delta.header(data, path)[1], "sha256")
+
+
+def peer(share: Path, parent_copy: Path, out: Path, digests: dict[str, str]) -> None:
+    """The apply before the clone: read the parent's file, put the delta back, check
+    every tensor's SHA-256 (`digests`), write a new file and fsync it."""
     manifest = read_manifest(share / "iter-000001")
     assert manifest.delta is not None
     out.mkdir()
@@ -89,7 +96,8 @@ def peer(share: Path, parent_copy: Path, out: Path) -> None:
         with open(parent_copy / result, "rb") as source:
             buffer = bytearray(os.fstat(source.fileno()).st_size)
             source.readinto(buffer)
-        delta.apply(buffer, data, result=result, where=share, digests=manifest.delta.tensors)
+        delta.apply(buffer, data, result=result, where=share, digests=digests,
+                    algorithm="sha256")
         with open(out / result, "wb") as handle:
             handle.write(buffer)
             handle.flush()
@@ -111,6 +119,7 @@ def main() -> None:
                                        iteration=1, last_published=last,
                                        delta_parent=share / "iter-000000")
         assert published.delta is not None, "the child was published full"
+        digests = sha256_digests(last / "model.safetensors")  # the child's, as trained
         size = sum(e.size for e in published.delta.results.values())
         moved = sum(e.size for n, e in published.files.items() if n.startswith("delta/"))
         print(f"checkpoint {size / 2**20:.0f} MiB, delta {moved / 2**20:.1f} MiB "
@@ -123,7 +132,7 @@ def main() -> None:
                 os.sync()
                 started = time.perf_counter()
                 if mode == "peer":
-                    peer(share, parent_copy, cache / "peer-result")
+                    peer(share, parent_copy, cache / "peer-result", digests)
                     made = cache / "peer-result" / "model.safetensors"
                 else:
                     made = copy_to_local_cache(share / "iter-000001", cache) / "model.safetensors"

@@ -5,16 +5,21 @@
       vs the file it published last (its disk)     + delta/<file> read once from the share
       -> per tensor: nothing (unchanged), the      -> the parent's file cloned by the kernel,
          changed elements (flat indices, new          the changes written into the clone in
-         bits), or the whole tensor, whichever        place, every tensor's SHA-256 and the
-         is smaller                                   size checked against the manifest
+         bits), or the whole tensor, whichever        place, every tensor's
+         is smaller                                   BLAKE3 and the size checked against
+                                                      the manifest
       -> delta/<file> (safetensors), the new
          file's SHA-256 and size, each tensor's
+         BLAKE3 (`TENSOR_HASH`)
 
 A safetensors file is an 8-byte header length, a JSON header naming each tensor's
 dtype, shape and byte span, then the bytes.  Both files must have the same header
 (the same tensors, shapes, dtypes and metadata: one model trained), so the result
 is the parent's bytes with the changed elements replaced: byte for byte the file
-the trainer wrote, which the manifest's SHA-256 of the result confirms.  Elements
+the trainer wrote, which the manifest's checksum of each tensor of the result
+confirms.  Each node hashes the whole result at every delta: BLAKE3, 3.3x as fast as
+SHA-256 on one core (BENCHMARKS.md section 11); a manifest naming "sha256" is
+checked with SHA-256.  Elements
 are compared and replaced as integers of their width (bfloat16 as int16), so
 every bit pattern (NaN, -0.0) travels exactly.
 
@@ -38,10 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import blake3
 from safetensors import SafetensorError
 
 from coordinator.storage.verified import in_parallel
 from rollout.errors import CheckpointError
+from trainer.manifest import TENSOR_HASHES
 
 # safetensors dtype -> the integer dtype of the same width the elements are compared as.
 _INT_VIEW: Final = {"BF16": "int16", "F16": "int16", "F32": "int32", "F64": "int64",
@@ -51,6 +58,7 @@ _WIDTH: Final = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8}
 _MAX_HEADER: Final = 100 << 20  # safetensors' own bound on a header
 SEP: Final = "::"  # between a tensor's name and its part in a delta file
 FORMAT: Final = "coordinator-delta"
+TENSOR_HASH: Final = "blake3"  # what the publisher checksums each tensor of a result with
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ class Encoded:
     """One weights file's delta: the tensors of delta/<file>, and what it makes."""
 
     tensors: dict[str, Any]  # "T::index", "T::value", "T::whole" -> torch tensors
-    digests: dict[str, str]  # every tensor of the new file -> SHA-256 of its bytes
+    digests: dict[str, str]  # every tensor of the new file -> TENSOR_HASH of its bytes
     size: int  # the new file's bytes
     sha256: str  # ... and their SHA-256
     changed: int  # elements that changed
@@ -131,14 +139,21 @@ def _view(data: Any, span: Span) -> Any:
                             offset=span.begin)
 
 
-def _sha256(data: Any, span: Span) -> str:
+def _digest(data: Any, span: Span, algorithm: str) -> str:
     with memoryview(data) as view:
-        return hashlib.sha256(view[span.begin:span.end]).hexdigest()
+        part = view[span.begin:span.end]
+        if algorithm == "blake3":
+            return blake3.blake3(part).hexdigest()
+        return hashlib.sha256(part).hexdigest()
 
 
-def tensor_digests(data: Any, spans: Mapping[str, Span]) -> dict[str, str]:
-    """SHA-256 of every tensor's bytes (every tensor at once: hashlib frees the GIL)."""
-    return in_parallel({name: functools.partial(_sha256, data, span)
+def tensor_digests(data: Any, spans: Mapping[str, Span],
+                   algorithm: str = TENSOR_HASH) -> dict[str, str]:
+    """`algorithm` ("blake3" or "sha256") of every tensor's bytes (every tensor at
+    once: both free the GIL while they hash)."""
+    if algorithm not in TENSOR_HASHES:
+        raise ValueError(f"tensor hash {algorithm!r} is not one of {TENSOR_HASHES}")
+    return in_parallel({name: functools.partial(_digest, data, span, algorithm)
                         for name, span in spans.items()})
 
 
@@ -195,10 +210,10 @@ def load_parts(data: bytes) -> dict[str, Any]:
 
 
 def apply(parent: bytearray | mmap.mmap, delta: bytes, *, result: str, where: Path,
-          digests: Mapping[str, str]) -> None:
+          digests: Mapping[str, str], algorithm: str = TENSOR_HASH) -> None:
     """`parent` (a weights file's bytes, writable: a map of its copy) made into the
     result in place: the delta's changes put back, then every tensor checked against
-    `digests` (CheckpointError naming the first that differs: a broken chain or an
+    `digests` (of `algorithm`; CheckpointError naming the first that differs: a broken chain or an
     altered delta).  The header is the parent's (encode publishes a delta only
     between files with the same header) and the tensors tile the rest (header()),
     so matching digests make the file the trainer wrote, byte for byte: no
@@ -234,10 +249,10 @@ def apply(parent: bytearray | mmap.mmap, delta: bytes, *, result: str, where: Pa
                 raise CheckpointError(f"{where}: {name}'s indices and values do not match "
                                       "its elements", path=where)
             target[index] = value.flatten()
-    actual = tensor_digests(parent, spans)
+    actual = tensor_digests(parent, spans, algorithm)
     for name in sorted(spans):
         if digests.get(name) != actual[name]:
             raise CheckpointError(
-                f"{where}: tensor {name} of {result} has SHA-256 {actual[name][:16]}... after "
+                f"{where}: tensor {name} of {result} has {algorithm} {actual[name][:16]}... after "
                 f"the delta, its manifest says {str(digests.get(name))[:16]}...: the delta "
                 "or the parent it applies to is altered", path=where)

@@ -226,7 +226,8 @@ def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, resu
                     raise CheckpointError(f"{out}: the clone of {parent_file} reads short "
                                           f"of its {size} bytes", path=out)
             delta.apply(buffer if mapped is None else mapped, data, result=result,
-                        where=src_dir / name, digests=manifest.delta.tensors)
+                        where=src_dir / name, digests=manifest.delta.tensors,
+                        algorithm=manifest.delta.tensor_hash)
             if mapped is None:
                 handle.seek(0)
                 handle.write(buffer)

@@ -7,13 +7,15 @@
        {"parent": "iter-000002", "parent_digest": "<16 hex>", "base": "iter-000000",
         "length": 2,
         "results": {"model.safetensors": {"sha256": ..., "size": ...}},
+        "tensor_hash": "blake3",
         "tensors": {"model.embed_tokens.weight": "<64 hex>", ...}}}
 
 A full checkpoint lists every file it holds.  A delta checkpoint (trainer/delta.py)
 holds `delta/<weights file>` in place of each weights file in `results`: what
 changed since `parent` (a sibling directory whose manifest has `parent_digest`);
 `results` are the weights files the parent's plus the delta make (as the trainer
-wrote them, byte for byte), `tensors` the SHA-256 of every tensor in them, `base`
+wrote them, byte for byte), `tensors` the checksum of every tensor in them
+(`tensor_hash`: "blake3", or "sha256"; absent before it was named: "sha256"), `base`
 the full checkpoint the chain starts from and `length` its links.
 
 Names and values come from the shared filesystem and may be hostile: every file
@@ -39,7 +41,8 @@ from trainer.probes import ProbeSet
 
 MANIFEST_NAME: Final = "manifest.json"
 MANIFEST_SCHEMA: Final = "coordinator/checkpoint-manifest"
-_SHA256: Final = re.compile(r"[0-9a-f]{64}")
+_SHA256: Final = re.compile(r"[0-9a-f]{64}")  # SHA-256's and BLAKE3's hex digests alike
+TENSOR_HASHES: Final = ("blake3", "sha256")
 
 
 def _check_file_name(name: str) -> None:
@@ -98,7 +101,8 @@ class DeltaInfo(Record):
     base: str  # the full checkpoint the chain starts from
     length: int  # links from the base: 1 for a delta of a full checkpoint
     results: dict[str, FileEntry]  # weights file -> the file it makes
-    tensors: dict[str, str]  # tensor name -> SHA-256 of its bytes in the results
+    tensor_hash: str  # what `tensors` are: "blake3" or "sha256"
+    tensors: dict[str, str]  # tensor name -> `tensor_hash` of its bytes in the results
 
     def __post_init__(self) -> None:
         for what, name in (("parent", self.parent), ("base", self.base)):
@@ -111,13 +115,22 @@ class DeltaInfo(Record):
             raise ValueError(f"length {self.length!r} is not an integer >= 1")
         if not self.results:
             raise ValueError("results is empty: a delta makes at least one weights file")
+        if self.tensor_hash not in TENSOR_HASHES:
+            raise ValueError(f"tensor_hash {self.tensor_hash!r} is not one of {TENSOR_HASHES}")
         for name in self.results:
             _check_file_name(name)
             if "/" in name:
                 raise ValueError(f"result {name!r} is not a file at the checkpoint's top")
         for tensor, digest in self.tensors.items():
             if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-                raise ValueError(f"tensor {tensor!r}: sha256 {digest!r} is not 64 hex digits")
+                raise ValueError(f"tensor {tensor!r}: {self.tensor_hash} {digest!r} is not "
+                                 "64 hex digits")
+
+    @classmethod
+    def from_json(cls, obj: object, path: Path) -> DeltaInfo:
+        if isinstance(obj, dict) and "tensor_hash" not in obj:
+            obj = {**obj, "tensor_hash": "sha256"}  # written before the hash was named
+        return super().from_json(obj, path)
 
 
 @dataclass(frozen=True, kw_only=True)

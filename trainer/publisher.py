@@ -163,7 +163,8 @@ def with_delta(staged: Staged, final_dir: Path, parent: Path | None,
         remove_tree(deltas)
         return staged
     info = DeltaInfo(parent=parent.name, parent_digest=parent_digest, base=base,
-                     length=length + 1, results=results, tensors=tensors)
+                     length=length + 1, results=results, tensor_hash=delta.TENSOR_HASH,
+                     tensors=tensors)
     log.info("%s is a delta of %s (link %d from %s): %d of %d elements changed (%.2f %%)",
              final_dir.name, parent.name, info.length, base, changed, elements,
              100.0 * changed / max(elements, 1))

@@ -191,24 +191,35 @@ def test_where_the_kernel_refuses_a_fast_path_the_link_makes_the_same_file(
     assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
 
 
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
 def test_a_delta_consistent_with_a_forged_manifest_is_caught_by_the_tensor_checksums(
-        tmp_path: Path) -> None:
+        tmp_path: Path, algorithm: str) -> None:
     """Even with its manifest entry matching (a hostile or buggy publisher), the
-    result's per-tensor SHA-256 names the tensor the delta made wrong."""
+    result's per-tensor checksum (BLAKE3, or SHA-256 in a manifest that names it)
+    names the tensor the delta made wrong."""
     share, last = tmp_path / "share", tmp_path / "last"
     w0 = weights()
     publish(share, 0, w0, last)
     m1 = publish(share, 1, step(w0, 0.02, 1), last, parent=0)
     parent = bytearray((last / "model.safetensors").read_bytes())  # iteration 1's file
+    assert m1.delta is not None and m1.delta.tensor_hash == delta.TENSOR_HASH == "blake3"
+    digests = delta.tensor_digests(parent, delta.header(parent, last)[1], algorithm)
+    assert (digests == m1.delta.tensors) == (algorithm == "blake3")
+    # The true delta (none: this is the result already) passes; a forged one is named.
+    delta.write(delta.Encoded(tensors={}, digests={}, size=0, sha256="", changed=0,
+                              elements=0), tmp_path / "none.safetensors",
+                result="model.safetensors")
+    delta.apply(parent, (tmp_path / "none.safetensors").read_bytes(),
+                result="model.safetensors", where=tmp_path, digests=digests,
+                algorithm=algorithm)
     forged = delta.Encoded(tensors={"layer.bias::whole": torch.zeros(64, dtype=torch.int16)},
                            digests={}, size=0, sha256="", changed=0, elements=0)
     delta.write(forged, tmp_path / "forged.safetensors", result="model.safetensors")
-    assert m1.delta is not None
     with pytest.raises(CheckpointError, match=r"tensor layer\.bias of model\.safetensors has "
-                                              r"SHA-256 .* after the delta"):
+                                              rf"{algorithm} .* after the delta"):
         delta.apply(parent, (tmp_path / "forged.safetensors").read_bytes(),
                     result="model.safetensors", where=tmp_path / "forged.safetensors",
-                    digests=m1.delta.tensors)
+                    digests=digests, algorithm=algorithm)
 
 
 def test_a_broken_chain_is_named(tmp_path: Path) -> None:
@@ -311,3 +322,31 @@ def test_a_file_with_bytes_outside_its_tensors_is_no_file_a_delta_applies_to(
     gapped = struct.pack("<Q", len(head)) + head + body[:begin] + b"\0\0" + body[begin:]
     with pytest.raises(CheckpointError, match=f"tensor '{last}' starts at byte"):
         delta.header(gapped, path)
+
+
+@pytest.mark.parametrize(("tensor_hash", "reads_as"),
+                         [(None, "sha256"), ("sha256", "sha256"), ("blake3", "blake3"),
+                          ("md5", "tensor_hash 'md5' is not one of"),
+                          (7, "tensor_hash")])
+def test_a_manifest_names_its_tensor_hash_and_one_that_names_none_is_sha256(
+        tmp_path: Path, tensor_hash: Any, reads_as: str) -> None:
+    """Manifests written before the hash was named hold SHA-256; any other is refused."""
+    import json
+
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    publish(share, 0, w0, last)
+    publish(share, 1, step(w0, 0.02, 1), last, parent=0)
+    path = share / "iter-000001" / MANIFEST_NAME
+    body = json.loads(path.read_text())
+    if tensor_hash is None:
+        del body["delta"]["tensor_hash"]
+    else:
+        body["delta"]["tensor_hash"] = tensor_hash
+    path.write_text(json.dumps(body))
+    if reads_as in ("sha256", "blake3"):
+        manifest = read_manifest(share / "iter-000001")
+        assert manifest.delta is not None and manifest.delta.tensor_hash == reads_as
+    else:
+        with pytest.raises(CheckpointError, match=reads_as):
+            read_manifest(share / "iter-000001")
