@@ -350,3 +350,29 @@ def test_a_manifest_names_its_tensor_hash_and_one_that_names_none_is_sha256(
     else:
         with pytest.raises(CheckpointError, match=reads_as):
             read_manifest(share / "iter-000001")
+
+
+def test_every_dtype_and_bit_pattern_travels_exactly(tmp_path: Path) -> None:
+    """Elements are compared and put back as integers of their width: float32 and
+    float16 beside bf16, integer and bool buffers, NaN payloads and -0.0 alike."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    g = torch.Generator().manual_seed(5)
+    w0 = {"bf16": torch.randn(4096, generator=g).to(torch.bfloat16),
+          "f32": torch.randn(4096, generator=g),
+          "f16": torch.randn(4096, generator=g).to(torch.float16),
+          "i64": torch.arange(4096, dtype=torch.int64),
+          "u8": torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8),
+          "mask": torch.rand(4096, generator=g) < 0.5}
+    w1 = {name: t.clone() for name, t in w0.items()}
+    w1["bf16"][7] = -0.0  # was a nonzero: another bit pattern
+    w1["f32"][[1, 2, 3]] = torch.tensor([float("nan"), -0.0, float("inf")])
+    w1["f32"].view(torch.int32)[4] = 0x7FC00123  # a NaN with a payload
+    w1["f16"][100:110] += 1
+    w1["i64"][4095] = -(2**62)
+    w1["u8"][0] = 255
+    w1["mask"][:64] = ~w1["mask"][:64]
+    publish(share, 0, w0, last)
+    manifest = publish(share, 1, w1, last, parent=0)
+    assert manifest.delta is not None
+    copy = copy_to_local_cache(share / "iter-000001", tmp_path / "node")
+    assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
