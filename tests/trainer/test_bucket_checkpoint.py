@@ -106,3 +106,30 @@ def test_coordinator_export_takes_the_runs_bucket_url_and_verifies_what_it_fetch
     assert f"{bucket.url}/checkpoints/iter-000002/model.safetensors" in refused.stderr
     assert not (tmp_path / "out2").exists()
 
+
+
+def test_a_trainers_fetched_files_are_sealed_for_this_boot_and_fetched_again_after_it(
+        server: Server, tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """local_view's files in the node-local root (what trainers load) follow the node's
+    cache: sealed for the boot that fetched them (not fsynced), fetched again after."""
+    import os
+    import uuid
+
+    from coordinator.storage import local_seal
+    from trainer.local_copy import local_view
+
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    monkeypatch.setattr(local_seal, "boot_id", lambda: first)
+    bucket = server.bucket("view")
+    with node(bucket, tmp_path / "writer") as writer:
+        publish_files(tiny_model, writer / "checkpoints/iter-000000", iteration=0)
+    with node(bucket, tmp_path / "reader") as reader:
+        view = local_view(reader / "checkpoints/iter-000000")
+        weights = view / "model.safetensors"
+        assert local_seal.sealed(view) and weights.read_bytes() == (
+            tiny_model / "model.safetensors").read_bytes()
+        os.utime(weights, (0, 0))
+        assert local_view(view) == view and weights.stat().st_mtime == 0  # not fetched again
+        monkeypatch.setattr(local_seal, "boot_id", lambda: second)  # a restart
+        assert local_view(view) == view and weights.stat().st_mtime > 0  # fetched again
+        assert local_seal.sealed(view)
