@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rollout.errors import CheckpointError
 from coordinator.storage.local_seal import SEAL_NAME
+from rollout.errors import CheckpointError
 from trainer import delta
 from trainer.checkpoint import publish_checkpoint, read_manifest, verify_checkpoint
 from trainer.local_copy import copy_to_local_cache
