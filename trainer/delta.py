@@ -17,8 +17,8 @@ dtype, shape and byte span, then the bytes.  Both files must have the same heade
 (the same tensors, shapes, dtypes and metadata: one model trained), so the result
 is the parent's bytes with the changed elements replaced: byte for byte the file
 the trainer wrote, which the manifest's checksum of each tensor of the result
-confirms.  Each node hashes the whole result at every delta: BLAKE3, 3.3x as fast as
-SHA-256 on one core (BENCHMARKS.md section 11); a manifest naming "sha256" is
+confirms.  Each node hashes the whole result at every delta: BLAKE3, 3.23x SHA-256's
+throughput here (benchmarks/hash_bench.py, BENCHMARKS.md section 11); a manifest naming "sha256" is
 checked with SHA-256.  Elements
 are compared and replaced as integers of their width (bfloat16 as int16), so
 every bit pattern (NaN, -0.0) travels exactly.
@@ -165,7 +165,7 @@ def _changes(new: mmap.mmap, old: mmap.mmap, span: Span) -> tuple[dict[str, Any]
 
     now = np.frombuffer(new, dtype=span.int_dtype, count=span.count, offset=span.begin)
     was = np.frombuffer(old, dtype=span.int_dtype, count=span.count, offset=span.begin)
-    index = np.flatnonzero(now != was)  # numpy's: twice torch.nonzero's speed here
+    index = np.flatnonzero(now != was)
     if not index.size:
         return {}, 0
     width = _WIDTH[span.int_dtype]

@@ -47,7 +47,7 @@ from coordinator.storage.fsio import FILE_MODE, ensure_dir, fsync_dir, remove_tr
 from coordinator.storage.verified import copy_verified, in_parallel, read_verified
 from rollout.errors import CheckpointError
 from trainer import delta
-from trainer.checkpoint import seal_files, tmp_sibling, verify_checkpoint
+from trainer.checkpoint import fsync_tree, seal_files, tmp_sibling, verify_checkpoint
 from trainer.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -301,8 +301,6 @@ def local_view(directory: Path) -> Path:
     local_manifest.write_bytes(manifest.to_bytes())
     os.chmod(local_manifest, FILE_MODE)
     if local_seal.durable():
-        for name in [*manifest.files, MANIFEST_NAME]:
-            with open(directory / name, "rb") as handle:
-                os.fsync(handle.fileno())
+        fsync_tree(directory)
     local_seal.write_seal(directory)
     return directory
