@@ -22,7 +22,8 @@ Each iteration, on the same trained weights, one mode after the other:
   (c) delta: iteration 1 published full (the chain's base), each later one as a
       delta of the one before (publish_checkpoint's delta_parent, the publisher's
       files kept on node 0's disk, trainer/delta.py); every node makes it whole in
-      its own cache from the previous copy (copy_to_local_cache).  Its floor is
+      its own cache by advancing the previous copy in place (copy_to_local_cache
+      with advance, as the engine's cache does: rl/engine_host.py).  Its floor is
       /bin/cp of the bytes it moves (the delta checkpoint), each way, as (d).
   (d) floor: /bin/cp of the same files, node 0's disk -> share (mount 0), then the
       share -> each node's disk through its own mount, the 3 at once.  No fsync
@@ -346,7 +347,7 @@ def delta_mode(model: Any, model_dir: Path, it: int, nodes: list[Node],
                                   last_published=nodes[0].local / "c-last")
     meter.mark()
     on_all(nodes, lambda node: copy_to_local_cache(node.share / "c" / f"iter-{it}",
-                                                   node.local / "c-cache"))
+                                                   node.local / "c-cache", advance=True))
     meter.mark()
     if it > 1 and manifest.delta is None:
         raise RuntimeError(f"iteration {it} was published full, not as a delta")

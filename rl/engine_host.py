@@ -17,14 +17,15 @@ or a failure kills it at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ActionError
 from coordinator.machine.actions import StepContext
 from coordinator.storage import trees
-from coordinator.storage.fsio import remove_tree
 from rl import layout, node_local
 from rl.config import RlSections
 from rl.node_local import lock_dir, node_lock
@@ -35,6 +36,7 @@ from rollout.client import CompletionClient
 from rollout.engines import serving
 from rollout.engines.engine import Engine, EngineError, EngineState, make_engine
 from rollout.engines.weight_updates import Parked, Served
+from trainer.local_copy import remove_copy
 from trainer.probes import ProbeSet
 
 log = logging.getLogger(__name__)
@@ -58,23 +60,30 @@ class EngineHost:
         (rl/node_local.py: per user, under TMPDIR; the last daemon out removes it)."""
         return node_local.run_root(run_id, self.s.checkpoint.local_cache)
 
-    def local_copy(self, ctx: StepContext, model_dir: Path) -> Path:
-        """A verified node-local copy of a published checkpoint (or a user model in place)."""
+    @contextlib.contextmanager
+    def local_copy(self, ctx: StepContext, model_dir: Path) -> Iterator[Path]:
+        """A verified node-local copy of a published checkpoint (or a user model in place),
+        held for reading while the block runs (trainer/local_copy.py held_copy).  The
+        cache keeps one model (_prune_cache), so a delta advances its parent's copy in
+        place where no other daemon of this node holds it: no clone of the model."""
         from trainer.checkpoint import CheckpointError
-        from trainer.local_copy import copy_to_local_cache
+        from trainer.local_copy import held_copy
 
         if not trees.exists(model_dir / "manifest.json"):
             # A user's own model directory: served in place, there is no
             # manifest to verify it against.
-            return model_dir
+            yield model_dir
+            return
         root = self.cache_root(ctx.run_id)
         # Daemons of this node share the cache: one copies, the others reuse.
-        with node_lock(lock_dir(root), "cache", timeout_s=CACHE_LOCK_TIMEOUT_S,
-                       what="copying a checkpoint"):
-            try:
-                return copy_to_local_cache(model_dir, root)
-            except CheckpointError as exc:
-                raise ActionError(f"refusing checkpoint {model_dir}: {exc}") from exc
+        with contextlib.ExitStack() as stack:
+            with node_lock(lock_dir(root), "cache", timeout_s=CACHE_LOCK_TIMEOUT_S,
+                           what="copying a checkpoint"):
+                try:
+                    local = stack.enter_context(held_copy(model_dir, root, advance=True))
+                except CheckpointError as exc:
+                    raise ActionError(f"refusing checkpoint {model_dir}: {exc}") from exc
+            yield local
 
     def serve_chosen(self, ctx: StepContext, model_dir: Path, *, version: int) -> dict[str, Any]:
         """Phase 1: serve phase 0's choice, policy `version`, its probes checked even when
@@ -94,7 +103,14 @@ class EngineHost:
         """Serve `model_dir`, policy `version` (rollout/engines/serving.py decides how: kept,
         reloaded in place, started, restarted); then check the served weights against its
         probes (a kept engine's only with `recheck`)."""
-        local = self.local_copy(ctx, model_dir)
+        with self.local_copy(ctx, model_dir) as local:
+            result = self._serve(ctx, local, version=version, recheck=recheck)
+        if self._serving == local:  # served and checked: the older copies go
+            self._prune_cache(local, self.cache_root(ctx.run_id))
+        return result
+
+    def _serve(self, ctx: StepContext, local: Path, *, version: int,
+               recheck: bool) -> dict[str, Any]:
         if self._engine is None:
             self._engine = make_engine(
                 self.s.engine, log_dir=layout.logs(self.run_dir, self.rank),
@@ -120,7 +136,6 @@ class EngineHost:
             previous=None if how is Served.KEPT else self._probes)
         self._probes = checkpoint_probes(local)
         self._serving, self._version = local, version
-        self._prune_cache(local, self.cache_root(ctx.run_id))
         return {"engine": how.value, "engine_pid": engine.pid, **verdict.payload()}
 
     def _register(self, ctx: StepContext, *, before: int | None) -> None:
@@ -152,7 +167,8 @@ class EngineHost:
 
         Only copies inside the cache root: a user's model served in place lives
         elsewhere and is never touched.  The node's daemons move to a new policy
-        together (phase 12), and the lock keeps a copy being made from going.
+        together (phase 12), and the lock keeps a copy being made from going; a
+        copy another daemon still reads (held_copy) stays.
         """
         if keep.parent != root or not root.is_dir():
             return
@@ -160,8 +176,11 @@ class EngineHost:
                        what="copying a checkpoint"):
             for child in root.iterdir():
                 if child != keep and child.is_dir() and not child.name.startswith("."):
-                    remove_tree(child)
-                    log.info("rank %d: removed old cached model %s", self.rank, child)
+                    if remove_copy(child):
+                        log.info("rank %d: removed old cached model %s", self.rank, child)
+                    else:
+                        log.info("rank %d: old cached model %s is still being read: kept",
+                                 self.rank, child)
 
     def endpoint(self) -> EngineEndpoint:
         """The engine as an agent plugin sees it (rollout/agents.py)."""

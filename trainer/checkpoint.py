@@ -150,11 +150,12 @@ def _finalise_dir(tmp: Path, manifest: Manifest, final_dir: Path) -> Manifest:
     return manifest
 
 
-def tmp_sibling(final_dir: Path) -> Path:
+def tmp_sibling(final_dir: Path, *, make: bool = True) -> Path:
     """A new hidden directory beside `final_dir` (made beneath the run directory
-    without following symlinks, mode 0755)."""
+    without following symlinks, mode 0755; only named without `make`)."""
     tmp = final_dir.parent / f".{final_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    ensure_dir(tmp)
+    if make:
+        ensure_dir(tmp)
     return tmp
 
 

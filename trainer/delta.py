@@ -3,11 +3,11 @@
     publisher (trainer rank 0)                   a node (phase 12, trainer/local_copy.py)
     the new file, staged on its disk             the parent's file, in its node-local copy
       vs the file it published last (its disk)     + delta/<file> read once from the share
-      -> per tensor: nothing (unchanged), the      -> the parent's file cloned by the kernel,
-         changed elements (flat indices, new          the changes written into the clone in
-         bits), or the whole tensor, whichever        place, every tensor's
-         is smaller                                   BLAKE3 and the size checked against
-                                                      the manifest
+      -> per tensor: nothing (unchanged), the      -> the parent's file cloned by the kernel
+         changed elements (flat indices, new          (or itself, where the cache keeps one
+         bits), or the whole tensor, whichever        model), the changes written into it in
+         is smaller                                   place, every tensor's BLAKE3 and the
+                                                      size checked against the manifest
       -> delta/<file> (safetensors), the new
          file's SHA-256 and size, each tensor's
          BLAKE3 (`TENSOR_HASH`)

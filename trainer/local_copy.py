@@ -11,6 +11,9 @@
                           to a kernel-side clone of the parent's file (trainer/delta.py;
                           the parent's copy is never written), every tensor checked
                           against the manifest (which makes the whole file checked)
+                          `advance`: the parent's copy itself, held by no reader, is
+                          taken (renamed hidden, unsealed) and the delta applied to
+                          its files in place: no clone; the parent's copy is gone
           v
         manifest.json, then the seal (coordinator/storage/local_seal.py) written
         last, the directory renamed into place
@@ -18,6 +21,11 @@
 The files are not fsynced where the kernel names its boot: the seal names the
 boot that wrote them, and a copy sealed before a reboot is made again (a
 process killed mid-copy loses nothing written: its pages are in the page cache).
+
+A process that reads a copy (an engine loading it) holds it (`held_copy`: a shared
+flock on `.<copy>.readers` beside it, taken before the cache's lock is let go); a
+copy held by a reader is never advanced in place (cloned instead) nor removed by
+`remove_copy`.  Node-local flocks: the cache is this node's.
 
 Each byte crosses the shared filesystem once per node (docs/PROTOCOL.md, "How a
 checkpoint's bytes travel").  A copy cut short (a node killed while copying or
@@ -29,12 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import logging
 import mmap
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Final
 
@@ -102,17 +112,85 @@ def chain(checkpoint: Path) -> list[str]:
     return names
 
 
-def copy_to_local_cache(src_dir: Path, cache_root: Path) -> Path:
+def copy_to_local_cache(src_dir: Path, cache_root: Path, *, advance: bool = False) -> Path:
     """A verified copy of the published checkpoint `src_dir` in `cache_root`, made or
-    reused (module docstring); CheckpointError naming the file that is wrong."""
+    reused (module docstring); CheckpointError naming the file that is wrong.
+    `advance`: a delta is applied to its parent's copy in place where no reader holds
+    it (the caller keeps one model: rl/engine_host.py)."""
+    with held_copy(src_dir, cache_root, advance=advance) as copy:
+        return copy
+
+
+@contextlib.contextmanager
+def held_copy(src_dir: Path, cache_root: Path, *, advance: bool = False) -> Iterator[Path]:
+    """copy_to_local_cache's copy, held for reading until the block ends: no copier
+    advances it in place or removes it meanwhile."""
     manifest = verify_checkpoint(src_dir, contents=False)
     ensure_dir(cache_root)
     # One copier per cache: the local ranks of a trainer share one (a flock: node-local).
     with filelock.FileLock(str(cache_root / ".copy.lock"), timeout=COPY_LOCK_S):
-        return _local_copy(src_dir, manifest, cache_root, 0)
+        dest = _local_copy(src_dir, manifest, cache_root, 0, advance)
+        hold = _lock_readers(dest, exclusive=False)
+    try:
+        yield dest
+    finally:
+        os.close(hold)
 
 
-def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int) -> Path:
+def _readers(copy: Path) -> Path:
+    return copy.parent / f".{copy.name}.readers"
+
+
+def _lock_readers(copy: Path, *, exclusive: bool) -> int:
+    """An open descriptor of `copy`'s readers' lock, flocked shared (waiting) or
+    exclusive (OSError EWOULDBLOCK at once when a reader holds it)."""
+    fd = os.open(_readers(copy), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_copy(copy: Path) -> bool:
+    """`copy` removed from its cache, unless a reader holds it (False)."""
+    try:
+        fd = _lock_readers(copy, exclusive=True)
+    except BlockingIOError:
+        return False
+    try:
+        remove_tree(copy)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_readers(copy))
+    finally:
+        os.close(fd)
+    return True
+
+
+def _take(parent: Path, dest: Path) -> Path | None:
+    """`parent`'s copy renamed to a hidden temporary directory for `dest`, unsealed,
+    its files but the weights removed; None when a reader holds it."""
+    try:
+        fd = _lock_readers(parent, exclusive=True)
+    except BlockingIOError:
+        log.info("%s is held by a reader: the delta goes into a clone of it", parent)
+        return None
+    try:
+        tmp = tmp_sibling(dest, make=False)
+        rename(parent, tmp)  # from here the parent's copy is gone (a kill: made again)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_readers(parent))
+    finally:
+        os.close(fd)
+    local_seal.unseal(tmp)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp / MANIFEST_NAME)
+    return tmp
+
+
+def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int,
+                advance: bool) -> Path:
     dest = cache_root / f"{src_dir.name}-{manifest.digest}"
     if dest.exists():
         if sealed_copy_of(dest, manifest):
@@ -120,13 +198,18 @@ def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int)
         log.warning("cached copy %s does not match its manifest (cut short or altered): "
                     "making it again", dest)
         remove_tree(dest)
-    parent = _parent_copy(src_dir, manifest, cache_root, depth)
+    parent = _parent_copy(src_dir, manifest, cache_root, depth, advance)
     for stale in cache_root.glob(f".{dest.name}.tmp-*"):  # a copier killed mid-copy
         remove_tree(stale)  # (one copier per cache at a time: copy_to_local_cache's lock)
-    tmp = tmp_sibling(dest)
+    made = manifest.delta.results if manifest.delta is not None else {}
+    taken = _take(parent, dest) if advance and parent is not None else None
+    tmp = taken if taken is not None else tmp_sibling(dest)
     fsync = local_seal.durable()  # else sealed for this boot (module docstring)
     try:
-        made = manifest.delta.results if manifest.delta is not None else {}
+        if taken is not None:  # the parent's weights stay, to be advanced; the rest goes
+            for name in list_files(taken):
+                if name not in made:
+                    os.unlink(taken / name)
         plain = {name: entry for name, entry in manifest.local_files().items()
                  if name not in made}
         for name in plain:
@@ -135,14 +218,16 @@ def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int)
                      for name, entry in plain.items()})
         for result, entry in sorted(made.items()):  # one at a time: each is held in memory
             assert parent is not None and manifest.delta is not None
-            _apply(src_dir, manifest, parent / result, tmp / result, result, entry, fsync)
+            _apply(src_dir, manifest, (tmp if taken is not None else parent) / result,
+                   tmp / result, result, entry, fsync)
         seal_files(tmp, manifest, fsync=fsync)
         local_seal.write_seal(tmp)
         rename(tmp, dest)
         fsync_dir(cache_root)
         if manifest.delta is not None:
-            log.info("made %s whole: its delta applied to %s's copy (link %d of the chain "
-                     "from %s)", src_dir.name, manifest.delta.parent, manifest.delta.length,
+            log.info("made %s whole: its delta applied to %s's copy%s (link %d of the chain "
+                     "from %s)", src_dir.name, manifest.delta.parent,
+                     " in place" if taken is not None else "", manifest.delta.length,
                      manifest.delta.base)
         return dest
     finally:
@@ -150,7 +235,7 @@ def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int)
 
 
 def _parent_copy(src_dir: Path, manifest: Manifest, cache_root: Path,
-                 depth: int) -> Path | None:
+                 depth: int, advance: bool) -> Path | None:
     """A delta checkpoint's parent, copied (or found) first; None for a full one."""
     if manifest.delta is None:
         return None
@@ -171,7 +256,7 @@ def _parent_copy(src_dir: Path, manifest: Manifest, cache_root: Path,
             f"{info.parent_digest}, but {parent_dir} now has manifest {parent.digest} (it was "
             "published again): the chain is broken; rerun the training of "
             f"iteration {manifest.iteration} (coordinator recover)", path=parent_dir)
-    return _local_copy(parent_dir, parent, cache_root, depth + 1)
+    return _local_copy(parent_dir, parent, cache_root, depth + 1, advance)
 
 
 def _copy(src: Path, dst: Path, entry: FileEntry, fsync: bool) -> None:
@@ -184,8 +269,9 @@ def _copy(src: Path, dst: Path, entry: FileEntry, fsync: bool) -> None:
 def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, result: str,
            entry: FileEntry, fsync: bool) -> None:
     """delta/<result> read once from the share (checked against its manifest entry),
-    applied to the parent's file, the result checked and written (and fsynced, with
-    `fsync`; else left to the kernel's writeback: sealed for this boot)."""
+    applied to the parent's file (a clone of it; `out` itself when it is the parent's
+    file, taken: _take), the result checked and written (and fsynced, with `fsync`;
+    else left to the kernel's writeback: sealed for this boot)."""
     assert manifest.delta is not None
     name = delta_file(result)
     listed = manifest.files[name]
@@ -202,10 +288,11 @@ def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, resu
         raise CheckpointError(f"{parent_file}: the parent's copy cannot be read ({exc})",
                               path=parent_file) from exc
     with source:
-        _clone(source, out)
-    # The delta goes into the clone in place: only the changed elements are written, and
-    # the parent's copy stays as it is (a node killed here leaves a hidden temporary
-    # directory, removed at the next use).
+        if parent_file != out:
+            _clone(source, out)
+    # The delta goes into the clone (or the taken parent) in place: only the changed
+    # elements are written (a node killed here leaves a hidden temporary directory,
+    # removed at the next use).
     with open(out, "r+b") as handle:
         size = os.fstat(handle.fileno()).st_size
         if size != entry.size or size < 8:

@@ -93,7 +93,8 @@ def test_phase_1_refuses_an_older_policy_and_checks_a_kept_engines_probes(
     # The engine is made to serve the older weights behind the host's back.
     engine = engine_host._engine
     assert engine is not None
-    engine.update_weights(engine_host.local_copy(ctx, older))
+    with engine_host.local_copy(ctx, older) as copy:
+        engine.update_weights(copy)
     with pytest.raises(WeightsNotServed, match=r"does not serve checkpoint iter-000001"):
         engine_host.serve_chosen(ctx, newest, version=2)
     # Not taken as served any more: the rerun loads it again, and then it passes.

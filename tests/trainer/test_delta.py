@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import logging
@@ -23,7 +24,7 @@ from rollout.errors import CheckpointError
 from trainer import delta
 from trainer.checkpoint import publish_checkpoint, read_manifest, verify_checkpoint
 from trainer.local_copy import copy_to_local_cache
-from trainer.manifest import MANIFEST_NAME
+from trainer.manifest import MANIFEST_NAME, FileEntry
 
 # Damaged files are reported after the read deadline: 1 s here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("quick_read_retry")
@@ -252,16 +253,18 @@ def test_most_elements_changed_go_whole_and_a_new_header_goes_as_a_file(tmp_path
     assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, grown)
 
 
+@pytest.mark.parametrize("advance", [False, True])
 def test_a_node_killed_while_applying_a_delta_makes_it_again_at_the_next_use(
-        tmp_path: Path) -> None:
+        tmp_path: Path, advance: bool) -> None:
     """SIGKILL in the middle of applying: the cache's name never shows a partial copy,
-    and the next copy (another process) removes the leftover and makes it whole."""
+    and the next copy (another process) removes the leftover and makes it whole (in
+    place, `advance`: from the base again, the parent's copy having been taken)."""
     share, last = tmp_path / "share", tmp_path / "last"
     big = {"w": torch.randn(4096, 1024).to(torch.bfloat16)}
     publish(share, 0, big, last)
     publish(share, 1, step(big, 0.02, 1), last, parent=0)
     node = tmp_path / "node"
-    copy_to_local_cache(share / "iter-000000", node)
+    parent = copy_to_local_cache(share / "iter-000000", node)
     gate = tmp_path / "applying"
     script = textwrap.dedent(f"""
         import sys, time
@@ -275,7 +278,8 @@ def test_a_node_killed_while_applying_a_delta_makes_it_again_at_the_next_use(
             time.sleep(60)  # killed here: the result made, not yet written or sealed
         trainer.delta.apply = slow
         from trainer.local_copy import copy_to_local_cache
-        copy_to_local_cache(Path({str(share / 'iter-000001')!r}), Path({str(node)!r}))
+        copy_to_local_cache(Path({str(share / 'iter-000001')!r}), Path({str(node)!r}),
+                            advance={advance})
     """)
     proc = subprocess.Popen([sys.executable, "-c", script])
     try:
@@ -289,10 +293,12 @@ def test_a_node_killed_while_applying_a_delta_makes_it_again_at_the_next_use(
         proc.wait(30)
     leftovers = [p.name for p in node.iterdir() if p.name.startswith(".iter-000001")]
     assert leftovers and not [p for p in node.iterdir() if p.name.startswith("iter-000001")]
-    copy = copy_to_local_cache(share / "iter-000001", node)
+    assert [p for p in node.iterdir() if p.name.startswith("iter-000000")] == \
+        ([] if advance else [parent])
+    copy = copy_to_local_cache(share / "iter-000001", node, advance=advance)
     assert hashlib.sha256((copy / "model.safetensors").read_bytes()).hexdigest() == \
         read_manifest(share / "iter-000001").local_files()["model.safetensors"].sha256
-    assert not [p for p in node.iterdir() if p.name.startswith(".iter-000001")]
+    assert not [p for p in node.iterdir() if p.name.startswith(".iter-000001") and p.is_dir()]
 
 
 def test_a_file_with_bytes_outside_its_tensors_is_no_file_a_delta_applies_to(
@@ -376,3 +382,84 @@ def test_every_dtype_and_bit_pattern_travels_exactly(tmp_path: Path) -> None:
     assert manifest.delta is not None
     copy = copy_to_local_cache(share / "iter-000001", tmp_path / "node")
     assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
+
+
+def test_advancing_in_place_makes_the_trainers_file_from_the_parents_own_and_frees_it(
+        tmp_path: Path) -> None:
+    """advance (the engine's cache, which keeps one model): the parent's copy itself
+    becomes the result, its file written where the elements changed, not cloned."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    w1 = step(w0, 0.02, seed=1)
+    w2 = step(w1, 0.02, seed=2)
+    publish(share, 0, w0, last)
+    publish(share, 1, w1, last, parent=0)
+    publish(share, 2, w2, last, parent=1)
+    node = tmp_path / "node"
+    parent = copy_to_local_cache(share / "iter-000000", node)
+    inode = (parent / "model.safetensors").stat().st_ino
+    copy = copy_to_local_cache(share / "iter-000002", node, advance=True)
+    assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w2)
+    assert (copy / "model.safetensors").stat().st_ino == inode  # the same file, advanced twice
+    assert (copy / MANIFEST_NAME).read_bytes() == read_manifest(share / "iter-000002").to_bytes()
+    assert sorted(p.name for p in node.iterdir() if not p.name.startswith(".")) == [copy.name]
+    assert not [p for p in node.iterdir() if p.name.endswith(".readers") and
+                not p.name.startswith(f".{copy.name}")]
+    # The parent asked for again (a recover going back) is made again from its base.
+    again = copy_to_local_cache(share / "iter-000001", node, advance=False)
+    assert (again / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
+
+
+def test_a_copy_held_by_a_reader_is_cloned_not_advanced_nor_removed(tmp_path: Path) -> None:
+    from trainer.local_copy import held_copy, remove_copy
+
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    w1 = step(w0, 0.02, seed=1)
+    publish(share, 0, w0, last)
+    publish(share, 1, w1, last, parent=0)
+    node = tmp_path / "node"
+    with held_copy(share / "iter-000000", node) as parent:
+        # Another process (a second engine of this node) moves on meanwhile.
+        script = textwrap.dedent(f"""
+            import sys
+            from pathlib import Path
+            sys.path.insert(0, {str(ROOT)!r})
+            from trainer.local_copy import copy_to_local_cache, remove_copy
+            copy = copy_to_local_cache(Path({str(share / 'iter-000001')!r}),
+                                       Path({str(node)!r}), advance=True)
+            print(remove_copy(Path({str(parent)!r})), copy)
+        """)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=120, check=True).stdout.split()
+        assert out[0] == "False"  # held: not removed
+        assert (parent / "model.safetensors").read_bytes() == full_bytes(tmp_path, w0)
+        assert Path(out[1]).name.startswith("iter-000001")
+        assert (Path(out[1]) / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
+    assert remove_copy(parent) and not parent.exists()
+
+
+def test_an_altered_delta_applied_in_place_is_refused_and_the_parent_made_again(
+        tmp_path: Path) -> None:
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    publish(share, 0, w0, last)
+    m1 = publish(share, 1, step(w0, 0.02, 1), last, parent=0)
+    node = tmp_path / "node"
+    copy_to_local_cache(share / "iter-000000", node)
+    # Consistent with its own SHA-256 in a forged manifest: only the tensors' digests catch it.
+    path = share / "iter-000001" / "delta" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    forged = m1.files | {"delta/model.safetensors": FileEntry(
+        sha256=hashlib.sha256(bytes(data)).hexdigest(), size=len(data))}
+    manifest_path = share / "iter-000001" / MANIFEST_NAME
+    manifest_path.chmod(0o644)
+    manifest_path.write_bytes(dataclasses.replace(m1, files=forged).to_bytes())
+    with pytest.raises(CheckpointError, match=r"tensor .* after the delta.*altered"):
+        copy_to_local_cache(share / "iter-000001", node, advance=True)
+    assert not [p for p in node.iterdir() if p.is_dir()]  # the parent was given up, nothing made
+    remade = copy_to_local_cache(share / "iter-000000", node)
+    assert (remade / "model.safetensors").read_bytes() == full_bytes(tmp_path, w0)
