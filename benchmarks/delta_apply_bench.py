@@ -17,9 +17,13 @@ holding the parent's copy (its pages in the page cache, as on a node that made i
   ours  copy_to_local_cache: the parent's file cloned by the kernel (copy_file_range),
         the changed elements written into the clone through a shared map, every
         tensor's BLAKE3 checked (the manifest's `tensor_hash`), the copy sealed for this boot (not fsynced:
-        coordinator/storage/local_seal.py; fsynced where the kernel names no boot).
+        coordinator/storage/local_seal.py; fsynced where the kernel names no boot);
+  in place  copy_to_local_cache with advance, as the engine's cache (it keeps one
+        model, rl/engine_host.py): the parent's copy itself taken and the changed
+        elements written into it, no clone; otherwise as ours.
 
-Both check every tensor they make against the manifest.  The last line reads
+All check every tensor they make against the manifest.  The last lines read
+    in place: Y2 s, ours/in place R
     delta apply: peer X s, ours Y s, peer/ours Z
 (medians over the trials).
 """
@@ -124,9 +128,9 @@ def main() -> None:
         moved = sum(e.size for n, e in published.files.items() if n.startswith("delta/"))
         print(f"checkpoint {size / 2**20:.0f} MiB, delta {moved / 2**20:.1f} MiB "
               f"({moved / size:.3f})", flush=True)
-        times: dict[str, list[float]] = {"peer": [], "ours": []}
+        times: dict[str, list[float]] = {"peer": [], "ours": [], "in place": []}
         for trial in range(args.trials):
-            for mode in ("peer", "ours"):
+            for mode in times:
                 cache = root / f"cache-{mode}-{trial}"
                 parent_copy = copy_to_local_cache(share / "iter-000000", cache)
                 os.sync()
@@ -135,14 +139,21 @@ def main() -> None:
                     peer(share, parent_copy, cache / "peer-result", digests)
                     made = cache / "peer-result" / "model.safetensors"
                 else:
-                    made = copy_to_local_cache(share / "iter-000001", cache) / "model.safetensors"
+                    made = copy_to_local_cache(share / "iter-000001", cache,
+                                               advance=mode == "in place") / "model.safetensors"
+                    if (mode == "in place") == parent_copy.exists():
+                        raise RuntimeError(f"{mode}: the parent's copy was "
+                                           f"{'kept' if parent_copy.exists() else 'taken'}")
                 times[mode].append(time.perf_counter() - started)
                 if made.stat().st_size != size:
                     raise RuntimeError(f"{mode} made {made.stat().st_size} bytes, not {size}")
                 shutil.rmtree(cache)
             print(f"trial {trial + 1}: peer {times['peer'][-1]:.2f} s, "
-                  f"ours {times['ours'][-1]:.2f} s", flush=True)
+                  f"ours {times['ours'][-1]:.2f} s, in place {times['in place'][-1]:.2f} s",
+                  flush=True)
         p, o = statistics.median(times["peer"]), statistics.median(times["ours"])
+        i = statistics.median(times["in place"])
+        print(f"in place: {i:.2f} s, ours/in place {o / i:.2f}")
         print(f"delta apply: peer {p:.2f} s, ours {o:.2f} s, peer/ours {p / o:.2f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

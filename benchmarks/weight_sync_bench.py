@@ -41,8 +41,12 @@ with the TCP counters from `ss -ti` on the server's sockets (the wire bytes, wit
 SSH's framing, are kept in the JSON too).  Where that cannot be measured, the bytes
 are counted from what each mode reads and writes, and the output says so.
 
-Also per iteration: the share of bf16 elements (and of tensors) that changed since
-the previously published checkpoint (iteration 1: since the built model), and two
+Also per iteration: the share of bf16 elements (and of tensors, and of 4 KiB
+blocks of each tensor's bytes: the pages a node holding a whole copy must write
+again) that changed since the previously published checkpoint (iteration 1: since
+the built model); how much of (c)'s parent, on each node and the publisher's kept
+files, was in the page cache as (c) began (fincore; the other modes' gigabytes,
+written in between, evict it on this machine); and two
 estimates of a delta's size: 6 bytes per changed element (int32 index + bf16 value)
 and the XOR of the two checkpoints compressed with zlib level 1.  Apart from the
 update: the engine's reload from node 1's copy, as phase 12 does it on the hf engine
@@ -104,6 +108,7 @@ MEASURE_ERRORS = (OSError, RuntimeError, ValueError, subprocess.SubprocessError,
 DTYPE = "bfloat16"
 LR = 1e-6
 BATCH, SEQ = 2, 64
+PAGE = 4096
 MB = 1e6
 
 
@@ -341,6 +346,9 @@ def delta_mode(model: Any, model_dir: Path, it: int, nodes: list[Node],
     final = nodes[0].share / "c" / f"iter-{it}"
     final.parent.mkdir(parents=True, exist_ok=True)
     parent = nodes[0].share / "c" / f"iter-{it - 1}" if it > 1 else None
+    cached = [cached_fraction(sorted((node.local / "c-cache").glob("iter-*/*.safetensors")))
+              for node in nodes] + [cached_fraction(sorted((nodes[0].local / "c-last").glob(
+                  "*.safetensors")))]
     meter.mark()
     manifest = publish_checkpoint(model, None, final, iteration=it, carry_files_from=model_dir,
                                   dtype=DTYPE, delta_parent=parent,
@@ -352,7 +360,21 @@ def delta_mode(model: Any, model_dir: Path, it: int, nodes: list[Node],
     if it > 1 and manifest.delta is None:
         raise RuntimeError(f"iteration {it} was published full, not as a delta")
     size = sum(e.size for e in manifest.files.values())
-    return meter.result(size, size * len(nodes))
+    return {**meter.result(size, size * len(nodes)), "parent_cached": cached}
+
+
+def cached_fraction(files: list[Path]) -> float | None:
+    """The share of `files`' pages in the page cache (mincore through util-linux's
+    fincore), or None when there are none or fincore cannot say."""
+    if not files or shutil.which("fincore") is None:
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES,SIZE",
+                          *map(str, files)], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    pairs = [tuple(map(int, line.split())) for line in out.stdout.splitlines() if line.strip()]
+    total = sum(size for _, size in pairs)
+    return min(1.0, sum(res for res, _ in pairs) / total) if total else None  # whole pages
 
 
 def floor_mode(source: Path, it: int, nodes: list[Node], meter: Meter,
@@ -394,7 +416,7 @@ def changed(old_dir: Path, new_dir: Path) -> dict[str, Any]:
     old, new = tensors(old_dir), tensors(new_dir)
     if old.keys() != new.keys():
         raise RuntimeError(f"{old_dir} and {new_dir} hold different tensors")
-    elements = diff = tensors_changed = model_bytes = xor_zlib = 0
+    elements = diff = tensors_changed = model_bytes = xor_zlib = blocks = blocks_touched = 0
     for key in sorted(new):
         a, b = old[key], new[key]
         if a.dtype != b.dtype or a.shape != b.shape:
@@ -402,6 +424,14 @@ def changed(old_dir: Path, new_dir: Path) -> dict[str, Any]:
         bits = torch.int16 if a.element_size() == 2 else torch.int32
         xor = torch.bitwise_xor(a.contiguous().view(bits), b.contiguous().view(bits))
         n = int(torch.count_nonzero(xor))
+        # 4 KiB blocks of the tensor's bytes with a changed element: what a node that
+        # holds a whole copy must rewrite, whatever the delta's encoding.
+        per_block = PAGE // a.element_size()
+        flat = xor.flatten()
+        full = flat.numel() // per_block * per_block
+        blocks += -(-flat.numel() // per_block)
+        blocks_touched += int(torch.count_nonzero(flat[:full].reshape(-1, per_block).any(1)))
+        blocks_touched += int(bool(flat[full:].any())) if full < flat.numel() else 0
         elements += a.numel()
         diff += n
         tensors_changed += n > 0
@@ -411,6 +441,7 @@ def changed(old_dir: Path, new_dir: Path) -> dict[str, Any]:
             "changed_fraction": diff / elements,
             "tensors": len(new), "tensors_changed": tensors_changed,
             "weight_bytes": model_bytes,
+            "blocks_touched_fraction": blocks_touched / max(blocks, 1),
             "sparse_delta_bytes": diff * 6,  # int32 index + bf16 value per changed element
             "xor_zlib1_bytes": xor_zlib}
 
@@ -562,9 +593,13 @@ def print_iteration(row: dict[str, Any], *, flush: bool = False) -> None:
               f"{ratio(m['update_s'], own):>14.2f}{star}")
     c = row["changed"]
     print(f"  changed since {row['changed_since']}: {c['changed_fraction']:.4f} of bf16 elements"
-          f" ({c['tensors_changed']}/{c['tensors']} tensors); delta estimates: sparse "
+          f" ({c['tensors_changed']}/{c['tensors']} tensors), {c['blocks_touched_fraction']:.4f}"
+          f" of 4 KiB blocks; delta estimates: sparse "
           f"{c['sparse_delta_bytes'] / c['weight_bytes']:.3f}, xor+zlib "
-          f"{c['xor_zlib1_bytes'] / c['weight_bytes']:.3f} of the weights", flush=flush)
+          f"{c['xor_zlib1_bytes'] / c['weight_bytes']:.3f} of the weights")
+    cached = ", ".join("-" if f is None else f"{f:.2f}" for f in row["modes"]["c"]["parent_cached"])
+    print(f"  (c)'s parent in the page cache as it began (nodes 0-2, then the publisher's "
+          f"kept files): {cached}", flush=flush)
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -592,6 +627,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         }
     summary["engine_reload_s"] = statistics.median(r["reload_s"] for r in later)
     summary["changed_fraction"] = [r["changed"]["changed_fraction"] for r in rows]
+    summary["blocks_touched_fraction"] = [r["changed"]["blocks_touched_fraction"] for r in rows]
+    summary["parent_cached"] = [r["modes"]["c"]["parent_cached"] for r in later]
     summary["checkpoint_bytes"] = model_bytes
     return summary
 
@@ -629,6 +666,12 @@ def main() -> None:
           f"update/floor {b['update_over_floor']:.2f}, reads {b['read_per_model']:.2f} x; "
           f"(a)/(b) update time {a['update_s'] / b['update_s']:.2f}x; engine reload from the "
           f"node's copy {summary['engine_reload_s']:.2f} s; wall {result['wall_s']:.0f} s")
+    touched = statistics.median(summary["blocks_touched_fraction"][1:] or [float("nan")])
+    seen = [f for row in summary["parent_cached"] for f in row if f is not None]
+    print(f"delta (c): {touched:.4f} of the 4 KiB blocks of a copy held a changed element "
+          "(what a node holding a whole copy rewrites, whatever the encoding); its parent's "
+          "pages in the page cache as it began: "
+          f"{'unknown' if not seen else f'{min(seen):.2f}-{max(seen):.2f}'}")
     delta = f"{c['written_per_model']:.3f}, delta update/floor {c['update_over_floor']:.2f}"
     print(f"weight sync: delta bytes/model {delta}, full update/floor "
           f"{b['update_over_floor']:.2f}")
