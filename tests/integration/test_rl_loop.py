@@ -128,6 +128,13 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
     assert [v for _, v in board["train/world_size"]] == [3.0, 3.0]
     if not uninterrupted:
         return
+    # Iteration 1's policy was made from the copy of iteration 0's, in place
+    # (the engine's cache keeps one model: trainer/local_copy.py advance), no clone:
+    # by the one daemon that made it (the ranks here share one host, so one cache).
+    logs = [(run / f"ranks/{rank}/logs/daemon.log").read_text() for rank in range(3)]
+    made = [rank for rank, log in enumerate(logs) if "made iter-000001 whole: its delta "
+            "applied to iter-000000's copy in place" in log]
+    assert len(made) == 1, [log[-2000:] for log in logs]
     # Phase 7 put every engine to sleep and phase 12 reloaded the new checkpoint
     # into the same process: one engine pid per rank across both iterations,
     # and what it served matched the trainer's probe log-probabilities.
