@@ -138,7 +138,7 @@ def ensure_initial_model(loop: Loop, ctx: StepContext) -> None:
         build_demo_model(loop.initial_model(), seed=loop.s.model.init_seed,
                          warmstart_steps=loop.s.model.warmstart_steps)
         # Read as local files from here on (fetched once per node from a bucket).
-        from trainer.local_copy import local_view
+        from trainer.local_view import local_view
 
         local_view(loop.initial_model())
 

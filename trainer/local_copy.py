@@ -7,10 +7,13 @@
         full checkpoint:  every file copied (all at once), hashed as it is read
         delta checkpoint: the parent's copy first (the same call: cached, or made from
                           its own parent, down to the full base), then its plain files
-                          copied as above, and each delta/<file> read once and applied
-                          to a kernel-side clone of the parent's file (trainer/delta.py;
-                          the parent's copy is never written), every tensor checked
-                          against the manifest (which makes the whole file checked)
+                          copied as above (those of the parent's size and SHA-256,
+                          as config and tokenizer files are, taken from the parent's
+                          copy: not read again), and each delta/<file> read once and
+                          applied to a kernel-side clone of the parent's file
+                          (trainer/delta.py; the parent's copy is never written),
+                          every tensor checked against the manifest (which makes
+                          the whole file checked)
                           `advance`: the parent's copy itself, held by no reader, is
                           taken (renamed hidden, unsealed) and the delta applied to
                           its files in place: no clone; the parent's copy is gone
@@ -44,20 +47,19 @@ import mmap
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Final
 
 import filelock
 
-from coordinator import routing
 from coordinator.errors import MalformedRecordError
 from coordinator.storage import local_seal
-from coordinator.storage.fsio import FILE_MODE, ensure_dir, fsync_dir, remove_tree, rename
+from coordinator.storage.fsio import ensure_dir, fsync_dir, remove_tree, rename
 from coordinator.storage.verified import copy_verified, in_parallel, read_verified
 from rollout.errors import CheckpointError
 from trainer import delta
-from trainer.checkpoint import fsync_tree, seal_files, tmp_sibling, verify_checkpoint
+from trainer.checkpoint import seal_files, tmp_sibling, verify_checkpoint
 from trainer.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -202,20 +204,26 @@ def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int,
     for stale in cache_root.glob(f".{dest.name}.tmp-*"):  # a copier killed mid-copy
         remove_tree(stale)  # (one copier per cache at a time: copy_to_local_cache's lock)
     made = manifest.delta.results if manifest.delta is not None else {}
+    plain = {name: entry for name, entry in manifest.local_files().items() if name not in made}
+    same = _as_in_parent(parent, plain)
     taken = _take(parent, dest) if advance and parent is not None else None
     tmp = taken if taken is not None else tmp_sibling(dest)
     fsync = local_seal.durable()  # else sealed for this boot (module docstring)
     try:
-        if taken is not None:  # the parent's weights stay, to be advanced; the rest goes
+        if taken is not None:  # the parent's weights and unchanged files stay; the rest goes
             for name in list_files(taken):
-                if name not in made:
+                if name not in made and name not in same:
                     os.unlink(taken / name)
-        plain = {name: entry for name, entry in manifest.local_files().items()
-                 if name not in made}
         for name in plain:
             ensure_dir((tmp / name).parent)
-        in_parallel({name: functools.partial(_copy, src_dir / name, tmp / name, entry, fsync)
-                     for name, entry in plain.items()})
+        work: dict[str, Callable[[], None]] = {}
+        for name, entry in plain.items():
+            if name not in same:
+                work[name] = functools.partial(_copy, src_dir / name, tmp / name, entry, fsync)
+            elif taken is None:  # (taken: already in place)
+                assert parent is not None
+                work[name] = functools.partial(_reuse, parent / name, tmp / name, fsync)
+        in_parallel(work)
         for result, entry in sorted(made.items()):  # one at a time: each is held in memory
             assert parent is not None and manifest.delta is not None
             _apply(src_dir, manifest, (tmp if taken is not None else parent) / result,
@@ -257,6 +265,28 @@ def _parent_copy(src_dir: Path, manifest: Manifest, cache_root: Path,
             "published again): the chain is broken; rerun the training of "
             f"iteration {manifest.iteration} (coordinator recover)", path=parent_dir)
     return _local_copy(parent_dir, parent, cache_root, depth + 1, advance)
+
+
+def _as_in_parent(parent: Path | None, plain: dict[str, FileEntry]) -> set[str]:
+    """The files of `plain` (a delta's files besides its weights: config, tokenizer)
+    whose size and SHA-256 are those of the same file in the parent's copy: taken from
+    that copy (verified as it was made, sealed), not read from the share again."""
+    if parent is None:
+        return set()
+    try:
+        theirs = read_manifest(parent).local_files()
+    except CheckpointError:
+        return set()
+    return {name for name, entry in plain.items() if theirs.get(name) == entry}
+
+
+def _reuse(source: Path, dst: Path, fsync: bool) -> None:
+    """A file of the parent's copy, unchanged in the child, cloned into the child's."""
+    with open(source, "rb") as handle:
+        _clone(handle, dst)
+    if fsync:
+        with open(dst, "rb") as handle:
+            os.fsync(handle.fileno())
 
 
 def _copy(src: Path, dst: Path, entry: FileEntry, fsync: bool) -> None:
@@ -353,41 +383,3 @@ def _clone(source: BinaryIO, dst: Path) -> None:
             target.truncate()
             shutil.copyfileobj(source, target, 16 << 20)
 
-
-def local_view(directory: Path) -> Path:
-    """`directory` with its files readable as plain local files (what transformers and
-    safetensors open).  On a filesystem, the directory itself.  Beneath a bucket's
-    node-local root, every file of the published checkpoint is fetched to its own path
-    there (all at once) and checked against the manifest as it is fetched; the manifest
-    is written there last, and a copy whose manifest and sizes match is used as it is
-    (sealed_copy_of)."""
-    if routing.routed(directory) is None:
-        return directory
-    manifest = verify_checkpoint(directory, contents=False)
-    if manifest.delta is not None:
-        raise CheckpointError(f"{directory} is a delta checkpoint: make its copy with "
-                              "copy_to_local_cache", path=directory)
-    if sealed_copy_of(directory, manifest, only=False):
-        return directory  # fetched and verified before; its manifest was written last
-
-    def fetch(name: str, entry: FileEntry) -> None:
-        path = directory / name
-        try:  # fetches the object to `path`, then hashes what it fetched
-            read_verified(path, size=entry.size, sha256=entry.sha256, allow_map=False).close()
-        except MalformedRecordError as exc:
-            raise CheckpointError(str(exc), path=path) from exc
-
-    # The seal and the local manifest go first, and come back once every file is
-    # verified (the files fsynced first where the kernel names no boot: local_seal).
-    local_seal.unseal(directory)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(directory / MANIFEST_NAME)
-    in_parallel({name: functools.partial(fetch, name, entry)
-                 for name, entry in manifest.files.items()})
-    local_manifest = directory / MANIFEST_NAME
-    local_manifest.write_bytes(manifest.to_bytes())
-    os.chmod(local_manifest, FILE_MODE)
-    if local_seal.durable():
-        fsync_tree(directory)
-    local_seal.write_seal(directory)
-    return directory

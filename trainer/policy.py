@@ -29,13 +29,14 @@ from trainer.config import Strategy
 from trainer.distributed import DistContext, unwrap, wrap_model
 from trainer.errors import TrainError
 from trainer.grpo import shard
-from trainer.local_copy import copy_to_local_cache, local_view
+from trainer.local_copy import copy_to_local_cache
+from trainer.local_view import local_view
 
 
 def readable(model_dir: Path) -> Path:
     """A model directory checked and readable as local files: a published checkpoint
     verified against its manifest (fetched to the node-local root from a bucket,
-    trainer/local_copy.py local_view; a delta checkpoint made whole in this process's
+    trainer/local_view.py; a delta checkpoint made whole in this process's
     TMPDIR, the run's node-local .tmp/), or a user's own directory as it is."""
     if trees.exists(model_dir / MANIFEST_NAME) and read_manifest(model_dir).delta is not None:
         return copy_to_local_cache(model_dir, Path(tempfile.gettempdir()) / "policies")

@@ -116,7 +116,7 @@ def test_a_trainers_fetched_files_are_sealed_for_this_boot_and_fetched_again_aft
     import uuid
 
     from coordinator.storage import local_seal
-    from trainer.local_copy import local_view
+    from trainer.local_view import local_view
 
     first, second = str(uuid.uuid4()), str(uuid.uuid4())
     monkeypatch.setattr(local_seal, "boot_id", lambda: first)

@@ -463,3 +463,38 @@ def test_an_altered_delta_applied_in_place_is_refused_and_the_parent_made_again(
     assert not [p for p in node.iterdir() if p.is_dir()]  # the parent was given up, nothing made
     remade = copy_to_local_cache(share / "iter-000000", node)
     assert (remade / "model.safetensors").read_bytes() == full_bytes(tmp_path, w0)
+
+
+@pytest.mark.parametrize("advance", [False, True])
+def test_a_file_unchanged_since_the_parent_is_taken_from_its_copy_not_read_again(
+        tmp_path: Path, advance: bool) -> None:
+    """config.json has the parent's size and SHA-256: the node takes it from the parent's
+    copy (verified when made): the share's, garbled here, is never read."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    publish(share, 0, w0, last)
+    m1 = publish(share, 1, step(w0, 0.02, 1), last, parent=0)
+    node = tmp_path / "node"
+    copy_to_local_cache(share / "iter-000000", node)
+    on_share = share / "iter-000001" / "config.json"
+    good = on_share.read_bytes()
+    on_share.chmod(0o644)
+    on_share.write_bytes(b"x" * len(good))  # read from the share, it would fail its SHA-256
+    copy = copy_to_local_cache(share / "iter-000001", node, advance=advance)
+    assert (copy / "config.json").read_bytes() == good
+    assert (copy / MANIFEST_NAME).read_bytes() == m1.to_bytes()
+    # A file that changed since the parent is read from the share (and, garbled, refused).
+    class Renamed(Weights):
+        def save_pretrained(self, directory: Path, state_dict: dict[str, Any] | None = None,
+                            ) -> None:
+            super().save_pretrained(directory, state_dict)
+            (Path(directory) / "config.json").write_text('{"model_type": "qwen2", "x": 1}\n')
+
+    m2 = publish_checkpoint(Renamed(step(w0, 0.02, 2)), None, share / "iter-000002",
+                            iteration=2, last_published=last, delta_parent=share / "iter-000001")
+    assert m2.delta is not None and m2.files["config.json"] != m1.files["config.json"]
+    on_share = share / "iter-000002" / "config.json"
+    on_share.chmod(0o644)
+    on_share.write_bytes(b"x" * on_share.stat().st_size)
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        copy_to_local_cache(share / "iter-000002", node, advance=advance)
