@@ -439,14 +439,22 @@ def test_a_copy_held_by_a_reader_is_cloned_not_advanced_nor_removed(tmp_path: Pa
     assert remove_copy(parent) and not parent.exists()
 
 
-def test_an_altered_delta_applied_in_place_is_refused_and_the_parent_made_again(
-        tmp_path: Path) -> None:
+def base_and_link(tmp_path: Path) -> tuple[Path, Path, Path, dict[str, torch.Tensor], Any]:
+    """iter-0 published full and iter-1 as its delta (2 % changed); a node holding iter-0's
+    copy.  (share, the trainer's kept files, the node's cache, iter-0's tensors, iter-1's
+    manifest.)"""
     share, last = tmp_path / "share", tmp_path / "last"
     w0 = weights()
     publish(share, 0, w0, last)
     m1 = publish(share, 1, step(w0, 0.02, 1), last, parent=0)
     node = tmp_path / "node"
     copy_to_local_cache(share / "iter-000000", node)
+    return share, last, node, w0, m1
+
+
+def test_an_altered_delta_applied_in_place_is_refused_and_the_parent_made_again(
+        tmp_path: Path) -> None:
+    share, _last, node, w0, m1 = base_and_link(tmp_path)
     # Consistent with its own SHA-256 in a forged manifest: only the tensors' digests catch it.
     path = share / "iter-000001" / "delta" / "model.safetensors"
     data = bytearray(path.read_bytes())
@@ -470,12 +478,7 @@ def test_a_file_unchanged_since_the_parent_is_taken_from_its_copy_not_read_again
         tmp_path: Path, advance: bool) -> None:
     """config.json has the parent's size and SHA-256: the node takes it from the parent's
     copy (verified when made): the share's, garbled here, is never read."""
-    share, last = tmp_path / "share", tmp_path / "last"
-    w0 = weights()
-    publish(share, 0, w0, last)
-    m1 = publish(share, 1, step(w0, 0.02, 1), last, parent=0)
-    node = tmp_path / "node"
-    copy_to_local_cache(share / "iter-000000", node)
+    share, last, node, w0, m1 = base_and_link(tmp_path)
     on_share = share / "iter-000001" / "config.json"
     good = on_share.read_bytes()
     on_share.chmod(0o644)
