@@ -142,11 +142,13 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
         back = min(timings)
         assert 3 <= back < iterations and timings == set(range(back, iterations)), timings
         # Back on a new disk, its cache empty: the newest policy, a delta
-        # (checkpoint.full_every 10), was made whole from the full base and the chain.
+        # (checkpoint.full_every 10), was made whole from the full base and the chain,
+        # each link written into the copy of the one before in place (the engine's
+        # cache keeps one model: trainer/local_copy.py advance).
         log = (run / "ranks/2/logs/daemon.log").read_text()
         for link in range(1, back):
             assert f"made iter-{link:06d} whole: its delta applied to iter-{link - 1:06d}'s " \
-                f"copy (link {link} of the chain from iter-000000)" in log, log[-3000:]
+                f"copy in place (link {link} of the chain from iter-000000)" in log, log[-3000:]
         # Training ran on the members only, then on all three once 2 was back.
         sizes = [read(run / f"iterations/{it:06d}/metrics/train.json")["world_size"]
                  for it in range(iterations)]
