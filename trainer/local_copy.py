@@ -149,9 +149,9 @@ def _lock_readers(copy: Path, *, exclusive: bool) -> int:
     fd = os.open(_readers(copy), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
-    except BaseException:
-        os.close(fd)
-        raise
+    except BaseException:  # EWOULDBLOCK (a reader holds it), or an interrupt while
+        os.close(fd)         # waiting for a shared lock: the descriptor closed, the
+        raise                # error raised on, never a lock reported held
     return fd
 
 
