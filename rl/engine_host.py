@@ -114,7 +114,10 @@ class EngineHost:
         if self._engine is None:
             self._engine = make_engine(
                 self.s.engine, log_dir=layout.logs(self.run_dir, self.rank),
-                port_file=layout.engine_port_file(self.run_dir, self.rank))
+                port_file=layout.engine_port_file(self.run_dir, self.rank),
+                # The daemon's, not this step's: the engine outlives the step (and
+                # a rollout ahead's own stop must not cancel a later start).
+                check_cancel=ctx.runtime.check_cancel)
         engine, pid = self._engine, self._engine.pid
         devices = self.s.engine.cuda_visible_devices
         log.info("rank %d: the %s engine is to serve %s%s", self.rank, self.s.engine.kind.value,

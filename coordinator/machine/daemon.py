@@ -147,6 +147,7 @@ class Daemon:
     def _stop(self, error: CoordinatorError) -> ExitCode:
         state = NodeState.LEFT if isinstance(error, Interrupted) else NodeState.FAILED
         self.runtime.fail(error)
+        self.runtime.in_hand()
         self._finish(state, str(error))
         log.error("rank %d stops: %s", self.rank, error)
         return error.exit_code
@@ -165,6 +166,7 @@ class Daemon:
                     return
                 self._take_back()
             except CoordinatorError as exc:
+                self.runtime.in_hand()
                 # A stop request first: its own raise may have been lost (runtime.py).
                 error = pending_interrupt() or self._cause(exc)
                 repeated = self._repeated(error)

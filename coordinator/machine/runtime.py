@@ -8,9 +8,11 @@ does not wind up within the grace period, a last-resort timer publishes the
 failure and exits the process.  A survivor therefore stops within the lease
 plus a few seconds even if an action ignores cancellation.
 
-With coordination.on_failure "wait" the main thread may instead take the
-failure in hand (coordinator/machine/regroup.py): `resume()` disarms that timer and
-clears the failure and the cancel event, so the daemon can go on.
+Once the main thread has left its action it says it holds the failure
+(`in_hand()`): the timer is disarmed and the daemon stops in order, each step
+bounded by its own timeout.  With coordination.on_failure "wait" it may go on
+instead (coordinator/machine/regroup.py): `resume()` also clears the failure
+and the cancel event.
 """
 
 from __future__ import annotations
@@ -119,6 +121,16 @@ class Runtime:
         threading.Thread(target=self._stop_soon, args=(handled,), name="stop-timer",
                          daemon=True).start()
         return True
+
+    def in_hand(self) -> None:
+        """The main thread has left its action and holds the failure: disarm the exit
+        timer.  What it does next (close the engines and the trainer, the last
+        heartbeat, the claim) is bounded by each step's own timeout; racing the
+        timer, a slow engine stop would lose the message that says why the run
+        stops, and its exit code."""
+        with self._lock:
+            handled = self._handled
+        handled.set()
 
     def resume(self) -> CoordinatorError | None:
         """The main thread goes on after the failure: disarm the exit timer, clear the

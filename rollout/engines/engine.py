@@ -20,6 +20,7 @@ the other's module, and importing this one loads neither torch nor vllm.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -79,12 +80,15 @@ class Engine(Protocol):
     def control(self) -> EngineControl: ...
 
 
-def make_engine(cfg: EngineConfig, *, log_dir: Path, port_file: Path | None = None) -> Engine:
-    """The engine of `cfg.kind` (imports neither torch nor vllm)."""
+def make_engine(cfg: EngineConfig, *, log_dir: Path, port_file: Path | None = None,
+                check_cancel: Callable[[], None] | None = None) -> Engine:
+    """The engine of `cfg.kind` (imports neither torch nor vllm).  `check_cancel`
+    raises once the caller is stopping: a start waiting for its server calls it
+    between two probes."""
     if cfg.kind is EngineKind.HF:
         from rollout.engines.hf import HfEngine
 
-        return HfEngine(cfg, log_dir=log_dir, port_file=port_file)
+        return HfEngine(cfg, log_dir=log_dir, port_file=port_file, check_cancel=check_cancel)
     from rollout.engines.vllm import VllmEngine
 
-    return VllmEngine(cfg, log_dir=log_dir, port_file=port_file)
+    return VllmEngine(cfg, log_dir=log_dir, port_file=port_file, check_cancel=check_cancel)

@@ -19,7 +19,8 @@ place (control.py has the request sequence).  The server is started
 for it with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1.
 
 Waits for / released by:
-    start()  waits for  the server answering one completion (ready_timeout_s)
+    start()  waits for  the server answering one completion (ready_timeout_s),
+                        or until check_cancel raises (then stops the server)
     stop()   waits for  the whole process tree to exit (stop_grace_s, then
                         SIGKILL) and for the GPU memory of those pids to be
                         released (gpu_release_timeout_s)
@@ -91,6 +92,7 @@ class ServerEngine:
         log_dir: Path,
         port_file: Path | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        check_cancel: Callable[[], None] | None = None,
     ) -> None:
         if config.kind is not self.kind:
             raise ValueError(
@@ -100,6 +102,9 @@ class ServerEngine:
         self.log_dir = Path(log_dir)
         self.port_file = Path(port_file) if port_file is not None else None
         self._sleep = sleep
+        # Raises once the caller is stopping: a start waiting ready_timeout_s for a
+        # server still loading its weights gives up at the next probe instead.
+        self._check_cancel = check_cancel or (lambda: None)
         self._state = EngineState.STOPPED
         self._proc: proc_mod.ManagedProcess | None = None
         self._port: int | None = None
@@ -231,6 +236,7 @@ class ServerEngine:
         server_errors = [0]  # in a row, from a server whose /health says it is up
 
         def probe() -> None:
+            self._check_cancel()  # not retried: start() stops the server and raises it
             self.check_alive()  # EngineDied is not retried: the log says why
             try:
                 # /health first, with a short timeout: a port that accepts but

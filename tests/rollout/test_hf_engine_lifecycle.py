@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from coordinator.errors import Cancelled
 from rollout.client import CompletionClient, GroupResult
 from rollout.engines.engine import (
     EngineConfig,
@@ -230,6 +231,39 @@ def test_a_server_that_dies_while_starting_is_reported_with_its_traceback(
 
     with pytest.raises(EngineStartError, match=r"has no config\.json"):
         engine.start(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_start_the_caller_cancels_stops_its_server_at_the_next_probe(
+    tmp_path: Path, models: tuple[Path, Path]
+) -> None:
+    """A node whose group fails while its engine loads (a vLLM start takes minutes)
+    must not wait ready_timeout_s: before a fix the daemon's exit timer killed it
+    mid-start and the master's 'failed the same way' verdict was never logged."""
+    probes: list[tuple[int, ...]] = []
+    stopping = threading.Event()
+    stopping.set()  # the group stops while the server still loads
+
+    def check_cancel() -> None:
+        probes.append(engine.pids())
+        if stopping.is_set():
+            raise Cancelled("the group is stopping")
+
+    cfg = EngineConfig(kind=EngineKind.HF, ready_timeout_s=120, ready_poll_s=0.1,
+                       stop_grace_s=5, threads=1)
+    engine = make_engine(cfg, log_dir=tmp_path / "logs", check_cancel=check_cancel)
+    started = time.monotonic()
+    with pytest.raises(Cancelled, match="the group is stopping"):
+        engine.start(models[0])
+    # One probe and a stop: well inside the 120 s a start may take.
+    assert time.monotonic() - started < 30, probes
+    assert len(probes) == 1 and probes[-1], probes  # its server was running then
+    assert engine.state is EngineState.FAILED and engine.pid is None
+    _assert_no_process(probes[-1])
+    stopping.clear()
+    engine.start(models[0])  # the engine is usable again: the next session starts it
+    assert engine.state is EngineState.READY
+    engine.close()
 
 
 # --- the server's protocol, in process (no subprocess: fast) -----------------
