@@ -18,6 +18,7 @@ from typing import Protocol, TypeVar
 
 import tenacity
 
+from coordinator.errors import UnsafeFileError
 from coordinator.records.records import Record
 from coordinator.storage import fsio, trees
 
@@ -124,6 +125,11 @@ class MemoryStore:
 
 
 def _retryable(exc: BaseException) -> bool:
+    # A FIFO, device, symlink or directory at a record's name is no torn or stale
+    # read: a writer only ever renames a regular file there, so asking again
+    # cannot change it, and the error names it at once.
+    if isinstance(exc, UnsafeFileError):
+        return False
     return isinstance(exc, ValueError) or fsio.is_transient(exc)
 
 

@@ -137,6 +137,24 @@ def test_a_torn_read_is_retried_afresh_then_reported_with_its_path() -> None:
                       sleep=lambda s: None)
 
 
+def test_a_fifo_where_a_record_belongs_is_named_at_once_not_retried(tmp_path: Path) -> None:
+    """A worker started on a run directory with a FIFO as run.json named it after
+    two rounds of read_retry_s (10 s): no writer ever renames a FIFO into place,
+    so asking again cannot change it."""
+    os.mkfifo(tmp_path / "run.json")
+    reads: list[bool] = []
+    slept: list[float] = []
+
+    def read(fresh: bool) -> bytes:
+        reads.append(fresh)
+        return fsio.read_bytes(tmp_path / "run.json", fresh=fresh)
+
+    with pytest.raises(UnsafeFileError, match=r"run\.json: is a FIFO, not a regular file"):
+        read_retrying(read, lambda data, path: data, tmp_path / "run.json", retry_s=5.0,
+                      sleep=slept.append)
+    assert reads == [False] and slept == []
+
+
 def test_a_binary_file_is_loaded_only_as_its_manifest_lists_it(tmp_path: Path) -> None:
     data = os.urandom(5000)
     path = tmp_path / "chunk-000000.pt"
