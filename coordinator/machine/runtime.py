@@ -127,7 +127,8 @@ class Runtime:
         timer.  What it does next (close the engines and the trainer, the last
         heartbeat, the claim) is bounded by each step's own timeout; racing the
         timer, a slow engine stop would lose the message that says why the run
-        stops, and its exit code."""
+        stops, and its exit code.  Called for an error the main thread raised itself,
+        before `fail` records it, it disarms the timer that recording starts."""
         with self._lock:
             handled = self._handled
         handled.set()
