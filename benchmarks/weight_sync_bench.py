@@ -20,8 +20,9 @@ Each iteration, on the same trained weights, one mode after the other:
   (b) full, now: `publish_checkpoint` (staged on node 0's disk, hashed as it is
       copied to the share) and `copy_to_local_cache` on the 3 nodes at once.
   (c) delta: iteration 1 published full (the chain's base), each later one as a
-      delta of the one before (publish_checkpoint's delta_parent, the publisher's
-      files kept on node 0's disk, trainer/delta.py); every node makes it whole in
+      delta of the one before (publish_checkpoint's delta_parent: taken from the
+      model's tensors against the publisher's files kept on node 0's disk, which
+      advance in place, trainer/kept_delta.py); every node makes it whole in
       its own cache by advancing the previous copy in place (copy_to_local_cache
       with advance, as the engine's cache does: rl/engine_host.py).  Its floor is
       /bin/cp of the bytes it moves (the delta checkpoint), each way, as (d).
@@ -41,15 +42,21 @@ with the TCP counters from `ss -ti` on the server's sockets (the wire bytes, wit
 SSH's framing, are kept in the JSON too).  Where that cannot be measured, the bytes
 are counted from what each mode reads and writes, and the output says so.
 
+Each mode starts after `sync`, so that none pays for the write-back of the
+gigabytes the one before it left dirty.  Each mode's files go once it is measured, but for what a later step reads ((b)'s
+node 0 copy, the previous weights of the next `changed`; (c)'s chain and copies):
+a run takes one of these paths, and its nodes' page cache holds that path's files
+alone.  (Kept until the iteration's end, the other modes' gigabytes evicted (c)'s
+parents from the page cache on this machine.)
+
 Also per iteration: the share of bf16 elements (and of tensors, and of 4 KiB
 blocks of each tensor's bytes: the pages a node holding a whole copy must write
 again) that changed since the previously published checkpoint (iteration 1: since
 the built model); how much of (c)'s parent, on each node and the publisher's kept
-files, was in the page cache as (c) began (fincore; the other modes' gigabytes,
-written in between, evict it on this machine); and two
+files, was in the page cache as (c) began (fincore); and two
 estimates of a delta's size: 6 bytes per changed element (int32 index + bf16 value)
 and the XOR of the two checkpoints compressed with zlib level 1.  Apart from the
-update: the engine's reload from node 1's copy, as phase 12 does it on the hf engine
+update: the engine's reload from node 1's copy made by (c), as phase 12 does it on the hf engine
 (rollout/hf/weights.py `ResidentModel.reload`: the node's safetensors read and copied
 into a bf16 model kept resident, on the CPU here; the file was just written, so its
 pages are in the page cache, as on a node that made it).
@@ -339,7 +346,7 @@ def current_mode(model: Any, model_dir: Path, it: int, nodes: list[Node],
 
 
 def delta_mode(model: Any, model_dir: Path, it: int, nodes: list[Node],
-               meter: Meter) -> dict[str, Any]:
+               meter: Meter) -> tuple[dict[str, Any], list[Path]]:
     """(c) delta: iteration 1 full (the base), each later one a delta of the one before
     (publish_checkpoint with delta_parent and the publisher's kept files on node 0's
     disk); every node makes it whole in its own cache, which holds the previous one."""
@@ -354,13 +361,13 @@ def delta_mode(model: Any, model_dir: Path, it: int, nodes: list[Node],
                                   dtype=DTYPE, delta_parent=parent,
                                   last_published=nodes[0].local / "c-last")
     meter.mark()
-    on_all(nodes, lambda node: copy_to_local_cache(node.share / "c" / f"iter-{it}",
-                                                   node.local / "c-cache", advance=True))
+    copies = on_all(nodes, lambda node: copy_to_local_cache(
+        node.share / "c" / f"iter-{it}", node.local / "c-cache", advance=True))
     meter.mark()
     if it > 1 and manifest.delta is None:
         raise RuntimeError(f"iteration {it} was published full, not as a delta")
     size = sum(e.size for e in manifest.files.values())
-    return {**meter.result(size, size * len(nodes)), "parent_cached": cached}
+    return {**meter.result(size, size * len(nodes)), "parent_cached": cached}, copies
 
 
 def cached_fraction(files: list[Path]) -> float | None:
@@ -527,43 +534,54 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             row["loss"] = train_step(model, optimizer, vocab, generator)
             row["train_s"] = time.perf_counter() - t
             modes: dict[str, Any] = {}
+            os.sync()  # before each mode: none pays for the writeback of the one before
             modes["a"] = legacy_mode(model, model_dir, it, nodes, Meter(server))
+            remove(nodes[0].share / "a")
+            for node in nodes:
+                remove(node.local / "a")
+            os.sync()
             modes["b"], copies = current_mode(model, model_dir, it, nodes, Meter(server))
-            modes["c"] = delta_mode(model, model_dir, it, nodes, Meter(server))
+            for copy in copies[1:]:  # node 0's stays: the next iteration's `changed`
+                remove(copy)
+            remove(nodes[0].share / "checkpoints" / f"iter-{it}")
+            os.sync()
+            modes["c"], c_copies = delta_mode(model, model_dir, it, nodes, Meter(server))
             # The floor of the bytes the delta moves: cp of its checkpoint each way.
             delta_src = nodes[0].local / "src-c" / f"iter-{it}"
             delta_src.parent.mkdir(parents=True, exist_ok=True)
             subprocess.run(["/bin/cp", "-r", str(nodes[0].share / "c" / f"iter-{it}"),
                             str(delta_src)], check=True)
+            os.sync()
             modes["cd"] = floor_mode(delta_src, it, nodes, Meter(server), tag="cd")
             remove(delta_src)
+            remove(nodes[0].share / "cd")
+            for node in nodes:
+                remove(node.local / "cd")
             source = nodes[0].local / "src" / f"iter-{it}"
             t = time.perf_counter()
             write_model_files(model, None, source, carry_files_from=model_dir, dtype=DTYPE)
             row["serialize_s"] = time.perf_counter() - t  # not part of the floor
+            os.sync()
             modes["d"] = floor_mode(source, it, nodes, Meter(server))
+            remove(source)
+            remove(nodes[0].share / "d")
+            for node in nodes:
+                remove(node.local / "d")
             row["modes"] = modes
             t = time.perf_counter()
-            engine.reload(copies[1])
+            engine.reload(c_copies[1])
             row["reload_s"] = time.perf_counter() - t
             row["changed"] = changed(previous_weights, copies[0])
             row["changed_since"] = "built model" if it == 1 else f"iteration {it - 1}"
             row["load_end"] = os.getloadavg()
             result["iterations"].append(row)
             print_iteration(row, flush=True)
-            # Disk: (a) and (d) of this iteration go now, (b) keeps this one and the last.
-            remove(source)
+            # Disk: the previous iteration's (b) copy on node 0 goes (this one is the
+            # next `changed`'s), and any (c) copy not advanced.
             for node in nodes:
-                remove(node.local / "a")
-                remove(node.local / "d")
-                remove(node.local / "cd")
                 for cache in ("cache", "c-cache"):
                     for old in (node.local / cache).glob(f"iter-{it - 1}-*"):
                         remove(old)
-            remove(nodes[0].share / "a")
-            remove(nodes[0].share / "d")
-            remove(nodes[0].share / "cd")
-            remove(nodes[0].share / "checkpoints" / f"iter-{it - 1}")
             # (c)'s chain: iteration 1 is its base; later links go once superseded.
             if it > 2:
                 remove(nodes[0].share / "c" / f"iter-{it - 1}")

@@ -309,6 +309,16 @@ def seal_directory(tmp: Path, final_dir: Path, *, iteration: int,
         remove_tree(tmp)  # a no-op once renamed
 
 
+def _published_state(model: Any, state_dict: dict[str, Any] | None,
+                     dtype: str | None) -> dict[str, Any] | None:
+    """The tensors write_model_files would save, in the dtype it would save them in."""
+    if state_dict is None:
+        state_dict = model.state_dict() if hasattr(model, "state_dict") else None
+    if state_dict is None or dtype is None:
+        return state_dict
+    return cast_state(state_dict, dtype)
+
+
 def publish_checkpoint(
     model: Any,
     tokenizer: Any,
@@ -335,7 +345,9 @@ def publish_checkpoint(
     as they are copied (trainer/publisher.py).  With `last_published`, a directory on
     this node's disk, the files are kept there for the next publication; with
     `delta_parent` too (a sibling checkpoint whose files are kept there), each weights
-    file is published as its delta from the parent's (trainer/delta.py).
+    file is published as its delta from the parent's: taken from the model's tensors
+    and written into the kept files (trainer/kept_delta.py), or, where those are not
+    the kept files' tensors, from the file written whole (trainer/delta.py).
     """
     from trainer import publisher
 
@@ -345,17 +357,25 @@ def publish_checkpoint(
     hashed: dict[str, tuple[int, str]] = {}
     staged: publisher.Staged | None = None
     try:
-        if weights_from is None:
-            staged = publisher.stage(tmp, lambda out: write_model_files(
-                model, tokenizer, out, state_dict=state_dict,
-                carry_files_from=carry_files_from, dtype=dtype))
-        else:  # FSDP's consolidated weights are on the share already: read back once
-            write_model_files(
+        if weights_from is not None:  # FSDP's consolidated weights are on the share
+            write_model_files(  # already: read back once
                 model, tokenizer, tmp, state_dict=state_dict, carry_files_from=carry_files_from,
                 weights_from=weights_from, dtype=dtype,
             )
+        elif delta_parent is not None and last_published is not None:
+            # Every file but the weights (save_pretrained of no tensors writes the rest).
+            staged = publisher.advance_kept(
+                _published_state(model, state_dict, dtype), final_dir, delta_parent,
+                last_published, lambda out: write_model_files(
+                    model, tokenizer, out, state_dict={}, carry_files_from=carry_files_from,
+                    dtype=dtype))
+        if weights_from is None and staged is None:
+            staged = publisher.stage(tmp, lambda out: write_model_files(
+                model, tokenizer, out, state_dict=state_dict,
+                carry_files_from=carry_files_from, dtype=dtype))
+            if staged is not None:
+                staged = publisher.with_delta(staged, final_dir, delta_parent, last_published)
         if staged is not None:
-            staged = publisher.with_delta(staged, final_dir, delta_parent, last_published)
             hashed = publisher.upload(staged, tmp)
         manifest = seal_directory(tmp, final_dir, iteration=iteration, probes=probes,
                                   hashed=hashed, delta=staged.delta if staged else None)

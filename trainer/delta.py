@@ -68,6 +68,8 @@ class Span:
     int_dtype: str
     begin: int
     end: int
+    dtype: str = ""  # as the header names it ("BF16")
+    shape: tuple[int, ...] = ()
 
     @property
     def count(self) -> int:
@@ -109,13 +111,14 @@ def header(data: bytes | bytearray | mmap.mmap, where: Path) -> tuple[bytes, dic
         try:
             int_dtype = _INT_VIEW[info["dtype"]]
             begin, end = (8 + length + int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+            shape = tuple(int(x) for x in info.get("shape", ()))
+        except (AttributeError, KeyError, TypeError, ValueError):
             raise CheckpointError(f"{where}: tensor {name!r} has no usable dtype and offsets "
                                   f"({str(info)[:200]})", path=where) from None
         if not 8 + length <= begin <= end <= len(data) or (end - begin) % _WIDTH[int_dtype]:
             raise CheckpointError(f"{where}: tensor {name!r} spans bytes {begin}-{end} of "
                                   f"{len(data)}, not whole elements inside the file", path=where)
-        spans[name] = Span(name, int_dtype, begin, end)
+        spans[name] = Span(name, int_dtype, begin, end, dtype=info["dtype"], shape=shape)
     # The tensors tile the bytes after the header, as safetensors requires: no byte of
     # the file lies outside the header and the spans, so the header and every tensor's
     # digest determine the whole file.
@@ -138,7 +141,8 @@ def _view(data: Any, span: Span) -> Any:
                             offset=span.begin)
 
 
-def _digest(data: Any, span: Span, algorithm: str) -> str:
+def digest(data: Any, span: Span, algorithm: str = TENSOR_HASH) -> str:
+    """`algorithm` ("blake3" or "sha256") of one tensor's bytes in `data`."""
     with memoryview(data) as view:
         part = view[span.begin:span.end]
         if algorithm == "blake3":
@@ -152,19 +156,17 @@ def tensor_digests(data: Any, spans: Mapping[str, Span],
     once: both free the GIL while they hash)."""
     if algorithm not in TENSOR_HASHES:
         raise ValueError(f"tensor hash {algorithm!r} is not one of {TENSOR_HASHES}")
-    return in_parallel({name: functools.partial(_digest, data, span, algorithm)
+    return in_parallel({name: functools.partial(digest, data, span, algorithm)
                         for name, span in spans.items()})
 
 
-def _changes(new: mmap.mmap, old: mmap.mmap, span: Span) -> tuple[dict[str, Any], int]:
+def changes(now: Any, was: Any, span: Span) -> tuple[dict[str, Any], int]:
     """One tensor's part of a delta ("T::index" and "T::value", "T::whole", or none:
-    unchanged) and how many of its elements changed.  The views of the maps go
-    with this call, so the maps can close."""
+    unchanged) and how many of its elements changed: `now` and `was` are its elements
+    as flat numpy arrays of `span.int_dtype`."""
     import numpy as np
     import torch
 
-    now = np.frombuffer(new, dtype=span.int_dtype, count=span.count, offset=span.begin)
-    was = np.frombuffer(old, dtype=span.int_dtype, count=span.count, offset=span.begin)
     index = np.flatnonzero(now != was)
     if not index.size:
         return {}, 0
@@ -174,6 +176,13 @@ def _changes(new: mmap.mmap, old: mmap.mmap, span: Span) -> tuple[dict[str, Any]
         return {f"{span.name}{SEP}index": torch.from_numpy(index.astype(index_dtype)),
                 f"{span.name}{SEP}value": torch.from_numpy(now[index])}, index.size
     return {f"{span.name}{SEP}whole": torch.from_numpy(now.copy())}, index.size
+
+
+def _elements(data: Any, span: Span) -> Any:
+    """A tensor's elements in `data` (a map: writable where it is), flat, as integers."""
+    import numpy as np
+
+    return np.frombuffer(data, dtype=span.int_dtype, count=span.count, offset=span.begin)
 
 
 def encode(new: Path, old: Path) -> Encoded | None:
@@ -192,7 +201,7 @@ def encode(new: Path, old: Path) -> Encoded | None:
             tensors: dict[str, Any] = {}
             changed = elements = 0
             for span in spans.values():
-                parts, count = _changes(nm, om, span)
+                parts, count = changes(_elements(nm, span), _elements(om, span), span)
                 tensors.update(parts)
                 changed, elements = changed + count, elements + span.count
             digests = tensor_digests(nm, spans)
@@ -218,47 +227,62 @@ def load_parts(data: bytes) -> dict[str, Any]:
 def apply(parent: bytearray | mmap.mmap, delta: bytes, *, result: str, where: Path,
           digests: Mapping[str, str], algorithm: str = TENSOR_HASH) -> None:
     """`parent` (a weights file's bytes, writable: a map of its copy) made into the
-    result in place: the delta's changes put back, then every tensor checked against
-    `digests` (of `algorithm`; CheckpointError naming the first that differs: a broken chain or an
-    altered delta).  The header is the parent's (encode publishes a delta only
-    between files with the same header) and the tensors tile the rest (header()),
-    so matching digests make the file the trainer wrote, byte for byte: no
-    whole-file hash, whose one stream runs on one core while the tensors' run on
-    all of them."""
-    import torch
-
+    result in place: the delta's changes put back and every tensor checked against
+    `digests` (of `algorithm`; CheckpointError naming the first that differs: a broken
+    chain or an altered delta), each tensor's both in one task, every tensor at once.
+    The header is the parent's (encode publishes a delta only between files with the
+    same header) and the tensors tile the rest (header()), so matching digests make
+    the file the trainer wrote, byte for byte: no whole-file hash, whose one stream
+    runs on one core while the tensors' run on all of them."""
     _, spans = header(parent, where)
     try:
         parts = load_parts(delta)
     except (SafetensorError, ValueError) as exc:  # what safetensors raises on a bad file
         raise CheckpointError(f"{where}: not a readable delta ({exc})", path=where) from None
+    by_tensor: dict[str, dict[str, Any]] = {name: {} for name in spans}
     for key, tensor in parts.items():
         name, _, part = key.rpartition(SEP)
-        span = spans.get(name)
-        if span is None or part not in ("index", "value", "whole"):
+        if name not in spans or part not in ("index", "value", "whole"):
             raise CheckpointError(f"{where}: {key!r} names no tensor of {result}", path=where)
-        target = _view(parent, span)
-        if tensor.dtype != target.dtype and part != "index":
-            raise CheckpointError(f"{where}: {key!r} is {tensor.dtype}, {name} is "
-                                  f"{target.dtype}", path=where)
-        if part == "whole":
-            if tensor.numel() != target.numel():
-                raise CheckpointError(f"{where}: {key!r} has {tensor.numel()} elements, "
-                                      f"{name} {target.numel()}", path=where)
-            target.copy_(tensor.flatten())
-        elif part == "index":
-            value = parts.get(f"{name}{SEP}value")
-            index = tensor.to(torch.int64).flatten()
-            if value is None or value.numel() != index.numel() or (
-                    index.numel() and not 0 <= int(index.min()) <= int(index.max())
-                    < target.numel()):
-                raise CheckpointError(f"{where}: {name}'s indices and values do not match "
-                                      "its elements", path=where)
-            target[index] = value.flatten()
-    actual = tensor_digests(parent, spans, algorithm)
+        by_tensor[name][part] = tensor
+    actual = in_parallel({name: functools.partial(_put, parent, spans[name], changes_of,
+                                                  where, algorithm)
+                          for name, changes_of in by_tensor.items()})
     for name in sorted(spans):
         if digests.get(name) != actual[name]:
             raise CheckpointError(
                 f"{where}: tensor {name} of {result} has {algorithm} {actual[name][:16]}... after "
                 f"the delta, its manifest says {str(digests.get(name))[:16]}...: the delta "
                 "or the parent it applies to is altered", path=where)
+
+
+def _put(parent: bytearray | mmap.mmap, span: Span, parts: Mapping[str, Any], where: Path,
+         algorithm: str) -> str:
+    """One tensor's changes (`parts`: "index" and "value", "whole", or none) put into
+    `parent`, checked as they are read; the digest of its bytes after."""
+    import torch
+
+    target = _view(parent, span)
+    name = span.name
+    for part, tensor in parts.items():
+        if tensor.dtype != target.dtype and part != "index":
+            raise CheckpointError(f"{where}: '{name}{SEP}{part}' is {tensor.dtype}, {name} is "
+                                  f"{target.dtype}", path=where)
+    if "whole" in parts:
+        whole = parts["whole"]
+        if whole.numel() != target.numel() or len(parts) != 1:
+            raise CheckpointError(f"{where}: '{name}{SEP}whole' has {whole.numel()} elements, "
+                                  f"{name} {target.numel()}", path=where)
+        target.copy_(whole.flatten())
+    elif parts:
+        value, index = parts.get("value"), parts.get("index")
+        if index is not None:
+            index = index.to(torch.int64).flatten()
+        if value is None or index is None or value.numel() != index.numel() or (
+                index.numel() and not 0 <= int(index.min()) <= int(index.max())
+                < target.numel()):
+            raise CheckpointError(f"{where}: {name}'s indices and values do not match "
+                                  "its elements", path=where)
+        target[index] = value.flatten()
+    del target  # the map's view, before the digest's
+    return digest(parent, span, algorithm)

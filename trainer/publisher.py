@@ -2,14 +2,19 @@
 
     stage       the checkpoint written into a private directory on this node's disk
                 (TMPDIR: the run's node-local .tmp/ for the trainer, rl/node_local.py)
-    with_delta  with a parent this node published last (its files kept in
-                `last-published/`, named by published.json), each weights file is
-                encoded as its delta from the parent's (trainer/delta.py) into a
-                sibling directory; a file whose header changed goes whole
+    advance_kept with a parent this node published last (its files kept in
+                `last-published/`, named by published.json) whose tensors are the
+                model's: the delta taken from the trainer's tensors in memory and
+                the kept files advanced to them in place (trainer/kept_delta.py);
+                only the files besides the weights are staged
+    with_delta  otherwise, the checkpoint staged whole: each weights file is
+                encoded as its delta from the parent's kept file (trainer/delta.py)
+                into a sibling directory; a file whose header changed goes whole
     upload      every file to publish copied into the hidden temporary directory on
                 the share, hashed as it is copied (every file at once): the
                 publisher never reads the share back
-    remember    once sealed, the staged full files become `last-published/`, the
+    remember    once sealed, the staged full files become `last-published/` (or,
+                advanced in place, take the staged files besides the weights), the
                 parent of the next delta, kept for this machine's boot (not
                 fsynced; coordinator/storage/local_seal.py): after a reboot the
                 next publication is full
@@ -25,17 +30,19 @@ import errno
 import functools
 import json
 import logging
+import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from coordinator.storage import local_seal
 from coordinator.storage.fsio import ensure_dir, publish_bytes, remove_tree, rename
 from coordinator.storage.verified import copy_hashed, in_parallel
 from rollout.errors import CheckpointError
-from trainer import delta
+from trainer import delta, kept_delta
 from trainer.checkpoint import fsync_tree
 from trainer.manifest import (
     DeltaInfo,
@@ -67,6 +74,7 @@ class Staged:
     upload: dict[str, Path]  # relative name on the share -> the local file to copy there
     delta: DeltaInfo | None = None
     deltas: Path | None = None  # the delta files' directory
+    kept: bool = False  # the weights advanced in last-published/ (`full` holds the rest)
 
     def remove(self) -> None:
         remove_tree(self.full)
@@ -125,50 +133,125 @@ def with_delta(staged: Staged, final_dir: Path, parent: Path | None,
                last: Path | None) -> Staged:
     """`staged` with its weights files as deltas from `parent`'s, where this node kept
     the parent's files; as it is otherwise (a full checkpoint, the reason logged)."""
-    if parent is None or last is None:
+    found = _usable_parent(final_dir, parent, last)
+    if found is None:
         return staged
+    assert last is not None and parent is not None
+    deltas = Path(tempfile.mkdtemp(prefix="delta-", dir=staged.full.parent))
+    upload = dict(staged.upload)
+    encoded: dict[str, delta.Encoded] = {}
+    try:
+        for name in sorted(upload):
+            if "/" in name or not name.endswith(".safetensors") or not (last / name).is_file():
+                continue
+            made = delta.encode(staged.full / name, last / name)
+            if made is None:
+                log.info("%s: %s goes whole (its header differs from %s's)", final_dir.name,
+                         name, parent.name)
+                continue
+            delta.write(made, deltas / name, result=name)
+            del upload[name]
+            upload[delta_file(name)] = deltas / name
+            encoded[name] = made
+    except BaseException:
+        remove_tree(deltas)
+        raise
+    if not encoded:
+        remove_tree(deltas)
+        return staged
+    info = _info(final_dir, parent, found, encoded)
+    return dataclasses.replace(staged, upload=upload, delta=info, deltas=deltas)
+
+
+def advance_kept(state: Mapping[str, Any] | None, final_dir: Path, parent: Path | None,
+                 last: Path | None, side_files: Callable[[Path], None]) -> Staged | None:
+    """The delta of the trainer's tensors `state` from the parent's files kept in
+    `last`, those files advanced to them in place, and `side_files` (the checkpoint's
+    files besides its weights) written into a staging directory; None where the kept
+    files are not the parent's, `state` is not their tensors or `side_files` wrote
+    weights (the reason logged): then the checkpoint is staged whole (`stage`,
+    `with_delta`)."""
+    if state is None or parent is None or last is None:
+        return None
+    found = _usable_parent(final_dir, parent, last, quiet=True)
+    if found is None:
+        return None  # with_delta names why, on the staged path
+    files = sorted(last / n for n in list_files(last) if "/" not in n and n.endswith(".safetensors"))
+    matched = kept_delta.match(state, files) if files else "no weights file is kept"
+    if isinstance(matched, str):
+        log.info("%s: its delta is encoded from the checkpoint written whole, not from the "
+                 "trainer's tensors: %s", final_dir.name, matched)
+        return None
+    staging = Path(tempfile.mkdtemp(prefix="publish-"))
+    deltas = Path(tempfile.mkdtemp(prefix="delta-", dir=staging.parent))
+    try:
+        side_files(staging)
+        written = [rel for rel in list_files(staging) if rel.endswith(".safetensors")]
+        if written:
+            log.info("%s: its delta is encoded from the checkpoint written whole: writing "
+                     "the files besides the weights wrote %s too", final_dir.name, written)
+            remove_tree(staging)
+            remove_tree(deltas)
+            return None
+        for rel in list_files(last):  # a sharded model's index: the parent's (same tensors)
+            if rel.endswith(".safetensors.index.json") and not (staging / rel).exists():
+                shutil.copyfile(last / rel, staging / rel)
+        os.unlink(last / RECORD)  # the kept files change from here: a failure leaves no parent
+        # Every weights file at once: each file's whole-file SHA-256 is one stream.
+        encoded = in_parallel({path.name: functools.partial(
+            _advance, path, tensors, deltas / path.name) for path, tensors in matched.items()})
+    except BaseException:
+        remove_tree(staging)
+        remove_tree(deltas)
+        raise
+    upload = {rel: staging / rel for rel in list_files(staging)}
+    upload.update({delta_file(name): deltas / name for name in encoded})
+    return Staged(full=staging, upload=upload, delta=_info(final_dir, parent, found, encoded),
+                  deltas=deltas, kept=True)
+
+
+def _advance(path: Path, tensors: Mapping[str, Any], out: Path) -> delta.Encoded:
+    """The kept file `path` advanced to `tensors`, its delta written to `out`."""
+    encoded = kept_delta.advance(path, tensors, fsync=local_seal.durable())
+    delta.write(encoded, out, result=path.name)
+    return encoded
+
+
+def _usable_parent(final_dir: Path, parent: Path | None, last: Path | None, *,
+                   quiet: bool = False) -> tuple[str, int, str] | None:
+    """`_parent_record` of `parent` when `last` holds its files, else None (logged
+    unless `quiet`)."""
+    if parent is None or last is None:
+        return None
     if parent.parent != final_dir.parent:
         raise CheckpointError(f"delta parent {parent} is not a sibling of {final_dir}",
                               path=parent)
     found = _parent_record(parent, last)
     if isinstance(found, str):
-        log.info("%s is published full, not as a delta of %s: %s", final_dir.name,
-                 parent.name, found)
-        return staged
+        if not quiet:
+            log.info("%s is published full, not as a delta of %s: %s", final_dir.name,
+                     parent.name, found)
+        return None
+    return found
+
+
+def _info(final_dir: Path, parent: Path, found: tuple[str, int, str],
+          encoded: Mapping[str, delta.Encoded]) -> DeltaInfo:
+    """The manifest's account of a delta checkpoint made of `encoded` (by weights file)."""
     base, length, parent_digest = found
-    deltas = Path(tempfile.mkdtemp(prefix="delta-", dir=staged.full.parent))
-    upload = dict(staged.upload)
-    results: dict[str, FileEntry] = {}
     tensors: dict[str, str] = {}
-    changed = elements = 0
-    try:
-        for name in sorted(upload):
-            if "/" in name or not name.endswith(".safetensors") or not (last / name).is_file():
-                continue
-            encoded = delta.encode(staged.full / name, last / name)
-            if encoded is None:
-                log.info("%s: %s goes whole (its header differs from %s's)", final_dir.name,
-                         name, parent.name)
-                continue
-            delta.write(encoded, deltas / name, result=name)
-            del upload[name]
-            upload[delta_file(name)] = deltas / name
-            results[name] = FileEntry(sha256=encoded.sha256, size=encoded.size)
-            tensors.update(encoded.digests)
-            changed, elements = changed + encoded.changed, elements + encoded.elements
-    except BaseException:
-        remove_tree(deltas)
-        raise
-    if not results:
-        remove_tree(deltas)
-        return staged
+    for made in encoded.values():
+        tensors.update(made.digests)
     info = DeltaInfo(parent=parent.name, parent_digest=parent_digest, base=base,
-                     length=length + 1, results=results, tensor_hash=delta.TENSOR_HASH,
-                     tensors=tensors)
+                     length=length + 1, tensor_hash=delta.TENSOR_HASH, tensors=tensors,
+                     results={name: FileEntry(sha256=made.sha256, size=made.size)
+                              for name, made in encoded.items()})
+    changed = sum(made.changed for made in encoded.values())
+    elements = sum(made.elements for made in encoded.values())
     log.info("%s is a delta of %s (link %d from %s): %d of %d elements changed (%.2f %%)",
              final_dir.name, parent.name, info.length, base, changed, elements,
              100.0 * changed / max(elements, 1))
-    return dataclasses.replace(staged, upload=upload, delta=info, deltas=deltas)
+    return info
 
 
 def upload(staged: Staged, tmp: Path) -> dict[str, tuple[int, str]]:
@@ -183,17 +266,23 @@ def upload(staged: Staged, tmp: Path) -> dict[str, tuple[int, str]]:
 def remember(staged: Staged | None, name: str, manifest: Manifest, last: Path) -> None:
     """The staged full files become `last` (the next delta's parent), or `last` goes
     when nothing was staged."""
-    remove_tree(last)
-    if staged is None:
-        return
-    if staged.deltas is not None:
+    if staged is not None and staged.deltas is not None:
         remove_tree(staged.deltas)
-    try:
-        rename(staged.full, last)
-    except OSError as exc:  # another filesystem: the next publication is full
-        log.info("the published files are not kept for a delta (%s)", exc)
+    if staged is not None and staged.kept:  # the weights are in place: the rest joins them
+        for rel in list_files(staged.full):
+            ensure_dir((last / rel).parent)
+            rename(staged.full / rel, last / rel)
         remove_tree(staged.full)
-        return
+    else:
+        remove_tree(last)
+        if staged is None:
+            return
+        try:
+            rename(staged.full, last)
+        except OSError as exc:  # another filesystem: the next publication is full
+            log.info("the published files are not kept for a delta (%s)", exc)
+            remove_tree(staged.full)
+            return
     if local_seal.durable():
         fsync_tree(last)
     base, length = (manifest.delta.base, manifest.delta.length) if manifest.delta else (name, 0)

@@ -38,10 +38,14 @@ class Weights:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors)
+
     def save_pretrained(self, directory: Path, state_dict: dict[str, Any] | None = None) -> None:
         (Path(directory) / "config.json").write_text('{"model_type": "qwen2"}\n')
-        save_file(self.tensors, str(Path(directory) / "model.safetensors"),
-                  metadata={"format": "pt"})
+        if state_dict != {}:  # as transformers: save_pretrained of no tensors writes none
+            save_file(self.tensors, str(Path(directory) / "model.safetensors"),
+                      metadata={"format": "pt"})
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,0 +1,155 @@
+"""A delta taken from the trainer's own tensors: no weights file written whole.
+
+    publish_checkpoint, with the parent's files kept in last-published/ (publisher.py)
+      the trainer's tensors, cast to the published dtype, in memory
+        matched to the kept files' headers: every tensor of a header has the
+        model's tensor of that name, dtype and shape; every tensor of the model is
+        in a header or shares its storage with one that is (tied embeddings)
+        (else `match` says why, and the checkpoint is written whole and its delta
+        encoded from that file: trainer/delta.py `encode`)
+      -> per tensor, a thread per core: the changed elements found against the kept
+         file's (mapped), put in the delta and written into the kept file (it
+         becomes the new file in place, as a node's copy does: local_copy.py), then
+         the tensor's BLAKE3 taken; the whole file's SHA-256 follows, tensor by
+         tensor, in the file's order
+
+So a delta publication writes no 2-bytes-per-parameter file and reads none back:
+it reads the kept file once and writes the pages that changed.  The kept file is
+byte for byte the file the delta makes on a node: its header is the parent's and
+its tensors the trainer's, as the manifest's checksums of the result say.  The
+caller removes the record naming the kept files' checkpoint before `advance`
+writes into them: a process killed mid-way leaves no parent, and the next
+publication is full.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import mmap
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from trainer import delta
+
+# torch's dtype names -> safetensors' (what a header says).
+_SAFETENSORS: Final = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64",
+                       "int8": "I8", "uint8": "U8", "int16": "I16", "int32": "I32",
+                       "int64": "I64", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
+                       "float8_e5m2": "F8_E5M2"}
+# Fewer changed elements than this share of a tensor's are written one by one (its
+# other pages stay clean); more, and the tensor is copied whole (every page of it
+# changes anyway: a page holds 2,048 bf16 elements).
+_SCATTER_BELOW: Final = 1 / 4096
+
+
+def match(state: Mapping[str, Any], files: Sequence[Path]) -> dict[Path, dict[str, Any]] | str:
+    """`state`'s tensors by the kept file whose header holds each, or why they are not
+    that file's tensors (then nothing was written)."""
+    import torch
+
+    by_file: dict[Path, dict[str, Any]] = {}
+    for path in files:
+        with open(path, "rb") as handle, \
+                mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            _, spans = delta.header(data, path)
+        mine = {}
+        for name, span in spans.items():
+            tensor = state.get(name)
+            if not isinstance(tensor, torch.Tensor) or hasattr(tensor, "to_local"):
+                return f"{path.name} holds {name!r}, of which the model has no plain tensor"
+            dtype = _SAFETENSORS.get(str(tensor.dtype).removeprefix("torch."))
+            if (dtype, tuple(tensor.shape)) != (span.dtype, span.shape):
+                return (f"{name!r} is {dtype} {tuple(tensor.shape)} in the model, "
+                        f"{span.dtype} {span.shape} in {path.name}")
+            mine[name] = tensor
+        by_file[path] = mine
+    held = {n for tensors in by_file.values() for n in tensors}
+    stored = {_storage(state[n]) for n in held}
+    for name in sorted(state.keys() - held):
+        if _storage(state[name]) not in stored:
+            return f"the model's {name!r} is in no kept file"
+    return by_file
+
+
+def _storage(tensor: Any) -> tuple[str, int]:
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
+
+
+def advance(path: Path, tensors: Mapping[str, Any], *, fsync: bool) -> delta.Encoded:
+    """The kept file `path` made the file of `tensors` (matched to it by `match`) in
+    place, and the delta from what it held: the module docstring.  Every tensor is
+    compared, written and hashed in one task (a thread per core, in the file's
+    order); the whole file's SHA-256, one stream on one core, follows them."""
+    with open(path, "r+b") as handle:
+        data = mmap.mmap(handle.fileno(), 0)
+        try:
+            _, spans = delta.header(data, path)
+            order = sorted(spans.values(), key=lambda span: span.begin)
+            done = {span.name: threading.Event() for span in order}
+            workers = max(1, min(len(order), os.cpu_count() or 1))
+            with concurrent.futures.ThreadPoolExecutor(1) as streamer:
+                whole = streamer.submit(_sha256_following, data, order, done)
+                with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                    futures = {span.name: pool.submit(_patch, data, span, tensors[span.name],
+                                                      done[span.name]) for span in order}
+                found = {name: future.result() for name, future in sorted(futures.items())}
+                sha256 = whole.result()
+            if fsync:
+                data.flush()
+            size = len(data)
+        finally:
+            # A failed task's traceback may still hold a view of the map: it is then
+            # unmapped when that goes.
+            with contextlib.suppress(BufferError):
+                data.close()
+        if fsync:
+            os.fsync(handle.fileno())
+    parts: dict[str, Any] = {}
+    digests: dict[str, str] = {}
+    changed = 0
+    for name, (tensor_parts, count, digest) in found.items():
+        parts.update(tensor_parts)
+        digests[name] = digest
+        changed += count
+    return delta.Encoded(tensors=parts, digests=digests, size=size, sha256=sha256,
+                         changed=changed, elements=sum(s.count for s in spans.values()))
+
+
+def _patch(data: mmap.mmap, span: delta.Span, tensor: Any,
+           done: threading.Event) -> tuple[dict[str, Any], int, str]:
+    """One tensor's part of the delta, its new elements written into `data`, and the
+    digest of its bytes after; `done` set at the end, whatever happened."""
+    import numpy as np
+    import torch
+
+    try:
+        now = tensor.detach().to("cpu").contiguous().view(getattr(torch, span.int_dtype))
+        now = now.numpy().reshape(-1)
+        was = np.frombuffer(data, dtype=span.int_dtype, count=span.count, offset=span.begin)
+        parts, count = delta.changes(now, was, span)
+        if count and count < span.count * _SCATTER_BELOW:
+            index = parts[f"{span.name}{delta.SEP}index"].numpy()
+            was[index] = now[index]
+        elif count:
+            np.copyto(was, now)
+        del was  # the map's view, before the digest's
+        return parts, count, delta.digest(data, span)
+    finally:
+        done.set()
+
+
+def _sha256_following(data: mmap.mmap, order: Sequence[delta.Span],
+                      done: Mapping[str, threading.Event]) -> str:
+    """The SHA-256 of `data`, each tensor's bytes hashed once its `done` is set."""
+    sha = hashlib.sha256()
+    with memoryview(data) as view:
+        sha.update(view[:order[0].begin] if order else view)  # the header
+        for span in order:
+            done[span.name].wait()
+            sha.update(view[span.begin:span.end])
+    return sha.hexdigest()
