@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +23,7 @@ from trainer.checkpoint import publish_checkpoint, read_manifest
 from trainer.local_copy import copy_to_local_cache
 from trainer.publisher import RECORD
 
-from .test_delta import Weights, full_bytes, step, weights
+from .test_delta import ROOT, Weights, full_bytes, step, weights
 
 pytestmark = pytest.mark.usefixtures("quick_read_retry")
 
@@ -206,3 +212,51 @@ def test_a_transformers_model_publishes_its_deltas_from_its_tensors_byte_for_byt
                            and p.name != "manifest.json")
     for name in names:
         assert (copy / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_a_publisher_killed_while_advancing_leaves_no_parent(tmp_path: Path) -> None:
+    """SIGKILL after one tensor was written into the kept file: nothing names that file
+    a parent any more, iteration 1 published again goes full, and the chain after it
+    makes the trainer's files."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    w1 = step(w0, 0.02, seed=1)
+    publish(share, 0, Counted(w0), last)
+    gate = tmp_path / "advancing"
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT)!r})
+        import trainer.kept_delta
+        from tests.trainer.test_delta import Weights, step, weights
+        from trainer.checkpoint import publish_checkpoint
+        real = trainer.kept_delta._patch
+        def slow(*args, **kwargs):
+            out = real(*args, **kwargs)
+            Path({str(gate)!r}).write_text("one tensor written")
+            time.sleep(60)  # killed here, the kept file part old, part new
+            return out
+        trainer.kept_delta._patch = slow
+        share = Path({str(share)!r})
+        publish_checkpoint(Weights(step(weights(), 0.02, seed=1)), None,
+                           share / "iter-000001", iteration=1,
+                           last_published=Path({str(last)!r}),
+                           delta_parent=share / "iter-000000")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60  # a loaded 2-core machine: imports take seconds
+        while not gate.exists():
+            assert proc.poll() is None, "the publisher exited before advancing"
+            assert time.monotonic() < deadline, "the publisher never advanced its kept file"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    assert not (last / RECORD).exists() and not (share / "iter-000001").exists()
+    again = publish(share, 1, Counted(w1), last, parent=0)
+    assert again.delta is None
+    w2 = step(w1, 0.02, seed=2)
+    assert publish(share, 2, Counted(w2), last, parent=1).delta is not None
+    copy = copy_to_local_cache(share / "iter-000002", tmp_path / "node")
+    assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w2)
