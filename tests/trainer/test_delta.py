@@ -257,6 +257,20 @@ def test_most_elements_changed_go_whole_and_a_new_header_goes_as_a_file(tmp_path
     assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, grown)
 
 
+def kill_at(script: str, gate: Path, what: str) -> None:
+    """`script` run in a new process, SIGKILLed once it writes `gate`."""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60  # a loaded 2-core machine: imports take seconds
+        while not gate.exists():
+            assert proc.poll() is None, f"{what}: exited before the gate"
+            assert time.monotonic() < deadline, f"{what}: never reached the gate"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+
+
 @pytest.mark.parametrize("advance", [False, True])
 def test_a_node_killed_while_applying_a_delta_makes_it_again_at_the_next_use(
         tmp_path: Path, advance: bool) -> None:
@@ -285,16 +299,7 @@ def test_a_node_killed_while_applying_a_delta_makes_it_again_at_the_next_use(
         copy_to_local_cache(Path({str(share / 'iter-000001')!r}), Path({str(node)!r}),
                             advance={advance})
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        deadline = time.monotonic() + 60  # a loaded 2-core machine: imports take seconds
-        while not gate.exists():
-            assert proc.poll() is None, "the copier exited before applying"
-            assert time.monotonic() < deadline, "the copier never applied the delta"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(30)
+    kill_at(script, gate, "the copier applying the delta")
     leftovers = [p.name for p in node.iterdir() if p.name.startswith(".iter-000001")]
     assert leftovers and not [p for p in node.iterdir() if p.name.startswith("iter-000001")]
     assert [p for p in node.iterdir() if p.name.startswith("iter-000000")] == \

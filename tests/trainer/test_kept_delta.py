@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +18,7 @@ from trainer.checkpoint import publish_checkpoint, read_manifest
 from trainer.local_copy import copy_to_local_cache
 from trainer.publisher import RECORD
 
-from .test_delta import ROOT, Weights, full_bytes, step, weights
+from .test_delta import ROOT, Weights, full_bytes, kill_at, step, weights
 
 pytestmark = pytest.mark.usefixtures("quick_read_retry")
 
@@ -243,16 +238,7 @@ def test_a_publisher_killed_while_advancing_leaves_no_parent(tmp_path: Path) -> 
                            last_published=Path({str(last)!r}),
                            delta_parent=share / "iter-000000")
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        deadline = time.monotonic() + 60  # a loaded 2-core machine: imports take seconds
-        while not gate.exists():
-            assert proc.poll() is None, "the publisher exited before advancing"
-            assert time.monotonic() < deadline, "the publisher never advanced its kept file"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(30)
+    kill_at(script, gate, "the publisher advancing its kept file")
     assert not (last / RECORD).exists() and not (share / "iter-000001").exists()
     again = publish(share, 1, Counted(w1), last, parent=0)
     assert again.delta is None
