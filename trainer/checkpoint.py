@@ -309,14 +309,11 @@ def seal_directory(tmp: Path, final_dir: Path, *, iteration: int,
         remove_tree(tmp)  # a no-op once renamed
 
 
-def _published_state(model: Any, state_dict: dict[str, Any] | None,
-                     dtype: str | None) -> dict[str, Any] | None:
-    """The tensors write_model_files would save, in the dtype it would save them in."""
-    if state_dict is None:
-        state_dict = model.state_dict() if hasattr(model, "state_dict") else None
-    if state_dict is None or dtype is None:
+def _model_state(model: Any, state_dict: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The tensors write_model_files would save (before their cast to `dtype`)."""
+    if state_dict is not None:
         return state_dict
-    return cast_state(state_dict, dtype)
+    return model.state_dict() if hasattr(model, "state_dict") else None
 
 
 def publish_checkpoint(
@@ -365,7 +362,7 @@ def publish_checkpoint(
         elif delta_parent is not None and last_published is not None:
             # Every file but the weights (save_pretrained of no tensors writes the rest).
             staged = publisher.advance_kept(
-                _published_state(model, state_dict, dtype), final_dir, delta_parent,
+                _model_state(model, state_dict), dtype, final_dir, delta_parent,
                 last_published, lambda out: write_model_files(
                     model, tokenizer, out, state_dict={}, carry_files_from=carry_files_from,
                     dtype=dtype))

@@ -1,13 +1,13 @@
 """A delta taken from the trainer's own tensors: no weights file written whole.
 
     publish_checkpoint, with the parent's files kept in last-published/ (publisher.py)
-      the trainer's tensors, cast to the published dtype, in memory
+      the trainer's tensors (each cast to the published dtype in its own task below)
         matched to the kept files' headers: every tensor of a header has the
         model's tensor of that name, dtype and shape; every tensor of the model is
         in a header or shares its storage with one that is (tied embeddings)
         (else `match` says why, and the checkpoint is written whole and its delta
         encoded from that file: trainer/delta.py `encode`)
-      -> per tensor, a thread per core: the changed elements found against the kept
+      -> per tensor, a thread per core: cast, the changed elements found against the kept
          file's (mapped), put in the delta and written into the kept file (it
          becomes the new file in place, as a node's copy does: local_copy.py), then
          the tensor's BLAKE3 taken; the whole file's SHA-256 follows, tensor by
@@ -47,9 +47,11 @@ _SAFETENSORS: Final = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "
 _SCATTER_BELOW: Final = 1 / 4096
 
 
-def match(state: Mapping[str, Any], files: Sequence[Path]) -> dict[Path, dict[str, Any]] | str:
+def match(state: Mapping[str, Any], files: Sequence[Path],
+          dtype: str | None = None) -> dict[Path, dict[str, Any]] | str:
     """`state`'s tensors by the kept file whose header holds each, or why they are not
-    that file's tensors (then nothing was written)."""
+    that file's tensors (then nothing was written); floating tensors are compared as
+    published in `dtype`, where given (checkpoint.py `cast_state`'s rule)."""
     import torch
 
     by_file: dict[Path, dict[str, Any]] = {}
@@ -62,9 +64,9 @@ def match(state: Mapping[str, Any], files: Sequence[Path]) -> dict[Path, dict[st
             tensor = state.get(name)
             if not isinstance(tensor, torch.Tensor) or hasattr(tensor, "to_local"):
                 return f"{path.name} holds {name!r}, of which the model has no plain tensor"
-            dtype = _SAFETENSORS.get(str(tensor.dtype).removeprefix("torch."))
-            if (dtype, tuple(tensor.shape)) != (span.dtype, span.shape):
-                return (f"{name!r} is {dtype} {tuple(tensor.shape)} in the model, "
+            named = _SAFETENSORS.get(str(_published(tensor, dtype)).removeprefix("torch."))
+            if (named, tuple(tensor.shape)) != (span.dtype, span.shape):
+                return (f"{name!r} is {named} {tuple(tensor.shape)} in the model, "
                         f"{span.dtype} {span.shape} in {path.name}")
             mine[name] = tensor
         by_file[path] = mine
@@ -76,15 +78,25 @@ def match(state: Mapping[str, Any], files: Sequence[Path]) -> dict[Path, dict[st
     return by_file
 
 
+def _published(tensor: Any, dtype: str | None) -> Any:
+    """The torch dtype `tensor` is published in: `dtype` for a floating one."""
+    import torch
+
+    return getattr(torch, dtype) if dtype is not None and tensor.is_floating_point() \
+        else tensor.dtype
+
+
 def _storage(tensor: Any) -> tuple[str, int]:
     return str(tensor.device), tensor.untyped_storage().data_ptr()
 
 
-def advance(path: Path, tensors: Mapping[str, Any], *, fsync: bool) -> delta.Encoded:
-    """The kept file `path` made the file of `tensors` (matched to it by `match`) in
-    place, and the delta from what it held: the module docstring.  Every tensor is
-    compared, written and hashed in one task (a thread per core, in the file's
-    order); the whole file's SHA-256, one stream on one core, follows them."""
+def advance(path: Path, tensors: Mapping[str, Any], dtype: str | None = None, *,
+            fsync: bool) -> delta.Encoded:
+    """The kept file `path` made the file of `tensors` (matched to it by `match`, the
+    floating ones cast to `dtype`) in place, and the delta from what it held: the
+    module docstring.  Every tensor is cast, compared, written and hashed in one task
+    (a thread per core, in the file's order: a cast copy of the model never exists
+    whole); the whole file's SHA-256, one stream on one core, follows them."""
     with open(path, "r+b") as handle:
         data = mmap.mmap(handle.fileno(), 0)
         try:
@@ -96,7 +108,8 @@ def advance(path: Path, tensors: Mapping[str, Any], *, fsync: bool) -> delta.Enc
                 whole = streamer.submit(_sha256_following, data, order, done)
                 with concurrent.futures.ThreadPoolExecutor(workers) as pool:
                     futures = {span.name: pool.submit(_patch, data, span, tensors[span.name],
-                                                      done[span.name]) for span in order}
+                                                      dtype, done[span.name])
+                               for span in order}
                 found = {name: future.result() for name, future in sorted(futures.items())}
                 sha256 = whole.result()
             if fsync:
@@ -120,15 +133,17 @@ def advance(path: Path, tensors: Mapping[str, Any], *, fsync: bool) -> delta.Enc
                          changed=changed, elements=sum(s.count for s in spans.values()))
 
 
-def _patch(data: mmap.mmap, span: delta.Span, tensor: Any,
+def _patch(data: mmap.mmap, span: delta.Span, tensor: Any, dtype: str | None,
            done: threading.Event) -> tuple[dict[str, Any], int, str]:
-    """One tensor's part of the delta, its new elements written into `data`, and the
-    digest of its bytes after; `done` set at the end, whatever happened."""
+    """One tensor's part of the delta (cast to `dtype` where it is floating), its new
+    elements written into `data`, and the digest of its bytes after; `done` set at
+    the end, whatever happened."""
     import numpy as np
     import torch
 
     try:
-        now = tensor.detach().to("cpu").contiguous().view(getattr(torch, span.int_dtype))
+        now = tensor.detach().to(_published(tensor, dtype)).to("cpu").contiguous()
+        now = now.view(getattr(torch, span.int_dtype))
         now = now.numpy().reshape(-1)
         was = np.frombuffer(data, dtype=span.int_dtype, count=span.count, offset=span.begin)
         parts, count = delta.changes(now, was, span)

@@ -163,9 +163,11 @@ def with_delta(staged: Staged, final_dir: Path, parent: Path | None,
     return dataclasses.replace(staged, upload=upload, delta=info, deltas=deltas)
 
 
-def advance_kept(state: Mapping[str, Any] | None, final_dir: Path, parent: Path | None,
-                 last: Path | None, side_files: Callable[[Path], None]) -> Staged | None:
-    """The delta of the trainer's tensors `state` from the parent's files kept in
+def advance_kept(state: Mapping[str, Any] | None, dtype: str | None, final_dir: Path,
+                 parent: Path | None, last: Path | None,
+                 side_files: Callable[[Path], None]) -> Staged | None:
+    """The delta of the trainer's tensors `state` (their floating ones published in
+    `dtype`, where given) from the parent's files kept in
     `last`, those files advanced to them in place, and `side_files` (the checkpoint's
     files besides its weights) written into a staging directory; None where the kept
     files are not the parent's, `state` is not their tensors or `side_files` wrote
@@ -177,7 +179,7 @@ def advance_kept(state: Mapping[str, Any] | None, final_dir: Path, parent: Path 
     if found is None:
         return None  # with_delta names why, on the staged path
     files = sorted(last / n for n in list_files(last) if "/" not in n and n.endswith(".safetensors"))
-    matched = kept_delta.match(state, files) if files else "no weights file is kept"
+    matched = kept_delta.match(state, files, dtype) if files else "no weights file is kept"
     if isinstance(matched, str):
         log.info("%s: its delta is encoded from the checkpoint written whole, not from the "
                  "trainer's tensors: %s", final_dir.name, matched)
@@ -199,7 +201,8 @@ def advance_kept(state: Mapping[str, Any] | None, final_dir: Path, parent: Path 
         os.unlink(last / RECORD)  # the kept files change from here: a failure leaves no parent
         # Every weights file at once: each file's whole-file SHA-256 is one stream.
         encoded = in_parallel({path.name: functools.partial(
-            _advance, path, tensors, deltas / path.name) for path, tensors in matched.items()})
+            _advance, path, tensors, dtype, deltas / path.name)
+            for path, tensors in matched.items()})
     except BaseException:
         remove_tree(staging)
         remove_tree(deltas)
@@ -210,9 +213,10 @@ def advance_kept(state: Mapping[str, Any] | None, final_dir: Path, parent: Path 
                   deltas=deltas, kept=True)
 
 
-def _advance(path: Path, tensors: Mapping[str, Any], out: Path) -> delta.Encoded:
+def _advance(path: Path, tensors: Mapping[str, Any], dtype: str | None,
+             out: Path) -> delta.Encoded:
     """The kept file `path` advanced to `tensors`, its delta written to `out`."""
-    encoded = kept_delta.advance(path, tensors, fsync=local_seal.durable())
+    encoded = kept_delta.advance(path, tensors, dtype, fsync=local_seal.durable())
     delta.write(encoded, out, result=path.name)
     return encoded
 
