@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from rollout.errors import CheckpointError
 from trainer import delta
 
 # torch's dtype names -> safetensors' (what a header says).
@@ -56,9 +57,12 @@ def match(state: Mapping[str, Any], files: Sequence[Path],
 
     by_file: dict[Path, dict[str, Any]] = {}
     for path in files:
-        with open(path, "rb") as handle, \
-                mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            _, spans = delta.header(data, path)
+        try:
+            with open(path, "rb") as handle, \
+                    mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                _, spans = delta.header(data, path)
+        except (CheckpointError, OSError, ValueError) as exc:  # ValueError: an empty file
+            return f"the kept {path.name} is unreadable ({exc})"
         mine = {}
         for name, span in spans.items():
             tensor = state.get(name)

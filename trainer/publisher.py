@@ -144,7 +144,12 @@ def with_delta(staged: Staged, final_dir: Path, parent: Path | None,
         for name in sorted(upload):
             if "/" in name or not name.endswith(".safetensors") or not (last / name).is_file():
                 continue
-            made = delta.encode(staged.full / name, last / name)
+            try:
+                made = delta.encode(staged.full / name, last / name)
+            except (CheckpointError, ValueError) as exc:  # ValueError: mmap of an empty file
+                log.warning("%s: %s goes whole (the kept file of %s is unreadable: %s)",
+                            final_dir.name, name, parent.name, exc)
+                continue
             if made is None:
                 log.info("%s: %s goes whole (its header differs from %s's)", final_dir.name,
                          name, parent.name)

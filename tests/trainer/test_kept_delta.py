@@ -246,3 +246,23 @@ def test_a_publisher_killed_while_advancing_leaves_no_parent(tmp_path: Path) -> 
     assert publish(share, 2, Counted(w2), last, parent=1).delta is not None
     copy = copy_to_local_cache(share / "iter-000002", tmp_path / "node")
     assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w2)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_a_damaged_kept_file_makes_the_next_checkpoint_full_not_a_failure(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str) -> None:
+    caplog.set_level(logging.INFO, logger="trainer.publisher")
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    w1 = step(w0, 0.02, seed=1)
+    publish(share, 0, Counted(w0), last)
+    kept = last / "model.safetensors"
+    kept.write_bytes(kept.read_bytes()[:100] if damage == "truncated" else b"")
+    m1 = publish(share, 1, Counted(w1), last, parent=0)
+    assert "the kept model.safetensors is unreadable" in caplog.text
+    assert "iter-000001: model.safetensors goes whole (" in caplog.text
+    assert m1.delta is None
+    assert (share / "iter-000001" / "model.safetensors").read_bytes() == \
+        full_bytes(tmp_path, w1)
+    m2 = publish(share, 2, Counted(step(w1, 0.02, seed=2)), last, parent=1)
+    assert m2.delta is not None  # the kept files are iteration 1's again
