@@ -4,7 +4,7 @@
       the trainer's tensors (each cast to the published dtype in its own task below)
         matched to the kept files' headers: every tensor of a header has the
         model's tensor of that name, dtype and shape; every tensor of the model is
-        in a header or shares its storage with one that is (tied embeddings)
+        in a header or is one that is, under another name (tied embeddings)
         (else `match` says why, and the checkpoint is written whole and its delta
         encoded from that file: trainer/delta.py `encode`)
       -> per tensor, a thread per core: cast, the changed elements found against the kept
@@ -90,8 +90,10 @@ def _published(tensor: Any, dtype: str | None) -> Any:
         else tensor.dtype
 
 
-def _storage(tensor: Any) -> tuple[str, int]:
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
+def _storage(tensor: Any) -> tuple[str, int, tuple[int, ...], tuple[int, ...]]:
+    """Where a tensor's elements are: equal for tied tensors (one parameter under two
+    names), not for two views of one storage."""
+    return str(tensor.device), tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
 
 
 def advance(path: Path, tensors: Mapping[str, Any], dtype: str | None = None, *,

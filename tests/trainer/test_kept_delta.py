@@ -266,3 +266,18 @@ def test_a_damaged_kept_file_makes_the_next_checkpoint_full_not_a_failure(
         full_bytes(tmp_path, w1)
     m2 = publish(share, 2, Counted(step(w1, 0.02, seed=2)), last, parent=1)
     assert m2.delta is not None  # the kept files are iteration 1's again
+
+
+def test_a_view_of_a_kept_tensors_storage_is_not_taken_for_a_tied_tensor(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Tied means the same elements under another name; a tensor that merely lives in
+    the same storage (a slice) holds other values, which no kept file has."""
+    caplog.set_level(logging.INFO, logger="trainer.publisher")
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    publish(share, 0, Counted(w0), last)
+    w1 = step(w0, 0.02, seed=1)
+    model = Counted(w1, extra={"half.weight": w1["embed.weight"][256:]})
+    publish(share, 1, model, last, parent=0)
+    assert "the model's 'half.weight' is in no kept file" in caplog.text
+    assert model.files_written == 1
