@@ -48,6 +48,14 @@ def publish(share: Path, iteration: int, model: Weights, last: Path,
         delta_parent=None if parent is None else share / f"iter-{parent:06d}")
 
 
+def base(tmp_path: Path) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """iter-0 published full, its files kept: (share, the kept files, iter-1's tensors)."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    publish(share, 0, Counted(w0), last)
+    return share, last, step(w0, 0.02, seed=1)
+
+
 def test_the_trainers_tensors_advance_the_kept_file_in_place_and_no_weights_file_is_written(
         tmp_path: Path) -> None:
     share, last = tmp_path / "share", tmp_path / "last"
@@ -77,10 +85,7 @@ def test_the_trainers_tensors_advance_the_kept_file_in_place_and_no_weights_file
 def test_tensors_that_are_not_the_kept_files_go_through_the_file_written_whole(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, why: str) -> None:
     caplog.set_level(logging.INFO, logger="trainer.publisher")
-    share, last = tmp_path / "share", tmp_path / "last"
-    w0 = weights()
-    w1 = step(w0, 0.02, seed=1)
-    publish(share, 0, Counted(w0), last)
+    share, last, w1 = base(tmp_path)
     if why == "extra":  # a tensor of the model's own storage the kept file lacks
         model = Counted(w1, extra={"head.weight": torch.zeros(3, dtype=torch.bfloat16)})
         reason = "the model's 'head.weight' is in no kept file"
@@ -101,10 +106,7 @@ def test_a_publication_that_fails_while_advancing_leaves_no_parent_and_the_next_
     """The record naming the kept files goes before any of their bytes change: a
     process that fails (or is killed) mid-way leaves half-advanced files that nothing
     takes for a parent."""
-    share, last = tmp_path / "share", tmp_path / "last"
-    w0 = weights()
-    w1 = step(w0, 0.02, seed=1)
-    publish(share, 0, Counted(w0), last)
+    share, last, w1 = base(tmp_path)
     changes = delta.changes
 
     def failing(now: Any, was: Any, span: Any) -> Any:
@@ -116,7 +118,7 @@ def test_a_publication_that_fails_while_advancing_leaves_no_parent_and_the_next_
     with pytest.raises(OSError, match="No space left"):
         publish(share, 1, Counted(w1), last, parent=0)
     assert not (last / RECORD).exists() and not (share / "iter-000001").exists()
-    assert (last / "model.safetensors").read_bytes() != full_bytes(tmp_path, w0)  # half made
+    assert (last / "model.safetensors").read_bytes() != full_bytes(tmp_path, weights())  # half made
     monkeypatch.setattr(delta, "changes", changes)
     again = publish(share, 1, Counted(w1), last, parent=0)
     assert again.delta is None  # published full: no parent was kept
@@ -213,10 +215,7 @@ def test_a_publisher_killed_while_advancing_leaves_no_parent(tmp_path: Path) -> 
     """SIGKILL after one tensor was written into the kept file: nothing names that file
     a parent any more, iteration 1 published again goes full, and the chain after it
     makes the trainer's files."""
-    share, last = tmp_path / "share", tmp_path / "last"
-    w0 = weights()
-    w1 = step(w0, 0.02, seed=1)
-    publish(share, 0, Counted(w0), last)
+    share, last, w1 = base(tmp_path)
     gate = tmp_path / "advancing"
     script = textwrap.dedent(f"""
         import sys, time
@@ -252,10 +251,7 @@ def test_a_publisher_killed_while_advancing_leaves_no_parent(tmp_path: Path) -> 
 def test_a_damaged_kept_file_makes_the_next_checkpoint_full_not_a_failure(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str) -> None:
     caplog.set_level(logging.INFO, logger="trainer.publisher")
-    share, last = tmp_path / "share", tmp_path / "last"
-    w0 = weights()
-    w1 = step(w0, 0.02, seed=1)
-    publish(share, 0, Counted(w0), last)
+    share, last, w1 = base(tmp_path)
     kept = last / "model.safetensors"
     kept.write_bytes(kept.read_bytes()[:100] if damage == "truncated" else b"")
     m1 = publish(share, 1, Counted(w1), last, parent=0)
@@ -273,10 +269,7 @@ def test_a_view_of_a_kept_tensors_storage_is_not_taken_for_a_tied_tensor(
     """Tied means the same elements under another name; a tensor that merely lives in
     the same storage (a slice) holds other values, which no kept file has."""
     caplog.set_level(logging.INFO, logger="trainer.publisher")
-    share, last = tmp_path / "share", tmp_path / "last"
-    w0 = weights()
-    publish(share, 0, Counted(w0), last)
-    w1 = step(w0, 0.02, seed=1)
+    share, last, w1 = base(tmp_path)
     model = Counted(w1, extra={"half.weight": w1["embed.weight"][256:]})
     publish(share, 1, model, last, parent=0)
     assert "the model's 'half.weight' is in no kept file" in caplog.text
