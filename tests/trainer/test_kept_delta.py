@@ -217,10 +217,13 @@ def test_a_publisher_killed_while_advancing_leaves_no_parent(tmp_path: Path) -> 
     makes the trainer's files."""
     share, last, w1 = base(tmp_path)
     gate = tmp_path / "advancing"
+    staging = tmp_path / "tmp"  # the killed publisher's staging stays in the test's dir
+    staging.mkdir()
     script = textwrap.dedent(f"""
-        import sys, time
+        import sys, tempfile, time
         from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
+        tempfile.tempdir = {str(staging)!r}
         import trainer.kept_delta
         from tests.trainer.test_delta import Weights, step, weights
         from trainer.checkpoint import publish_checkpoint
