@@ -208,8 +208,8 @@ def advance_kept(state: Mapping[str, Any] | None, dtype: str | None, final_dir: 
         encoded = in_parallel({path.name: functools.partial(
             _advance, path, tensors, dtype, deltas / path.name)
             for path, tensors in matched.items()})
-    except BaseException:
-        remove_tree(staging)
+    except BaseException:  # any failure or an interrupt: this call's two directories
+        remove_tree(staging)  # go, and it is raised on (the kept files have no record)
         remove_tree(deltas)
         raise
     upload = {rel: staging / rel for rel in list_files(staging)}

@@ -277,3 +277,25 @@ def test_a_view_of_a_kept_tensors_storage_is_not_taken_for_a_tied_tensor(
     publish(share, 1, model, last, parent=0)
     assert "the model's 'half.weight' is in no kept file" in caplog.text
     assert model.files_written == 1
+
+
+def test_a_save_that_writes_weights_when_asked_for_none_goes_through_the_file_written_whole(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A model whose save_pretrained writes its weights whatever state_dict says: the
+    files besides the weights cannot be had apart, so nothing is advanced in place."""
+    caplog.set_level(logging.INFO, logger="trainer.publisher")
+
+    class Always(Counted):
+        def save_pretrained(self, directory: Path,
+                            state_dict: dict[str, Any] | None = None) -> None:
+            super().save_pretrained(directory, None)
+
+    share, last, w1 = base(tmp_path)
+    inode = (last / "model.safetensors").stat().st_ino
+    m1 = publish(share, 1, Always(w1), last, parent=0)
+    assert "writing the files besides the weights wrote ['model.safetensors'] too" \
+        in caplog.text
+    assert m1.delta is not None
+    assert (last / "model.safetensors").stat().st_ino != inode  # replaced, not advanced
+    copy = copy_to_local_cache(share / "iter-000001", tmp_path / "node")
+    assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, w1)
