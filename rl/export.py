@@ -26,6 +26,7 @@ import secrets
 import shutil
 import struct
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -39,7 +40,9 @@ from rl import keep_best, layout
 from rl.keep_best import Metric
 from rollout.errors import CheckpointError
 from trainer.checkpoint import FileEntry, verify_checkpoint
+from trainer.delta import verify_result
 from trainer.local_copy import copy_to_local_cache
+from trainer.manifest import DeltaInfo, ResultEntry
 
 log = logging.getLogger(__name__)
 # What makes a directory a model transformers and vLLM load: a config and weights.
@@ -156,7 +159,7 @@ def export(chosen: Chosen, out: Path, *, force: bool) -> Exported:
     started = time.monotonic()
     manifest = verify_checkpoint(chosen.path, contents=False)  # names; contents as copied
     files = manifest.local_files()
-    _check_model(chosen.path, files)
+    _check_model(chosen.path, files.keys())
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
     os.mkdir(tmp, DIR_MODE)
@@ -172,7 +175,11 @@ def export(chosen: Chosen, out: Path, *, force: bool) -> Exported:
         for name, entry in sorted(files.items()):
             target = tmp / name
             target.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-            _copy(source / name, target, entry)
+            if isinstance(entry, ResultEntry):  # a weights file the delta made
+                assert manifest.delta is not None
+                _copy_result(source / name, target, name, entry, manifest.delta)
+            else:
+                _copy(source / name, target, entry)
         dtypes = sorted({d for name in files if name.endswith(_WEIGHTS)
                          for d in _dtypes(tmp / name)})
         _fsync_dirs(tmp)
@@ -185,7 +192,7 @@ def export(chosen: Chosen, out: Path, *, force: bool) -> Exported:
                     seconds=time.monotonic() - started)
 
 
-def _check_model(path: Path, files: dict[str, FileEntry]) -> None:
+def _check_model(path: Path, files: Collection[str]) -> None:
     if _CONFIG not in files or not any(n.endswith(_WEIGHTS) for n in files):
         raise CheckpointError(
             f"{routing.display(path)} lists no {_CONFIG} or no {_WEIGHTS} weights in its "
@@ -194,6 +201,18 @@ def _check_model(path: Path, files: dict[str, FileEntry]) -> None:
         log.warning("%s holds no tokenizer files (%s): the export loads as a model only; copy "
                     "the tokenizer of the run's initial model beside it", routing.display(path),
                     ", ".join(_TOKENIZER_FILES))
+
+
+def _copy_result(src: Path, dst: Path, name: str, entry: ResultEntry, info: DeltaInfo) -> None:
+    """A weights file made whole from a delta's chain (on this machine's disk), copied to
+    the new file `dst` and checked there as its manifest lists it: the header's SHA-256
+    and every tensor's checksum (trainer/delta.py `verify_result`)."""
+    shutil.copyfile(src, dst)
+    try:
+        verify_result(dst, size=entry.size, header_sha256=entry.header_sha256,
+                      digests=info.tensors, algorithm=info.tensor_hash, result=name)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}; nothing was written to --out", path=exc.path) from exc
 
 
 def _copy(src: Path, dst: Path, entry: FileEntry) -> None:

@@ -9,19 +9,20 @@
          is smaller                                   place, every tensor's BLAKE3 and the
                                                       size checked against the manifest
       -> delta/<file> (safetensors), the new
-         file's SHA-256 and size, each tensor's
-         BLAKE3 (`TENSOR_HASH`)
+         file's size and its header's SHA-256,
+         each tensor's BLAKE3 (`TENSOR_HASH`)
 
 A safetensors file is an 8-byte header length, a JSON header naming each tensor's
 dtype, shape and byte span, then the bytes.  Both files must have the same header
 (the same tensors, shapes, dtypes and metadata: one model trained), so the result
 is the parent's bytes with the changed elements replaced: byte for byte the file
-the trainer wrote, which the manifest's checksum of each tensor of the result
-confirms.  Each node hashes the whole result at every delta: BLAKE3, 3.23x SHA-256's
-throughput here (benchmarks/hash_bench.py, BENCHMARKS.md section 11); a manifest naming "sha256" is
-checked with SHA-256.  Elements
-are compared and replaced as integers of their width (bfloat16 as int16), so
-every bit pattern (NaN, -0.0) travels exactly.
+the trainer wrote, which the manifest's checksums of the result's header and of
+each of its tensors confirm (the tensors tile the bytes after the header: no
+whole-file hash, whose one stream would run on one core).  Each node hashes the
+whole result at every delta: BLAKE3, 3.23x SHA-256's throughput here
+(benchmarks/hash_bench.py, BENCHMARKS.md section 11); a manifest naming "sha256"
+is checked with SHA-256.  Elements are compared and replaced as integers of their
+width (bfloat16 as int16), so every bit pattern (NaN, -0.0) travels exactly.
 
 A delta file holds, for tensor T, either `T::index` (int32 or int64 flat indices)
 and `T::value` (the new elements' bits), or `T::whole`; an unchanged tensor is absent.
@@ -31,11 +32,11 @@ transfer"): 6 bytes per changed element against 2 per element for the whole file
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import json
 import mmap
+import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ class Encoded:
     tensors: dict[str, Any]  # "T::index", "T::value", "T::whole" -> torch tensors
     digests: dict[str, str]  # every tensor of the new file -> TENSOR_HASH of its bytes
     size: int  # the new file's bytes
-    sha256: str  # ... and their SHA-256
+    header_sha256: str  # the SHA-256 of its header (`header`'s raw bytes)
     changed: int  # elements that changed
     elements: int  # elements in the file
 
@@ -144,10 +145,14 @@ def _view(data: Any, span: Span) -> Any:
 def digest(data: Any, span: Span, algorithm: str = TENSOR_HASH) -> str:
     """`algorithm` ("blake3" or "sha256") of one tensor's bytes in `data`."""
     with memoryview(data) as view:
-        part = view[span.begin:span.end]
-        if algorithm == "blake3":
-            return blake3.blake3(part).hexdigest()
-        return hashlib.sha256(part).hexdigest()
+        return hash_bytes(view[span.begin:span.end], algorithm)
+
+
+def hash_bytes(raw: Any, algorithm: str = TENSOR_HASH) -> str:
+    """`algorithm` ("blake3" or "sha256") of the bytes `raw` (a bytes-like object)."""
+    if algorithm == "blake3":
+        return blake3.blake3(raw).hexdigest()
+    return hashlib.sha256(raw).hexdigest()
 
 
 def tensor_digests(data: Any, spans: Mapping[str, Span],
@@ -194,20 +199,15 @@ def encode(new: Path, old: Path) -> Encoded | None:
         new_head, spans = header(nm, new)
         if len(nm) != len(om) or header(om, old)[0] != new_head:
             return None
-        # The whole file's hash is one stream (one core): it runs from the start, beside
-        # the comparison and then every tensor's hash (the other cores).
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            whole = pool.submit(lambda: hashlib.sha256(nm).hexdigest())
-            tensors: dict[str, Any] = {}
-            changed = elements = 0
-            for span in spans.values():
-                parts, count = changes(_elements(nm, span), _elements(om, span), span)
-                tensors.update(parts)
-                changed, elements = changed + count, elements + span.count
-            digests = tensor_digests(nm, spans)
-            sha256 = whole.result()
-        return Encoded(tensors=tensors, digests=digests, size=len(nm), sha256=sha256,
-                       changed=changed, elements=elements)
+        tensors: dict[str, Any] = {}
+        changed = elements = 0
+        for span in spans.values():
+            parts, count = changes(_elements(nm, span), _elements(om, span), span)
+            tensors.update(parts)
+            changed, elements = changed + count, elements + span.count
+        return Encoded(tensors=tensors, digests=tensor_digests(nm, spans), size=len(nm),
+                       header_sha256=hashlib.sha256(new_head).hexdigest(), changed=changed,
+                       elements=elements)
 
 
 def write(encoded: Encoded, path: Path, *, result: str) -> None:
@@ -225,16 +225,20 @@ def load_parts(data: bytes) -> dict[str, Any]:
 
 
 def apply(parent: bytearray | mmap.mmap, delta: bytes, *, result: str, where: Path,
-          digests: Mapping[str, str], algorithm: str = TENSOR_HASH) -> None:
+          digests: Mapping[str, str], algorithm: str = TENSOR_HASH,
+          header_sha256: str | None = None) -> None:
     """`parent` (a weights file's bytes, writable: a map of its copy) made into the
     result in place: the delta's changes put back and every tensor checked against
     `digests` (of `algorithm`; CheckpointError naming the first that differs: a broken
     chain or an altered delta), each tensor's both in one task, every tensor at once.
-    The header is the parent's (encode publishes a delta only between files with the
-    same header) and the tensors tile the rest (header()), so matching digests make
-    the file the trainer wrote, byte for byte: no whole-file hash, whose one stream
-    runs on one core while the tensors' run on all of them."""
-    _, spans = header(parent, where)
+    The header is the parent's (a delta is published only between files with the
+    same header), checked against `header_sha256` where the manifest has it, and the
+    tensors tile the rest (header()), so matching digests make the file the trainer
+    wrote, byte for byte: no whole-file hash, whose one stream runs on one core while
+    the tensors' run on all of them."""
+    raw, spans = header(parent, where)
+    if header_sha256 is not None:
+        _check_header(raw, header_sha256, result=result, where=where)
     try:
         parts = load_parts(delta)
     except (SafetensorError, ValueError) as exc:  # what safetensors raises on a bad file
@@ -248,12 +252,44 @@ def apply(parent: bytearray | mmap.mmap, delta: bytes, *, result: str, where: Pa
     actual = in_parallel({name: functools.partial(_put, parent, spans[name], changes_of,
                                                   where, algorithm)
                           for name, changes_of in by_tensor.items()})
-    for name in sorted(spans):
+    _check_tensors(actual, digests, algorithm, result=result, where=where,
+                   why="after the delta: the delta or the parent it applies to is altered")
+
+
+def verify_result(path: Path, *, size: int, header_sha256: str, digests: Mapping[str, str],
+                  algorithm: str = TENSOR_HASH, result: str) -> None:
+    """The weights file `path` checked as the manifest lists the delta's `result`: its
+    size, its header's SHA-256 and every tensor's checksum (every tensor at once);
+    CheckpointError naming what differs."""
+    with open(path, "rb") as handle:
+        actual = os.fstat(handle.fileno()).st_size
+        if actual != size or size < 8:
+            raise CheckpointError(f"{path}: {actual} bytes, the manifest's {result} has "
+                                  f"{size}: not the file the delta makes", path=path)
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            raw, spans = header(data, path)
+            _check_header(raw, header_sha256, result=result, where=path)
+            _check_tensors(tensor_digests(data, spans, algorithm), digests, algorithm,
+                           result=result, where=path, why="not the file the delta makes")
+
+
+def _check_header(raw: bytes, expected: str, *, result: str, where: Path) -> None:
+    actual = hashlib.sha256(raw).hexdigest()
+    if actual != expected:
+        raise CheckpointError(f"{where}: the header of {result} has SHA-256 {actual[:16]}..., "
+                              f"its manifest says {expected[:16]}...: the parent's copy is "
+                              "not the file the delta applies to", path=where)
+
+
+def _check_tensors(actual: Mapping[str, str], digests: Mapping[str, str], algorithm: str, *,
+                   result: str, where: Path, why: str) -> None:
+    """CheckpointError naming the first tensor (by name) whose `actual` digest is not the
+    manifest's `digests`."""
+    for name in sorted(actual):
         if digests.get(name) != actual[name]:
             raise CheckpointError(
-                f"{where}: tensor {name} of {result} has {algorithm} {actual[name][:16]}... after "
-                f"the delta, its manifest says {str(digests.get(name))[:16]}...: the delta "
-                "or the parent it applies to is altered", path=where)
+                f"{where}: tensor {name} of {result} has {algorithm} {actual[name][:16]}..., "
+                f"its manifest says {str(digests.get(name))[:16]}...: {why}", path=where)
 
 
 def _put(parent: bytearray | mmap.mmap, span: Span, parts: Mapping[str, Any], where: Path,

@@ -10,8 +10,9 @@
       -> per tensor, a thread per core: cast, the changed elements found against the kept
          file's (mapped), put in the delta and written into the kept file (it
          becomes the new file in place, as a node's copy does: local_copy.py), then
-         the tensor's BLAKE3 taken; the whole file's SHA-256 follows, tensor by
-         tensor, in the file's order
+         the tensor's BLAKE3 taken; with the header's SHA-256 they are the
+         manifest's account of the result (no whole-file hash: trainer/manifest.py
+         `ResultEntry`)
 
 So a delta publication writes no 2-bytes-per-parameter file and reads none back:
 it reads the kept file once and writes the pages that changed.  The kept file is
@@ -29,7 +30,6 @@ import contextlib
 import hashlib
 import mmap
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -102,22 +102,18 @@ def advance(path: Path, tensors: Mapping[str, Any], dtype: str | None = None, *,
     floating ones cast to `dtype`) in place, and the delta from what it held: the
     module docstring.  Every tensor is cast, compared, written and hashed in one task
     (a thread per core, in the file's order: a cast copy of the model never exists
-    whole); the whole file's SHA-256, one stream on one core, follows them."""
+    whole)."""
     with open(path, "r+b") as handle:
         data = mmap.mmap(handle.fileno(), 0)
         try:
-            _, spans = delta.header(data, path)
+            raw, spans = delta.header(data, path)
             order = sorted(spans.values(), key=lambda span: span.begin)
-            done = {span.name: threading.Event() for span in order}
             workers = max(1, min(len(order), os.cpu_count() or 1))
-            with concurrent.futures.ThreadPoolExecutor(1) as streamer:
-                whole = streamer.submit(_sha256_following, data, order, done)
-                with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                    futures = {span.name: pool.submit(_patch, data, span, tensors[span.name],
-                                                      dtype, done[span.name])
-                               for span in order}
-                found = {name: future.result() for name, future in sorted(futures.items())}
-                sha256 = whole.result()
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                futures = {span.name: pool.submit(_patch, data, handle.fileno(), span,
+                                                  tensors[span.name], dtype)
+                           for span in order}
+            found = {name: future.result() for name, future in sorted(futures.items())}
             if fsync:
                 data.flush()
             size = len(data)
@@ -135,42 +131,39 @@ def advance(path: Path, tensors: Mapping[str, Any], dtype: str | None = None, *,
         parts.update(tensor_parts)
         digests[name] = digest
         changed += count
-    return delta.Encoded(tensors=parts, digests=digests, size=size, sha256=sha256,
-                         changed=changed, elements=sum(s.count for s in spans.values()))
+    return delta.Encoded(tensors=parts, digests=digests, size=size,
+                         header_sha256=hashlib.sha256(raw).hexdigest(), changed=changed,
+                         elements=sum(s.count for s in spans.values()))
 
 
-def _patch(data: mmap.mmap, span: delta.Span, tensor: Any, dtype: str | None,
-           done: threading.Event) -> tuple[dict[str, Any], int, str]:
+def _patch(data: mmap.mmap, fd: int, span: delta.Span, tensor: Any,
+           dtype: str | None) -> tuple[dict[str, Any], int, str]:
     """One tensor's part of the delta (cast to `dtype` where it is floating), its new
-    elements written into `data`, and the digest of its bytes after; `done` set at
-    the end, whatever happened."""
+    elements written into the kept file (`data`, its map; `fd`, its descriptor), and
+    the digest of its bytes after (of the cast tensor: those bytes)."""
     import numpy as np
     import torch
 
-    try:
-        now = tensor.detach().to(_published(tensor, dtype)).to("cpu").contiguous()
-        now = now.view(getattr(torch, span.int_dtype))
-        now = now.numpy().reshape(-1)
-        was = np.frombuffer(data, dtype=span.int_dtype, count=span.count, offset=span.begin)
-        parts, count = delta.changes(now, was, span)
-        if count and count < span.count * _SCATTER_BELOW:
-            index = parts[f"{span.name}{delta.SEP}index"].numpy()
-            was[index] = now[index]
-        elif count:
-            np.copyto(was, now)
-        del was  # the map's view, before the digest's
-        return parts, count, delta.digest(data, span)
-    finally:
-        done.set()
+    now = tensor.detach().to(_published(tensor, dtype)).to("cpu").contiguous()
+    now = now.view(getattr(torch, span.int_dtype))
+    now = now.numpy().reshape(-1)
+    was = np.frombuffer(data, dtype=span.int_dtype, count=span.count, offset=span.begin)
+    parts, count = delta.changes(now, was, span)
+    if count and count < span.count * _SCATTER_BELOW:
+        index = parts[f"{span.name}{delta.SEP}index"].numpy()
+        was[index] = now[index]
+    del was  # the map's view
+    with memoryview(now).cast("B") as raw:
+        if count >= span.count * _SCATTER_BELOW:
+            # Written, not copied into the map: a store into a clean page of a shared
+            # map faults into the kernel, and every page changes here (twice the time).
+            _write_at(fd, raw, span.begin)
+        return parts, count, delta.hash_bytes(raw)
 
 
-def _sha256_following(data: mmap.mmap, order: Sequence[delta.Span],
-                      done: Mapping[str, threading.Event]) -> str:
-    """The SHA-256 of `data`, each tensor's bytes hashed once its `done` is set."""
-    sha = hashlib.sha256()
-    with memoryview(data) as view:
-        sha.update(view[:order[0].begin] if order else view)  # the header
-        for span in order:
-            done[span.name].wait()
-            sha.update(view[span.begin:span.end])
-    return sha.hexdigest()
+def _write_at(fd: int, raw: memoryview, offset: int) -> None:
+    """`raw` written at `offset` of the file `fd`, whole (a write returns at most
+    2 GiB: a tensor can be bigger)."""
+    done = 0
+    while done < len(raw):
+        done += os.pwrite(fd, raw[done:], offset + done)

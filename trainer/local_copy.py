@@ -12,8 +12,8 @@
                           copy: not read again), and each delta/<file> read once and
                           applied to a kernel-side clone of the parent's file
                           (trainer/delta.py; the parent's copy is never written),
-                          every tensor checked against the manifest (which makes
-                          the whole file checked)
+                          every tensor and the header checked against the
+                          manifest (which makes the whole file checked)
                           `advance`: the parent's copy itself, held by no reader, is
                           taken (renamed hidden, unsealed) and the delta applied to
                           its files in place: no clone; the parent's copy is gone
@@ -64,6 +64,7 @@ from trainer.manifest import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
+    ResultEntry,
     delta_file,
     list_files,
     read_manifest,
@@ -204,7 +205,8 @@ def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int,
     for stale in cache_root.glob(f".{dest.name}.tmp-*"):  # a copier killed mid-copy
         remove_tree(stale)  # (one copier per cache at a time: copy_to_local_cache's lock)
     made = manifest.delta.results if manifest.delta is not None else {}
-    plain = {name: entry for name, entry in manifest.local_files().items() if name not in made}
+    deltas = {delta_file(result) for result in made}
+    plain = {name: entry for name, entry in manifest.files.items() if name not in deltas}
     same = _as_in_parent(parent, plain)
     taken = _take(parent, dest) if advance and parent is not None else None
     tmp = taken if taken is not None else tmp_sibling(dest)
@@ -224,10 +226,10 @@ def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int,
                 assert parent is not None
                 work[name] = functools.partial(_reuse, parent / name, tmp / name, fsync)
         in_parallel(work)
-        for result, entry in sorted(made.items()):  # one at a time: each is held in memory
+        for result, made_entry in sorted(made.items()):  # one at a time: each in memory
             assert parent is not None and manifest.delta is not None
             _apply(src_dir, manifest, (tmp if taken is not None else parent) / result,
-                   tmp / result, result, entry, fsync)
+                   tmp / result, result, made_entry, fsync)
         seal_files(tmp, manifest, fsync=fsync)
         local_seal.write_seal(tmp)
         rename(tmp, dest)
@@ -297,7 +299,7 @@ def _copy(src: Path, dst: Path, entry: FileEntry, fsync: bool) -> None:
 
 
 def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, result: str,
-           entry: FileEntry, fsync: bool) -> None:
+           entry: FileEntry | ResultEntry, fsync: bool) -> None:
     """delta/<result> read once from the share (checked against its manifest entry),
     applied to the parent's file (a clone of it; `out` itself when it is the parent's
     file, taken: _take), the result checked and written (and fsynced, with `fsync`;
@@ -344,7 +346,8 @@ def _apply(src_dir: Path, manifest: Manifest, parent_file: Path, out: Path, resu
                                           f"of its {size} bytes", path=out)
             delta.apply(buffer if mapped is None else mapped, data, result=result,
                         where=src_dir / name, digests=manifest.delta.tensors,
-                        algorithm=manifest.delta.tensor_hash)
+                        algorithm=manifest.delta.tensor_hash,
+                        header_sha256=entry.header_sha256 if isinstance(entry, ResultEntry) else None)
             if mapped is None:
                 handle.seek(0)
                 handle.write(buffer)

@@ -6,7 +6,7 @@
      "delta": null, or absent (a full checkpoint), or, for a delta checkpoint:
        {"parent": "iter-000002", "parent_digest": "<16 hex>", "base": "iter-000000",
         "length": 2,
-        "results": {"model.safetensors": {"sha256": ..., "size": ...}},
+        "results": {"model.safetensors": {"header_sha256": ..., "size": ...}},
         "tensor_hash": "blake3",
         "tensors": {"model.embed_tokens.weight": "<64 hex>", ...}}}
 
@@ -14,7 +14,9 @@ A full checkpoint lists every file it holds.  A delta checkpoint (trainer/delta.
 holds `delta/<weights file>` in place of each weights file in `results`: what
 changed since `parent` (a sibling directory whose manifest has `parent_digest`);
 `results` are the weights files the parent's plus the delta make (as the trainer
-wrote them, byte for byte), `tensors` the checksum of every tensor in them
+wrote them, byte for byte: each one's size and the SHA-256 of its safetensors
+header; written before that, the whole file's SHA-256), `tensors` the checksum of
+every tensor in them
 (`tensor_hash`: "blake3", or "sha256"; absent before it was named: "sha256"), `base`
 the full checkpoint the chain starts from and `length` its links.
 
@@ -82,6 +84,28 @@ class FileEntry(Record):
             raise ValueError(f"size {self.size!r} is not an integer >= 0")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ResultEntry(Record):
+    """A weights file a delta makes, as its manifest lists it (under its name): its
+    size and the SHA-256 of its safetensors header (the length prefix included).
+    With the checksum of every tensor in it (DeltaInfo.tensors) they decide the whole
+    file: its tensors tile the bytes after the header (trainer/delta.py `header`).
+    No whole-file hash: one stream on one core at every publication, where the
+    tensors' run on every core (a manifest written before this lists a result as a
+    FileEntry, the whole file's SHA-256)."""
+
+    SCHEMA: ClassVar[str] = "coordinator/checkpoint-manifest/result"
+    header_sha256: str
+    size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.header_sha256, str) or not _SHA256.fullmatch(self.header_sha256):
+            raise ValueError(f"header_sha256 {self.header_sha256!r} is not 64 lowercase hex "
+                             "digits")
+        if type(self.size) is not int or self.size < 8:
+            raise ValueError(f"size {self.size!r} is not an integer >= 8 (a safetensors file)")
+
+
 _NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 DELTA_DIR: Final = "delta"  # a delta checkpoint's delta/<weights file>
 
@@ -100,7 +124,7 @@ class DeltaInfo(Record):
     parent_digest: str  # its manifest's digest
     base: str  # the full checkpoint the chain starts from
     length: int  # links from the base: 1 for a delta of a full checkpoint
-    results: dict[str, FileEntry]  # weights file -> the file it makes
+    results: dict[str, ResultEntry | FileEntry]  # weights file -> the file it makes
     tensor_hash: str  # what `tensors` are: "blake3" or "sha256"
     tensors: dict[str, str]  # tensor name -> `tensor_hash` of its bytes in the results
 
@@ -171,7 +195,7 @@ class Manifest(Record):
             del body["delta"]  # a full checkpoint's bytes (its digest) as before deltas
         return body
 
-    def local_files(self) -> dict[str, FileEntry]:
+    def local_files(self) -> dict[str, FileEntry | ResultEntry]:
         """The files a node's copy holds: the listed ones, and for a delta checkpoint
         the weights files it makes in place of delta/<file>."""
         if self.delta is None:

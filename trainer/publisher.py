@@ -46,8 +46,8 @@ from trainer import delta, kept_delta
 from trainer.checkpoint import fsync_tree
 from trainer.manifest import (
     DeltaInfo,
-    FileEntry,
     Manifest,
+    ResultEntry,
     delta_file,
     list_files,
     read_manifest,
@@ -253,7 +253,8 @@ def _info(final_dir: Path, parent: Path, found: tuple[str, int, str],
         tensors.update(made.digests)
     info = DeltaInfo(parent=parent.name, parent_digest=parent_digest, base=base,
                      length=length + 1, tensor_hash=delta.TENSOR_HASH, tensors=tensors,
-                     results={name: FileEntry(sha256=made.sha256, size=made.size)
+                     results={name: ResultEntry(header_sha256=made.header_sha256,
+                                                size=made.size)
                               for name, made in encoded.items()})
     changed = sum(made.changed for made in encoded.values())
     elements = sum(made.elements for made in encoded.values())

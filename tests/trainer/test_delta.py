@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -24,7 +26,7 @@ from rollout.errors import CheckpointError
 from trainer import delta
 from trainer.checkpoint import publish_checkpoint, read_manifest, verify_checkpoint
 from trainer.local_copy import copy_to_local_cache
-from trainer.manifest import MANIFEST_NAME, FileEntry
+from trainer.manifest import MANIFEST_NAME, FileEntry, Manifest, ResultEntry
 
 # Damaged files are reported after the read deadline: 1 s here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("quick_read_retry")
@@ -119,6 +121,80 @@ def test_a_delta_moves_a_fraction_of_the_weights_and_each_node_makes_the_trainer
     assert (again / "model.safetensors").stat().st_ino == inode
 
 
+def test_a_result_is_listed_by_its_size_and_header_and_a_manifest_listing_its_whole_file_reads(
+        tmp_path: Path) -> None:
+    """A delta's result carries its size and its header's SHA-256, with every tensor's
+    checksum: no whole-file hash (one stream on one core at every publication).  A
+    manifest written before lists the whole file's SHA-256: it still reads, to the
+    same bytes (its digest, a child's parent_digest, is unchanged), and makes the same
+    copy."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    w1 = step(w0, 0.02, 1)
+    publish(share, 0, w0, last)
+    m1 = publish(share, 1, w1, last, parent=0)
+    assert m1.delta is not None
+    whole = full_bytes(tmp_path, w1)
+    head, _ = delta.header(whole, tmp_path)
+    assert m1.delta.results == {"model.safetensors": ResultEntry(
+        header_sha256=hashlib.sha256(head).hexdigest(), size=len(whole))}
+    body = json.loads(m1.to_bytes())
+    assert body["delta"]["results"] == {"model.safetensors": {
+        "header_sha256": hashlib.sha256(head).hexdigest(), "size": len(whole)}}
+    # As a manifest written before the header's hash listed it.
+    body["delta"]["results"] = {"model.safetensors": {
+        "sha256": hashlib.sha256(whole).hexdigest(), "size": len(whole)}}
+    before = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
+    old = Manifest.from_bytes(before, tmp_path)
+    assert old.delta is not None and old.to_bytes() == before
+    assert old.delta.results["model.safetensors"] == FileEntry(
+        sha256=hashlib.sha256(whole).hexdigest(), size=len(whole))
+    (share / "iter-000001" / MANIFEST_NAME).write_bytes(before)
+    copy = copy_to_local_cache(share / "iter-000001", tmp_path / "node")
+    assert (copy / "model.safetensors").read_bytes() == whole
+
+
+def test_a_parent_with_the_same_tensors_under_another_header_is_caught_by_the_header_checksum(
+        tmp_path: Path) -> None:
+    """The tensors' checksums cannot see a header that differs (other metadata, the
+    same tensors): the result's header SHA-256 does, at a node and at export."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    w1 = step(w0, 0.02, 1)
+    publish(share, 0, w0, last)
+    m1 = publish(share, 1, w1, last, parent=0)
+    assert m1.delta is not None
+    entry = m1.delta.results["model.safetensors"]
+    assert isinstance(entry, ResultEntry)
+    other = tmp_path / "other.safetensors"
+    save_file(w1, str(other), metadata={"format": "pt", "note": "another writer"})
+    none = tmp_path / "none.safetensors"
+    delta.write(delta.Encoded(tensors={}, digests={}, size=0, header_sha256="", changed=0,
+                              elements=0), none, result="model.safetensors")
+    parent = bytearray(other.read_bytes())
+    delta.apply(parent, none.read_bytes(), result="model.safetensors", where=none,
+                digests=m1.delta.tensors)  # the tensors alone: every one matches
+    with pytest.raises(CheckpointError, match=r"the header of model\.safetensors has SHA-256 "
+                                              r".*its manifest says"):
+        delta.apply(parent, none.read_bytes(), result="model.safetensors", where=none,
+                    digests=m1.delta.tensors, header_sha256=entry.header_sha256)
+    good = tmp_path / "good.safetensors"
+    good.write_bytes(full_bytes(tmp_path, w1))
+    check = functools.partial(delta.verify_result, header_sha256=entry.header_sha256,
+                              digests=m1.delta.tensors, result="model.safetensors")
+    check(good, size=entry.size)
+    with pytest.raises(CheckpointError, match=r"the header of model\.safetensors has SHA-256"):
+        check(other, size=other.stat().st_size)
+    with pytest.raises(CheckpointError, match=r"bytes, the manifest's model\.safetensors has"):
+        check(other, size=entry.size)
+    damaged = bytearray(good.read_bytes())
+    damaged[-1] ^= 1  # the last tensor's last byte
+    good.write_bytes(damaged)
+    with pytest.raises(CheckpointError, match=r"tensor \S+ of model\.safetensors has blake3 .*: "
+                                              "not the file the delta makes"):
+        check(good, size=entry.size)
+
+
 def test_without_the_parents_files_kept_the_trainer_publishes_full(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="trainer.publisher")
@@ -211,14 +287,14 @@ def test_a_delta_consistent_with_a_forged_manifest_is_caught_by_the_tensor_check
     digests = delta.tensor_digests(parent, delta.header(parent, last)[1], algorithm)
     assert (digests == m1.delta.tensors) == (algorithm == "blake3")
     # The true delta (none: this is the result already) passes; a forged one is named.
-    delta.write(delta.Encoded(tensors={}, digests={}, size=0, sha256="", changed=0,
+    delta.write(delta.Encoded(tensors={}, digests={}, size=0, header_sha256="", changed=0,
                               elements=0), tmp_path / "none.safetensors",
                 result="model.safetensors")
     delta.apply(parent, (tmp_path / "none.safetensors").read_bytes(),
                 result="model.safetensors", where=tmp_path, digests=digests,
                 algorithm=algorithm)
     forged = delta.Encoded(tensors={"layer.bias::whole": torch.zeros(64, dtype=torch.int16)},
-                           digests={}, size=0, sha256="", changed=0, elements=0)
+                           digests={}, size=0, header_sha256="", changed=0, elements=0)
     delta.write(forged, tmp_path / "forged.safetensors", result="model.safetensors")
     with pytest.raises(CheckpointError, match=r"tensor layer\.bias of model\.safetensors has "
                                               rf"{algorithm} .* after the delta"):
@@ -305,8 +381,7 @@ def test_a_node_killed_while_applying_a_delta_makes_it_again_at_the_next_use(
     assert [p for p in node.iterdir() if p.name.startswith("iter-000000")] == \
         ([] if advance else [parent])
     copy = copy_to_local_cache(share / "iter-000001", node, advance=advance)
-    assert hashlib.sha256((copy / "model.safetensors").read_bytes()).hexdigest() == \
-        read_manifest(share / "iter-000001").local_files()["model.safetensors"].sha256
+    assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, step(big, 0.02, 1))
     assert not [p for p in node.iterdir() if p.name.startswith(".iter-000001") and p.is_dir()]
 
 
