@@ -43,11 +43,15 @@ SSH's framing, are kept in the JSON too).  Where that cannot be measured, the by
 are counted from what each mode reads and writes, and the output says so.
 
 Each mode starts after `sync`, so that none pays for the write-back of the
-gigabytes the one before it left dirty.  Each mode's files go once it is measured, but for what a later step reads ((b)'s
-node 0 copy, the previous weights of the next `changed`; (c)'s chain and copies):
-a run takes one of these paths, and its nodes' page cache holds that path's files
-alone.  (Kept until the iteration's end, the other modes' gigabytes evicted (c)'s
-parents from the page cache on this machine.)
+gigabytes the one before it left dirty.  Each mode's files go once it is measured,
+but for what a later step reads ((b)'s node 0 copy, the previous weights of the next
+`changed`; (c)'s chain and copies): a run takes one of these paths, and its nodes'
+page cache holds that path's files alone.  (Kept until the iteration's end, the
+other modes' gigabytes evicted (c)'s parents from the page cache on this machine.)
+Before a mode's files on the share go, each node drops its cached pages of them
+through its own mount (`remove_shared`): a file removed through one sshfs mount
+stays cached in the others, a cluster's other machines, which here share one
+machine's memory.
 
 Also per iteration: the share of bf16 elements (and of tensors, and of 4 KiB
 blocks of each tensor's bytes: the pages a node holding a whole copy must write
@@ -287,6 +291,25 @@ def on_all(nodes: list[Node], work: Callable[[Node], Any]) -> list[Any]:
 
 def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_shared(nodes: list[Node], rel: str) -> None:
+    """The share's `rel` (a mode's files, measured) removed, each node's cached pages of
+    it dropped first through its own mount (POSIX_FADV_DONTNEED).  A file removed
+    through one sshfs mount stays cached in the others until memory runs short: on a
+    cluster each node's cache is its own machine's, here the three share 24 GB, where
+    those stale gigabytes evicted (c)'s parents (fincore: 0.00 of some nodes'
+    parents as (c) began)."""
+    for node in nodes:
+        base = node.share / rel
+        for path in sorted(base.rglob("*")) if base.is_dir() else [base]:
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    remove(nodes[0].share / rel)
 
 
 # ---------------------------------------------------------------- the modes
@@ -536,14 +559,14 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             modes: dict[str, Any] = {}
             os.sync()  # before each mode: none pays for the writeback of the one before
             modes["a"] = legacy_mode(model, model_dir, it, nodes, Meter(server))
-            remove(nodes[0].share / "a")
+            remove_shared(nodes, "a")
             for node in nodes:
                 remove(node.local / "a")
             os.sync()
             modes["b"], copies = current_mode(model, model_dir, it, nodes, Meter(server))
             for copy in copies[1:]:  # node 0's stays: the next iteration's `changed`
                 remove(copy)
-            remove(nodes[0].share / "checkpoints" / f"iter-{it}")
+            remove_shared(nodes, f"checkpoints/iter-{it}")
             os.sync()
             modes["c"], c_copies = delta_mode(model, model_dir, it, nodes, Meter(server))
             # The floor of the bytes the delta moves: cp of its checkpoint each way.
@@ -554,7 +577,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             os.sync()
             modes["cd"] = floor_mode(delta_src, it, nodes, Meter(server), tag="cd")
             remove(delta_src)
-            remove(nodes[0].share / "cd")
+            remove_shared(nodes, "cd")
             for node in nodes:
                 remove(node.local / "cd")
             source = nodes[0].local / "src" / f"iter-{it}"
@@ -564,7 +587,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             os.sync()
             modes["d"] = floor_mode(source, it, nodes, Meter(server))
             remove(source)
-            remove(nodes[0].share / "d")
+            remove_shared(nodes, "d")
             for node in nodes:
                 remove(node.local / "d")
             row["modes"] = modes
@@ -584,7 +607,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                         remove(old)
             # (c)'s chain: iteration 1 is its base; later links go once superseded.
             if it > 2:
-                remove(nodes[0].share / "c" / f"iter-{it - 1}")
+                remove_shared(nodes, f"c/iter-{it - 1}")
             previous_weights = copies[0]
         result["server_bytes"] = "measured at the sshd (rchar/wchar and TCP counters)" \
             if server.problem is None else f"counted from file sizes: {server.problem}"
