@@ -15,8 +15,12 @@ GPU memory (torch.cuda.max_memory_allocated) after loading and after the step,
 the step time, and the logit difference.  Then two iterations as the resident
 trainer runs them, offloading weights, grads and optimizer state to CPU memory
 between them: printed, the GPU memory each rank still holds while offloaded
-(the engine's time), and whether the weights came back unchanged.  Exit 0
-when the checkpoint matches and every round trip is exact.
+(the engine's time), and whether the weights came back unchanged.  Then, where a
+`vllm` executable is found (`--vllm`, default: the one on PATH), a delta update into a
+running vLLM engine on this machine, timed (benchmarks/vllm_delta_update.py: the
+trainer's step published as a delta, made whole in the node's cache, reloaded in
+place, the served weights checked by probes).  Exit 0 when the checkpoint matches,
+every round trip is exact and the engine serves the delta's weights.
 
 `--device cpu` runs the same code on gloo ranks (fp32): what CI checks here.
 """
@@ -24,6 +28,7 @@ when the checkpoint matches and every round trip is exact.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -153,6 +158,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--vllm", default=shutil.which("vllm") or "",
+                        help="the vllm executable for the delta update (default: the one on "
+                             "PATH; none: that step is skipped)")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -197,7 +205,27 @@ def main() -> int:
         r["offload_round_trip_exact"] for r in rows)
     print(f"checkpoint saved and reloaded: max |logit difference| {diff:.2e} "
           f"({'OK' if ok else 'MISMATCH'}, tolerance {TOLERANCE[args.device]:g})")
-    return 0 if ok else 1
+    return 0 if ok and vllm_delta(args) else 1
+
+
+def vllm_delta(args: argparse.Namespace) -> bool:
+    """The delta update into vLLM (benchmarks/vllm_delta_update.py), where an executable
+    is found; whether it passed (True when skipped)."""
+    from benchmarks import vllm_delta_update
+
+    if not args.vllm or not Path(args.vllm).exists():
+        print(f"vllm delta update: skipped, no vllm executable ({args.vllm or 'none on PATH'}; "
+              "pass --vllm PATH)")
+        return True
+    with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as tmp:
+        try:
+            result = vllm_delta_update.run(Path(args.vllm), args.device, Path(tmp),
+                                           small=args.device == "cpu")
+        except RuntimeError as exc:
+            print(f"vllm delta update: FAILED: {exc}")
+            return False
+    vllm_delta_update.report(result)
+    return True
 
 
 if __name__ == "__main__":

@@ -171,10 +171,13 @@ def test_the_gpu_check_runs_its_path_on_gloo_and_refuses_without_a_gpu() -> None
     checkpoint's logits match the trainer's model); asked for CUDA here, it says why not."""
     script = ROOT / "benchmarks" / "gpu_check.py"
     small = ["--hidden", "128", "--layers", "2", "--heads", "4", "--seq", "32"]
-    done = subprocess.run([sys.executable, str(script), "--device", "cpu", *small],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--vllm", "",
+                           *small], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "on 2 cpu rank(s)" in done.stdout and "(OK, tolerance 0.0001)" in done.stdout
+    # Its delta update into vLLM (benchmarks/vllm_delta_update.py) needs an executable:
+    # without one it says so and passes (run by hand on vLLM's CPU build: BENCHMARKS 11).
+    assert "vllm delta update: skipped, no vllm executable" in done.stdout, done.stdout
     # The resident trainer's two iterations: nothing moves on a CPU, the weights hold.
     assert done.stdout.count("nothing moves on CPU): GPU memory still reserved while the "
                              "engine has the GPU 0 MiB; weights back from CPU memory unchanged: "
