@@ -121,6 +121,18 @@ def test_a_delta_moves_a_fraction_of_the_weights_and_each_node_makes_the_trainer
     assert (again / "model.safetensors").stat().st_ino == inode
 
 
+def one_link(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor], Any]:
+    """A full checkpoint and one delta of it on `tmp_path`'s share: the share, the
+    delta's weights and its manifest."""
+    share, last = tmp_path / "share", tmp_path / "last"
+    w0 = weights()
+    w1 = step(w0, 0.02, 1)
+    publish(share, 0, w0, last)
+    m1 = publish(share, 1, w1, last, parent=0)
+    assert m1.delta is not None
+    return share, w1, m1
+
+
 def test_a_result_is_listed_by_its_size_and_header_and_a_manifest_listing_its_whole_file_reads(
         tmp_path: Path) -> None:
     """A delta's result carries its size and its header's SHA-256, with every tensor's
@@ -128,12 +140,7 @@ def test_a_result_is_listed_by_its_size_and_header_and_a_manifest_listing_its_wh
     manifest written before lists the whole file's SHA-256: it still reads, to the
     same bytes (its digest, a child's parent_digest, is unchanged), and makes the same
     copy."""
-    share, last = tmp_path / "share", tmp_path / "last"
-    w0 = weights()
-    w1 = step(w0, 0.02, 1)
-    publish(share, 0, w0, last)
-    m1 = publish(share, 1, w1, last, parent=0)
-    assert m1.delta is not None
+    share, w1, m1 = one_link(tmp_path)
     whole = full_bytes(tmp_path, w1)
     head, _ = delta.header(whole, tmp_path)
     assert m1.delta.results == {"model.safetensors": ResultEntry(
@@ -158,12 +165,7 @@ def test_a_parent_with_the_same_tensors_under_another_header_is_caught_by_the_he
         tmp_path: Path) -> None:
     """The tensors' checksums cannot see a header that differs (other metadata, the
     same tensors): the result's header SHA-256 does, at a node and at export."""
-    share, last = tmp_path / "share", tmp_path / "last"
-    w0 = weights()
-    w1 = step(w0, 0.02, 1)
-    publish(share, 0, w0, last)
-    m1 = publish(share, 1, w1, last, parent=0)
-    assert m1.delta is not None
+    _, w1, m1 = one_link(tmp_path)
     entry = m1.delta.results["model.safetensors"]
     assert isinstance(entry, ResultEntry)
     other = tmp_path / "other.safetensors"
