@@ -204,7 +204,7 @@ def advance_kept(state: Mapping[str, Any] | None, dtype: str | None, final_dir: 
             if rel.endswith(".safetensors.index.json") and not (staging / rel).exists():
                 shutil.copyfile(last / rel, staging / rel)
         os.unlink(last / RECORD)  # the kept files change from here: a failure leaves no parent
-        # Every weights file at once: each file's whole-file SHA-256 is one stream.
+        # Every weights file at once (a sharded model's), each tensor in a task of its own.
         encoded = in_parallel({path.name: functools.partial(
             _advance, path, tensors, dtype, deltas / path.name)
             for path, tensors in matched.items()})
