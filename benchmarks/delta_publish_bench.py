@@ -52,10 +52,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.delta_apply_bench import CHANGED, SHAPE  # noqa: E402  (the same workload)
 from trainer import delta, kept_delta  # noqa: E402
 
-SHAPE = (896, 4864)
-CHANGED = 0.015
 Made = tuple[dict[str, Any], dict[str, str], int]  # the delta's tensors, digests, changed
 
 
@@ -78,6 +77,7 @@ def tensors(mib: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def peer(state: Mapping[str, Any], kept: Path, staging: Path) -> Made:
     """The checkpoint written whole, then encoded against `kept` as it was."""
+    import numpy as np
     import torch
     from safetensors.torch import save_file
 
@@ -94,7 +94,10 @@ def peer(state: Mapping[str, Any], kept: Path, staging: Path) -> Made:
             changed = 0
             for span in spans.values():
                 found, count = delta.changes(
-                    delta._elements(nm, span), delta._elements(om, span), span)
+                    np.frombuffer(nm, dtype=span.int_dtype, count=span.count,
+                                  offset=span.begin),
+                    np.frombuffer(om, dtype=span.int_dtype, count=span.count,
+                                  offset=span.begin), span)
                 parts.update(found)
                 changed += count
             digests = delta.tensor_digests(nm, spans)

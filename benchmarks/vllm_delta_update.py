@@ -144,12 +144,13 @@ def run(vllm: Path, device: str, work: Path, *, small: bool) -> dict[str, Any]:
 def served(engine: Any, copy: Path, *, previous: Any) -> Any:
     """rl/served_weights.py's verdict on the engine serving `copy`; RuntimeError naming
     what it found otherwise."""
-    from rl.served_weights import verify_served_weights
+    from rl.served_weights import WeightsNotServed, verify_served_weights
+    from rollout.engines.config import EngineError
 
     try:
         verdict = verify_served_weights(engine.control(), engine.config, copy, rank=0,
                                         host="here", previous=previous)
-    except Exception as exc:  # WeightsNotServed, an engine error: named, exit 1
+    except (WeightsNotServed, EngineError) as exc:  # other weights, or a failed engine
         raise RuntimeError(f"the engine does not serve {copy.name}: {exc}") from exc
     if not verdict.probed:
         raise RuntimeError(f"{copy.name} has no probes: nothing was checked")
