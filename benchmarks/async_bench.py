@@ -93,7 +93,8 @@ def real_loop(work: Path, *, k: int, iterations: int) -> tuple[list[dict], float
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "coordinator_cli", "run", "--run-dir", str(run), *extra],
                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)}))
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}))
     codes = [p.wait(timeout=3600) for p in procs]
     wall = time.monotonic() - started
     if any(codes):

@@ -3,6 +3,11 @@ delta, made whole in the node's cache, and reloaded in place (issue 34, done whe
 
     python benchmarks/vllm_delta_update.py --vllm $(which vllm)          # on a GPU node
     python benchmarks/vllm_delta_update.py --vllm .venv-vllm/bin/vllm --device cpu --small
+    python benchmarks/vllm_delta_update.py --engine hf                   # no vLLM there
+
+`--engine hf` runs the same update into the built-in hf engine (rollout/hf), which
+answers the same control requests: the path up to the engine, on a GPU node without
+vLLM, and the hf engine's own reload on that GPU.
 
 benchmarks/gpu_check.py runs it after its training check where a `vllm` executable is
 found.  Qwen2.5-0.5B's shape is built here (trainer/architectures.py; `--small`: 2
@@ -15,7 +20,8 @@ learning rate (1e-6), and, timed:
   copy     copy_to_local_cache with advance, as the engine's cache makes it (the
            parent's copy advanced in place, every tensor checked)
   reload   the engine's update_weights: /pause, collective_rpc reload_weights from
-           the copy, /reset_prefix_cache, /resume (rollout/engines/control.py)
+           the copy, /reset_prefix_cache, /resume (rollout/engines/control.py); the hf
+           engine: sleep, wake_up with the new weights (rollout/engines/weight_updates.py)
 
 then the served weights are checked against the checkpoint's probes
 (rl/served_weights.py), as phase 12 does.  A step at lr 1e-6 moves the probes less
@@ -24,6 +30,7 @@ more delta, after a step at lr 1e-3, goes the same way, and the engine must serv
 with its probes moved past the tolerance (what it served before would fail).  The
 last line reads
     vllm delta update: delta F of the model, publish P s, copy C s, reload R s, total T s
+(`hf delta update: ...` with --engine hf)
 and the exit status is 0 when the engine serves the new weights.
 """
 
@@ -74,9 +81,9 @@ def step(model: Any, optimizer: Any, device: str) -> None:
     optimizer.zero_grad()
 
 
-def run(vllm: Path, device: str, work: Path, *, small: bool) -> dict[str, Any]:
-    """The update, timed (module docstring); RuntimeError when the engine does not serve
-    the new weights."""
+def run(vllm: Path | None, device: str, work: Path, *, small: bool) -> dict[str, Any]:
+    """The update, timed (module docstring), into vLLM, or into the hf engine where
+    `vllm` is None; RuntimeError when the engine does not serve the new weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -99,10 +106,14 @@ def run(vllm: Path, device: str, work: Path, *, small: bool) -> dict[str, Any]:
             delta_parent=share / f"iter-{iteration - 1:06d}" if iteration else None)
 
     publish(0)
-    config = EngineConfig(kind=EngineKind.VLLM, vllm_executable=str(vllm),
-                          extra_args=ENGINE_ARGS[device],
-                          dtype="float32" if device == "cpu" else "bfloat16",
-                          max_model_len=256, ready_timeout_s=900, request_timeout_s=300)
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    if vllm is None:
+        config = EngineConfig(kind=EngineKind.HF, device=device, dtype=dtype,
+                              max_model_len=256, ready_timeout_s=900, request_timeout_s=300)
+    else:
+        config = EngineConfig(kind=EngineKind.VLLM, vllm_executable=str(vllm),
+                              extra_args=ENGINE_ARGS[device], dtype=dtype,
+                              max_model_len=256, ready_timeout_s=900, request_timeout_s=300)
     engine = make_engine(config, log_dir=work / "logs")
     try:
         engine.start(copy_to_local_cache(share / "iter-000000", cache, advance=True))
@@ -135,7 +146,7 @@ def run(vllm: Path, device: str, work: Path, *, small: bool) -> dict[str, Any]:
         engine.close()
     size = sum(e.size for e in manifest.delta.results.values())
     moved = sum(e.size for n, e in manifest.files.items() if n.startswith("delta/"))
-    return {"model_bytes": size, "delta_bytes": moved, "publish_s": published - started,
+    return {"engine": config.kind.value, "model_bytes": size, "delta_bytes": moved, "publish_s": published - started,
             "copy_s": copied - published, "reload_s": reloaded - copied,
             "total_s": reloaded - started, "mean_abs_diff": verdict.mean_abs_diff,
             "tolerance": verdict.tolerance, "moved": verdict.moved}
@@ -162,7 +173,7 @@ def report(result: dict[str, Any]) -> None:
           f"probability difference| {result['mean_abs_diff']:.2e} against its probes "
           f"(tolerance {result['tolerance']:g}; they moved {result['moved']:.2e} from the "
           "weights before)")
-    print(f"vllm delta update: delta {result['delta_bytes'] / result['model_bytes']:.3f} of "
+    print(f"{result['engine']} delta update: delta {result['delta_bytes'] / result['model_bytes']:.3f} of "
           f"the model ({result['model_bytes'] / 2**20:.0f} MiB), publish "
           f"{result['publish_s']:.2f} s, copy {result['copy_s']:.2f} s, reload "
           f"{result['reload_s']:.2f} s, total {result['total_s']:.2f} s", flush=True)
@@ -172,19 +183,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm", default=shutil.which("vllm") or "",
                         help="the vllm executable (default: the one on PATH)")
+    parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm",
+                        help="hf: the built-in engine, where no vLLM is installed")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--small", action="store_true",
                         help="2 layers, a 4,096-token vocabulary (vLLM's CPU build)")
     args = parser.parse_args()
-    if not args.vllm or not Path(args.vllm).exists():
+    hf = args.engine == "hf"
+    if not hf and (not args.vllm or not Path(args.vllm).exists()):
         print(f"vllm delta update: no vllm executable ({args.vllm or 'none on PATH'}): pass "
               "--vllm PATH", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="vllm-delta-") as tmp:
         try:
-            result = run(Path(args.vllm), args.device, Path(tmp), small=args.small)
+            result = run(None if hf else Path(args.vllm), args.device, Path(tmp),
+                         small=args.small)
         except RuntimeError as exc:
-            print(f"vllm delta update: {exc}", file=sys.stderr)
+            print(f"{args.engine} delta update: {exc}", file=sys.stderr)
             return 1
     report(result)
     return 0
