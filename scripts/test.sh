@@ -4,4 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_test.sh
-exec .venv/bin/python -m pytest -q "$@"
+# Two pytest workers (pytest-xdist): the suite is mostly single-process waits and
+# one-core work, 39 min in one process on 2 cores, 24 in two.  Tests that share
+# something outside their tmp dirs run on one worker (xdist_group marks, loadgroup).
+# TEST_WORKERS=0 runs it in this process; arguments after override these.
+exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -15,8 +15,10 @@ import sys, time
 from coordinator.errors import Interrupted
 from coordinator.machine.runtime import install_signal_handlers
 install_signal_handlers()
-print("ready", flush=True)
 try:
+    # Inside the try: the test signals as soon as it reads this line, which on a
+    # loaded machine can be before print has returned.
+    print("ready", flush=True)
     time.sleep(60)
 except Interrupted:
     print("stopping", flush=True)

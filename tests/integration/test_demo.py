@@ -33,8 +33,10 @@ from tests.rollout.test_vllm_real import VLLM
 from trainer.local_copy import copy_to_local_cache
 from trainer.manifest import read_manifest
 
-# 80-99 s on 2 idle cores; the suite's 300 s is too little on a loaded machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# 80-99 s on 2 idle cores; the suite's 300 s is too little on a loaded machine.  One
+# xdist worker runs every test that starts vLLM (scripts/test.sh): they compare the
+# temporary directory's vllm_dist_* files before and after.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("vllm")]
 
 
 def test_the_demo_on_vllm_trains_two_nodes_reloading_in_place_and_draws_its_reward_curve(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -184,5 +185,8 @@ def test_phase_9_finds_a_process_that_died_since_the_watchers_last_look(
     os.kill(pid, signal.SIGKILL)
     asked = time.monotonic()
     assert host.status() is None
-    assert time.monotonic() - asked < LEASE  # its closed channel says so at once
-    assert f"lost process 0 (pid {pid}): its connection closed" in caplog.text
+    # At once, by its closed channel or, where the process was reaped first (a loaded
+    # machine), by its exit: never by waiting out the lease.
+    assert time.monotonic() - asked < LEASE
+    assert re.search(rf"lost process 0 \(pid {pid}\): its connection closed|exited: "
+                     rf"torchrun pid {pid} killed by SIGKILL", caplog.text), caplog.text

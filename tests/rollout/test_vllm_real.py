@@ -35,7 +35,8 @@ from trainer.checkpoint import publish_checkpoint
 from trainer.probes import make_probe_set
 from trainer.tiny_model import create_tiny_model
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs every test that starts vLLM (tests/integration/test_demo.py).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
 CPU_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20))
