@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_test.sh
 # Two pytest workers (pytest-xdist): the suite is mostly single-process waits and
-# one-core work, 39 min in one process on 2 cores, 24 in two.  Tests that share
-# something outside their tmp dirs run on one worker (xdist_group marks, loadgroup).
+# one-core work, 39 min in one process on 2 cores, 24 in two.  worksteal gives each
+# worker half the suite in collection order and rebalances at the end; --dist load
+# interleaved the multi-node scenarios two at a time and was slower (half the tests
+# done at 24 min).  Every test keeps what it checks inside its own tmp dir.
 # TEST_WORKERS=0 runs it in this process; arguments after override these.
-exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist worksteal "$@"

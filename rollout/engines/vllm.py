@@ -30,7 +30,11 @@ fixture extracted from it (tests/support/vllm_flags/extract_vllm_flags.py):
     checkpoint in place: weight_update "reload" works on both.
   - vLLM's processes rendezvous through a file in tempfile.gettempdir()
     (utils/network_utils.py: vllm_dist_<uuid>) that a stopped server leaves
-    behind: each start gets a private TMPDIR, removed when it stops.
+    behind: each start gets a private TMPDIR, removed when it stops.  vLLM
+    also binds its ZMQ sockets there (VLLM_RPC_BASE_PATH defaults to it), and a
+    Unix socket's path holds at most 107 bytes: under a deep TMPDIR (the
+    daemon's is inside the run's node-local directory) the private one goes
+    to /tmp instead (private_tmp).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 from rollout.engines import process as proc_mod
 from rollout.engines import vllm_platform
@@ -85,6 +90,23 @@ def build_vllm_command(cfg: EngineConfig, model_dir: Path, port: int, *,
     if sleep_mode:
         argv += cfg.update.sleep_mode_flags
     return argv + list(cfg.extra_args)
+
+
+# sizeof(sockaddr_un.sun_path) less its terminating NUL, and what vLLM adds to its
+# TMPDIR for a socket: "/" and a uuid4.
+SOCKET_PATH_MAX: Final = 107
+_SOCKET_NAME: Final = 1 + 36
+_PREFIX: Final = "coordinator-vllm-"
+
+
+def private_tmp(parent: str | None = None) -> Path:
+    """A new private TMPDIR for one vLLM server, in `parent` (default: this process's
+    temporary directory) where vLLM's socket paths fit in it, else in /tmp."""
+    for where in (parent or tempfile.gettempdir(), "/tmp"):
+        # mkdtemp's name: the prefix and 8 random characters.
+        if len(os.fsencode(where)) + 1 + len(_PREFIX) + 8 + _SOCKET_NAME <= SOCKET_PATH_MAX:
+            return Path(tempfile.mkdtemp(prefix=_PREFIX, dir=where))
+    raise AssertionError("unreachable: /tmp is short enough")
 
 
 class VllmEngine(ServerEngine):
@@ -134,7 +156,7 @@ class VllmEngine(ServerEngine):
                 f"{cfg.data_parallel_size} needs {cfg.gpus} GPUs but this node shows {seen} "
                 f"({where}): lower data_parallel_size to {max(1, seen // cfg.tensor_parallel_size)}"
                 " or give the engine more GPUs")
-        self._tmp = Path(tempfile.mkdtemp(prefix="coordinator-vllm-"))
+        self._tmp = private_tmp()
         try:
             return super()._launch(model_dir)
         except BaseException:
