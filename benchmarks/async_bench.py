@@ -39,6 +39,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.scripted_daemons import run_daemons, scripted_config  # noqa: E402
+from rollout.engines.process import python_path  # noqa: E402
 
 
 def iteration_seconds(run: Path, iterations: int) -> list[float]:
@@ -93,8 +94,8 @@ def real_loop(work: Path, *, k: int, iterations: int) -> tuple[list[dict], float
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "coordinator_cli", "run", "--run-dir", str(run), *extra],
                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                    p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}))
+                env={**os.environ,
+                     "PYTHONPATH": python_path(str(ROOT), os.environ.get("PYTHONPATH"))}))
     codes = [p.wait(timeout=3600) for p in procs]
     wall = time.monotonic() - started
     if any(codes):

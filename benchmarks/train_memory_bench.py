@@ -133,11 +133,12 @@ def torchrun_rows(ranks: int, script: Path, *args: str, timeout_s: float = 1800
                   ) -> list[dict[str, Any]]:
     """`script` on `ranks` local torchrun ranks; the row each rank emitted (emit_row)."""
     with tempfile.TemporaryDirectory(prefix="bench-rows-") as rows:
+        from rollout.engines.process import python_path
+
         # The repository first, then whatever PYTHONPATH the caller set (packages it
         # installed beside the interpreter's own, say).
-        path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH"))
-                               if p)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, ROWS_DIR: rows}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", ROWS_DIR: rows,
+               "PYTHONPATH": python_path(str(HERE.parent), os.environ.get("PYTHONPATH"))}
         done = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
              "--master-port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",

@@ -106,14 +106,11 @@ def run(vllm: Path | None, device: str, work: Path, *, small: bool) -> dict[str,
             delta_parent=share / f"iter-{iteration - 1:06d}" if iteration else None)
 
     publish(0)
-    dtype = "float32" if device == "cpu" else "bfloat16"
-    if vllm is None:
-        config = EngineConfig(kind=EngineKind.HF, device=device, dtype=dtype,
-                              max_model_len=256, ready_timeout_s=900, request_timeout_s=300)
-    else:
-        config = EngineConfig(kind=EngineKind.VLLM, vllm_executable=str(vllm),
-                              extra_args=ENGINE_ARGS[device], dtype=dtype,
-                              max_model_len=256, ready_timeout_s=900, request_timeout_s=300)
+    engine_args: dict[str, Any] = (
+        dict(kind=EngineKind.HF, device=device) if vllm is None else
+        dict(kind=EngineKind.VLLM, vllm_executable=str(vllm), extra_args=ENGINE_ARGS[device]))
+    config = EngineConfig(**engine_args, dtype="float32" if device == "cpu" else "bfloat16",
+                          max_model_len=256, ready_timeout_s=900, request_timeout_s=300)
     engine = make_engine(config, log_dir=work / "logs")
     try:
         engine.start(copy_to_local_cache(share / "iter-000000", cache, advance=True))
@@ -146,8 +143,8 @@ def run(vllm: Path | None, device: str, work: Path, *, small: bool) -> dict[str,
         engine.close()
     size = sum(e.size for e in manifest.delta.results.values())
     moved = sum(e.size for n, e in manifest.files.items() if n.startswith("delta/"))
-    return {"engine": config.kind.value, "model_bytes": size, "delta_bytes": moved, "publish_s": published - started,
-            "copy_s": copied - published, "reload_s": reloaded - copied,
+    return {"engine": config.kind.value, "model_bytes": size, "delta_bytes": moved,
+            "publish_s": published - started, "copy_s": copied - published, "reload_s": reloaded - copied,
             "total_s": reloaded - started, "mean_abs_diff": verdict.mean_abs_diff,
             "tolerance": verdict.tolerance, "moved": verdict.moved}
 
@@ -173,9 +170,9 @@ def report(result: dict[str, Any]) -> None:
           f"probability difference| {result['mean_abs_diff']:.2e} against its probes "
           f"(tolerance {result['tolerance']:g}; they moved {result['moved']:.2e} from the "
           "weights before)")
-    print(f"{result['engine']} delta update: delta {result['delta_bytes'] / result['model_bytes']:.3f} of "
-          f"the model ({result['model_bytes'] / 2**20:.0f} MiB), publish "
-          f"{result['publish_s']:.2f} s, copy {result['copy_s']:.2f} s, reload "
+    share = result["delta_bytes"] / result["model_bytes"]
+    print(f"{result['engine']} delta update: delta {share:.3f} of the model "
+          f"({result['model_bytes'] / 2**20:.0f} MiB), publish {result['publish_s']:.2f} s, copy {result['copy_s']:.2f} s, reload "
           f"{result['reload_s']:.2f} s, total {result['total_s']:.2f} s", flush=True)
 
 

@@ -8,6 +8,6 @@ scripts/setup_test.sh
 # one-core work, 39 min in one process on 2 cores, 24 in two.  worksteal gives each
 # worker half the suite in collection order and rebalances at the end; --dist load
 # interleaved the multi-node scenarios two at a time and was slower (half the tests
-# done at 24 min).  Every test keeps what it checks inside its own tmp dir.
+# done after 20 min of testing, when worksteal had done nearly all).  Every test keeps what it checks inside its own tmp dir.
 # TEST_WORKERS=0 runs it in this process; arguments after override these.
 exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist worksteal "$@"

@@ -19,7 +19,6 @@ when the daemon dies; close() ends it explicitly.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import sys
 from pathlib import Path
@@ -77,8 +76,7 @@ class HfEngine(ServerEngine):
         env = super().environment(api_key)
         # The key travels in the environment, not argv, so `ps` does not show it.
         env[API_KEY_ENV] = api_key
-        path = env.get("PYTHONPATH")
-        env["PYTHONPATH"] = _PROJECT_ROOT + (os.pathsep + path if path else "")
+        env["PYTHONPATH"] = proc_mod.python_path(_PROJECT_ROOT, env.get("PYTHONPATH"))
         return env
 
     @property

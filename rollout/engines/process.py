@@ -261,6 +261,11 @@ def log_tail(path: Path, n_lines: int = 40, *, start: int = 0) -> str:
     return "\n".join(lines[-n_lines:])
 
 
+def python_path(first: str, inherited: str | None) -> str:
+    """A child's PYTHONPATH: `first` (the project's root), then what it inherited."""
+    return first + (os.pathsep + inherited if inherited else "")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the OS's choice for port 0).
 

@@ -173,22 +173,24 @@ def test_the_private_tmpdir_holds_vllms_socket_paths_under_a_deep_tmpdir(tmp_pat
     """vLLM binds its ZMQ sockets at TMPDIR/<uuid4>; a Unix socket's path holds at most
     107 bytes (zmq refuses a longer one at the server's start).  A daemon's TMPDIR lies
     inside the run's node-local directory, often under a long scratch path: the private
-    TMPDIR then goes to /tmp."""
+    TMPDIR then goes to /tmp.  A short TMPDIR keeps it."""
     import shutil
+    import tempfile
     import uuid
 
     from rollout.engines.vllm import SOCKET_PATH_MAX, private_tmp
 
     deep = tmp_path / ("d" * 60)
     deep.mkdir()
-    short = private_tmp(str(tmp_path)) if len(str(tmp_path)) < 40 else None
-    moved = private_tmp(str(deep))
+    shallow = Path(tempfile.mkdtemp(prefix="s-", dir="/tmp"))
+    made: list[Path] = []
     try:
+        moved, kept = private_tmp(str(deep)), private_tmp(str(shallow))
+        made += [moved, kept]
         assert moved.parent == Path("/tmp") and moved.stat().st_mode & 0o777 == 0o700
-        assert len(str(moved / str(uuid.uuid4()))) <= SOCKET_PATH_MAX
-        if short is not None:  # a short TMPDIR keeps it
-            assert short.parent == tmp_path
+        assert kept.parent == shallow
+        for where in made:
+            assert len(str(where / str(uuid.uuid4()))) <= SOCKET_PATH_MAX
     finally:
-        shutil.rmtree(moved)
-        if short is not None:
-            shutil.rmtree(short)
+        for where in (*made, shallow):
+            shutil.rmtree(where, ignore_errors=True)
