@@ -9,5 +9,7 @@ scripts/setup_test.sh
 # worker half the suite in collection order and rebalances at the end; --dist load
 # interleaved the multi-node scenarios two at a time and was slower (half the tests
 # done after 20 min of testing, when worksteal had done nearly all).  Every test keeps what it checks inside its own tmp dir.
-# TEST_WORKERS=0 runs it in this process; arguments after override these.
-exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist worksteal "$@"
+# One process by default: on two workers test_rl_shrink's async rejoin test lost its
+# window once ("the rollout finished too soon", clean clone at a344e11) until it is
+# made load-proof.  TEST_WORKERS=2 runs two workers; arguments after override these.
+exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-0}" --dist worksteal "$@"
