@@ -25,8 +25,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_rl_loop import check_two_iterations
+from tests.support import reward_gate
 from tests.support.cluster import LocalCluster
 from tests.support.netfs import NetFs
+from tests.support.reward_gate import RewardGate
 from tests.support.trainers import trainer_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.netfs]
@@ -73,18 +75,29 @@ def netfs_cluster(tmp_path: Path, fs: NetFs, model: Path, *, iterations: int = 2
                   eval_before_train: bool = False, tasks: int = 12, every: int = 4,
                   concurrency: int = 4, max_tokens: int = 6,
                   weights: str = "1,1,1", on_failure: str = "exit",
-                  master_args: tuple[str, ...] = (), run_keys: str = "") -> LocalCluster:
+                  master_args: tuple[str, ...] = (), run_keys: str = "",
+                  gate: RewardGate | None = None) -> LocalCluster:
+    """Three nodes, each on its own mount; with `gate`, node 2's reward calls wait for
+    it (tests/support/reward_gate.py), every node scoring with the gate's file."""
     config = tmp_path / "rl.toml"
-    config.write_text(CONFIG.replace("[run]\n", "[run]\n" + run_keys, 1).format(
+    text = CONFIG.replace("[run]\n", "[run]\n" + run_keys, 1).format(
         model=model, iterations=iterations, lease=LEASE, tasks=tasks, every=every,
         concurrency=concurrency, max_tokens=max_tokens, on_failure=on_failure,
-        eval_before_train=str(eval_before_train).lower()))
+        eval_before_train=str(eval_before_train).lower())
+    # Node-local: the master's from its config, the workers' from their command line.
+    reward = ("--set", f"reward.path={reward_gate.__file__}") if gate is not None else ()
+    if gate is not None:  # its own deadline (600 s) comes before reward.timeout_s
+        text += f'\n[reward]\npath = "{reward_gate.__file__}"\ntimeout_s = 900.0\n'
+    config.write_text(text)
     (fs.mounts[0] / "run").mkdir()
     # The test reads records (heartbeats) on the server side, never through a
     # client's cache; each daemon gets its own mount's path (start_all).
     cluster = LocalCluster(fs.export / "run", tmp_path, num_nodes=3, config=config,
-                           master_args=("--rank-weights", weights, *master_args))
+                           master_args=("--rank-weights", weights, *master_args),
+                           worker_args=reward)
     cluster.mount_paths = [m / "run" for m in fs.mounts]  # type: ignore[attr-defined]
+    if gate is not None:
+        cluster.node_env[2] = gate.env
     return cluster
 
 
@@ -171,23 +184,21 @@ def listed_chunks(manifest: Path) -> int:
         return 0
 
 
-def freeze_mid_rollout(c: LocalCluster, export_run: Path, rank: int, manifest: Path,
-                       phase: tuple[int, int] | None = None) -> None:
-    """SIGSTOP the rank's engine once its manifest lists a chunk, so the kill that
-    follows lands mid-rollout: some chunks saved, others not yet generated.
-    Given `phase` (iteration, phase), then wait for the rank's heartbeat to say
-    so: the start of a phase rides on the next periodic beat, and a rollout of
-    a few groups can be over before it (the daemon, waiting on its stopped
-    engine, keeps beating)."""
-    import os
-    import signal
-
-    c.wait_until(lambda: listed_chunks(manifest) >= 1, 600, f"a chunk in {manifest}")
-    os.kill(engine_pid(export_run, rank), signal.SIGSTOP)
+def hold_mid_rollout(c: LocalCluster, gate: RewardGate, manifest: Path,
+                     phase: tuple[int, int] | None = None) -> None:
+    """Hold node 2 (the gated node) once `manifest`, its rollout's, lists a chunk: it
+    waits on its next reward call, so the kill that follows lands mid-rollout, with
+    one group saved and the next not (tests/support/reward_gate.py says why this
+    holds exactly where a stopped engine was a race).  Given `phase` (iteration,
+    phase), then wait for the node's heartbeat to say so: the start of a phase
+    rides on the next periodic beat (the daemon, waiting on its reward, keeps
+    beating)."""
+    gate.hold_when(lambda: listed_chunks(manifest) >= 1)
+    c.wait_until(gate.holding, 600, f"node 2 scoring an answer after a chunk in {manifest}")
     if phase is not None:
-        c.wait_until(lambda: c.at_phase(rank, *phase), LEASE,
-                     f"rank {rank}'s heartbeat at iteration {phase[0]} phase {phase[1]}")
-    assert not json.loads(manifest.read_text())["complete"], "the rollout finished too soon"
+        c.wait_until(lambda: c.at_phase(2, *phase), LEASE,
+                     f"rank 2's heartbeat at iteration {phase[0]} phase {phase[1]}")
+    assert listed_chunks(manifest) == 1 and not json.loads(manifest.read_text())["complete"]
 
 
 def kill_node(c: LocalCluster, export_run: Path, rank: int) -> None:
@@ -241,20 +252,21 @@ def test_async_rollout_and_training_nodes_killed_rejoin_alone_redoing_no_saved_c
     (The synchronous loop's nodes restarted alone: test_regroup.py with the
     scripted actions, test_rl_agent.py and test_resident_trainer.py with the
     real loop.)"""
-    with NetFs(tmp_path / "fs", mounts=3) as fs:
+    with NetFs(tmp_path / "fs", mounts=3) as fs, RewardGate(tmp_path / "gate") as gate:
         c = netfs_cluster(tmp_path, fs, warm_model, tasks=24, every=1, concurrency=1,
                           max_tokens=12, on_failure="wait",
-                          run_keys='train_nodes = "0"\nmax_off_policy_steps = 1\n')
+                          run_keys='train_nodes = "0"\nmax_off_policy_steps = 1\n', gate=gate)
         run = fs.export / "run"
         saved: dict[Path, tuple[str, int]] = {}
         try:
             start_all(c)
             # Phase 10 of iteration 0: node 2 dies mid-way through iteration 1's
             # rollout; restarted after its lease, the group first sees a lost rank.
-            freeze_mid_rollout(c, run, 2, run / "iterations/000001/rollout/rank-2/manifest.json",
-                               phase=(0, 10))
+            hold_mid_rollout(c, gate, run / "iterations/000001/rollout/rank-2/manifest.json",
+                             phase=(0, 10))
             saved |= chunks(run)
             kill_node(c, run, 2)
+            gate.go_on()
             restart_alone(c, run, 2, delay=LEASE + 1)
 
             # Phase 10 of iteration 1: the training node dies while it trains.
@@ -355,10 +367,11 @@ def test_async_nodes_killed_recover_and_restart_without_redoing_a_saved_chunk(
     import os
     import signal
 
-    with NetFs(tmp_path / "fs", mounts=3, direct_io=False) as fs:
+    with NetFs(tmp_path / "fs", mounts=3, direct_io=False) as fs, \
+            RewardGate(tmp_path / "gate") as gate:
         c = netfs_cluster(tmp_path, fs, warm_model, eval_before_train=True, tasks=24, every=1,
                           concurrency=1, max_tokens=12, weights="2,1,3", on_failure="exit",
-                          run_keys='train_nodes = "0"\nmax_off_policy_steps = 1\n')
+                          run_keys='train_nodes = "0"\nmax_off_policy_steps = 1\n', gate=gate)
         # 12 eval tasks by rollout weights 0,1,3: rank 2 rolls out 9, a chunk per group.
         c.config.write_text(c.config.read_text().replace("eval_tasks = 6", "eval_tasks = 12"))
         run = fs.export / "run"
@@ -368,16 +381,18 @@ def test_async_nodes_killed_recover_and_restart_without_redoing_a_saved_chunk(
             start_all(c)
             # Phase 6: node 2 dies with part of its eval shard saved; its rewritten
             # manifest is what the master's merge read torn before (issue 8).
-            freeze_mid_rollout(c, run, 2, it0 / "eval/rank-2/manifest.json", (0, 6))
+            hold_mid_rollout(c, gate, it0 / "eval/rank-2/manifest.json", (0, 6))
             saved |= chunks(run)
             kill_node(c, run, 2)
+            gate.go_on()
             stop_all_then_recover(c, run, 2, 0, (6,))
 
             # Phase 10: node 2 dies with part of iteration 1's shard saved, rolled
             # out ahead while node 0 trains iteration 0.
-            freeze_mid_rollout(c, run, 2, it1 / "rollout/rank-2/manifest.json", (0, 10))
+            hold_mid_rollout(c, gate, it1 / "rollout/rank-2/manifest.json", (0, 10))
             saved |= chunks(run)
             kill_node(c, run, 2)
+            gate.go_on()
             stop_all_then_recover(c, run, 2, 0, (10,))
 
             # Phase 4 of iteration 1: the master (the training node) is frozen as

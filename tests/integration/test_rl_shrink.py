@@ -22,7 +22,7 @@ import pytest
 from rollout.train_batch import load_train_batch
 from tests.integration.test_rl_netfs import (
     chunks,
-    freeze_mid_rollout,
+    hold_mid_rollout,
     kill_node,
     netfs_cluster,
     recoveries,
@@ -30,6 +30,7 @@ from tests.integration.test_rl_netfs import (
 )
 from tests.support.cluster import LocalCluster
 from tests.support.netfs import NetFs
+from tests.support.reward_gate import RewardGate
 
 pytestmark = [pytest.mark.slow, pytest.mark.netfs]
 TASKS = 6  # 2 per node: node 2 is killed with 1 of its 2 saved
@@ -42,15 +43,16 @@ def read(path: Path) -> dict:
     return json.loads(path.read_text())  # type: ignore[no-any-return]
 
 
-def shrinking_cluster(tmp_path: Path, fs: NetFs, model: Path, *, iterations: int, tasks: int,
-                      run_keys: str = "") -> LocalCluster:
+def shrinking_cluster(tmp_path: Path, fs: NetFs, model: Path, gate: RewardGate, *,
+                      iterations: int, tasks: int, run_keys: str = "") -> LocalCluster:
     return netfs_cluster(tmp_path, fs, model, iterations=iterations, tasks=tasks, every=1,
                          concurrency=1, max_tokens=12, on_failure="shrink", run_keys=run_keys,
+                         gate=gate,
                          master_args=("--min-nodes", "2", "--set",
                                       f"coordination.shrink_after_s={SHRINK_AFTER_S}"))
 
 
-def lose_node_2_then_restart_it(c: LocalCluster, it_dir: Path, *,
+def lose_node_2_then_restart_it(c: LocalCluster, gate: RewardGate, it_dir: Path, *,
                                 phase: tuple[int, int] | None,
                                 back_after: tuple[int, int] | None,
                                 fresh_disk: Path | None = None,
@@ -64,10 +66,11 @@ def lose_node_2_then_restart_it(c: LocalCluster, it_dir: Path, *,
     manifest = it_dir / "rollout/rank-2/manifest.json"
     try:
         start_all(c)
-        freeze_mid_rollout(c, run, 2, manifest, phase)
+        hold_mid_rollout(c, gate, manifest, phase)
         planned = read(it_dir / "shard-train.json")
         saved = {p: v for p, v in chunks(run).items() if p.parent == manifest.parent}
         kill_node(c, run, 2)
+        gate.go_on()
         c.wait_until(lambda: recoveries(run) == 1, 120, "the group going on without 2")
         if back_after is not None:
             c.wait_until(lambda: past(c, *back_after), 300,
@@ -117,13 +120,13 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
     tmp_path: Path, warm_model: Path
 ) -> None:
     iterations = ITERATIONS + 1  # back at iteration 3 or 4: the newest policy is a delta
-    with NetFs(tmp_path / "fs", mounts=3) as fs:
-        c = shrinking_cluster(tmp_path, fs, warm_model, iterations=iterations, tasks=TASKS)
+    with NetFs(tmp_path / "fs", mounts=3) as fs, RewardGate(tmp_path / "gate") as gate:
+        c = shrinking_cluster(tmp_path, fs, warm_model, gate, iterations=iterations, tasks=TASKS)
         run = fs.export / "run"
         it0 = run / "iterations/000000"
         # Restarted once the group is past iteration 2's start: taken back at the next
         # iteration boundary after its daemon is up.
-        planned, saved = lose_node_2_then_restart_it(c, it0, phase=None, back_after=(2, 0),
+        planned, saved = lose_node_2_then_restart_it(c, gate, it0, phase=None, back_after=(2, 0),
                                                      fresh_disk=tmp_path / "node-2-new-disk")
 
         # Taking node 2 back is no failure: nobody took the master for gone meanwhile.
@@ -175,14 +178,14 @@ def test_async_a_rollout_node_lost_while_rolling_out_ahead_is_left_out_then_rejo
     at a boundary and rolls out from the first plan made after it (a plan is made
     one iteration ahead)."""
     iterations, tasks = 5, 6  # 3 tasks per rollout node
-    with NetFs(tmp_path / "fs", mounts=3) as fs:
-        c = shrinking_cluster(tmp_path, fs, warm_model, iterations=iterations, tasks=tasks,
+    with NetFs(tmp_path / "fs", mounts=3) as fs, RewardGate(tmp_path / "gate") as gate:
+        c = shrinking_cluster(tmp_path, fs, warm_model, gate, iterations=iterations, tasks=tasks,
                               run_keys='train_nodes = "0"\nmax_off_policy_steps = 1\n')
         run = fs.export / "run"
         it1 = run / "iterations/000001"
         # Restarted once phase 0 of iteration 1 has shared out its tasks (taken
         # back sooner, it would roll them out itself).
-        planned, saved = lose_node_2_then_restart_it(c, it1, phase=(0, 10), back_after=(1, 0))
+        planned, saved = lose_node_2_then_restart_it(c, gate, it1, phase=(0, 10), back_after=(1, 0))
 
         (recovery,) = read(run / "recoveries.json")["recoveries"]
         assert (recovery["rank"], recovery["iteration"], recovery["left_out"]) == (2, 0, [2])

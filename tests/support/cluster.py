@@ -55,13 +55,16 @@ def write_config(path: Path, *, iterations: int = 3, lease: float = 3.0, scripte
 
 class LocalCluster:
     def __init__(self, run_dir: Path, work: Path, *, num_nodes: int, config: Path,
-                 master_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+                 master_args: Sequence[str] = (), worker_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.run_dir = run_dir
         self.work = work
         self.num_nodes = num_nodes
         self.config = config
         self.master_args = list(master_args)
+        self.worker_args = list(worker_args)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.node_env: dict[int, dict[str, str]] = {}  # one node's own, at every start
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.logs: dict[int, Path] = {}
         self.starts = 0
@@ -72,17 +75,19 @@ class LocalCluster:
         if rank == 0:
             return [*base, "--master", "--num-nodes", str(self.num_nodes), "--config",
                     str(self.config), *self.master_args]
-        return [*base, "--worker", str(rank)]
+        return [*base, "--worker", str(rank), *self.worker_args]
 
     def start(self, rank: int, command: list[str] | None = None,
               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        """Start one rank's daemon; `env` adds to this node's environment only."""
+        """Start one rank's daemon; `env` adds to this node's environment for this start,
+        `node_env[rank]` for every start."""
         self.starts += 1
         log = self.work / f"rank{rank}-start{self.starts}.log"
         self.logs[rank] = log
         with open(log, "wb") as out:
             proc = subprocess.Popen(command or self.command(rank), stdout=out,
-                                    stderr=subprocess.STDOUT, env={**self.env, **(env or {})})
+                                    stderr=subprocess.STDOUT, env={**self.env, **self.node_env.get(rank, {}),
+                                         **(env or {})})
         self.procs[rank] = proc
         return proc
 
