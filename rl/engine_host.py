@@ -117,8 +117,9 @@ class EngineHost:
                 port_file=layout.engine_port_file(self.run_dir, self.rank),
                 # The daemon's, not this step's: the engine outlives the step (and
                 # a rollout ahead's own stop must not cancel a later start).
-                check_cancel=ctx.runtime.check_cancel)
-        engine, pid = self._engine, self._engine.pid
+                check_cancel=ctx.runtime.check_cancel,
+                on_spawn=lambda pid: self._register(ctx, pid))
+        engine = self._engine
         devices = self.s.engine.cuda_visible_devices
         log.info("rank %d: the %s engine is to serve %s%s", self.rank, self.s.engine.kind.value,
                  local, "" if devices is None else f" on CUDA_VISIBLE_DEVICES={devices}")
@@ -129,7 +130,7 @@ class EngineHost:
             raise ActionError(f"rank {self.rank} on host {ctx.host}: the {self.s.engine.kind.value}"
                               f" inference engine could not serve {local}: {exc}") from exc
         finally:
-            self._register(ctx, before=pid)
+            self._register(ctx, engine.pid)
         if how is Served.KEPT and not recheck:  # verified when it was loaded
             return {"engine": how.value, "engine_pid": engine.pid}
         # Unknown until the probes say what it serves: a failed check is loaded again.
@@ -141,10 +142,11 @@ class EngineHost:
         self._serving, self._version = local, version
         return {"engine": how.value, "engine_pid": engine.pid, **verdict.payload()}
 
-    def _register(self, ctx: StepContext, *, before: int | None) -> None:
-        """The engine's process is the daemon's child: a failure anywhere kills it."""
-        pid = self._engine.pid if self._engine is not None else None
-        if pid == before and pid == self._registered:
+    def _register(self, ctx: StepContext, pid: int | None) -> None:
+        """The engine's process is the daemon's child from its spawn: a failure anywhere
+        kills it, one still loading its weights too (and the start's readiness probe
+        ends with it, instead of outlasting coordination.cancel_grace_s)."""
+        if pid == self._registered:
             return
         if self._registered is not None:
             ctx.remove_child(self._registered)
@@ -159,7 +161,7 @@ class EngineHost:
         if parked is Parked.IDLE:
             return {}
         if parked is Parked.STOPPED:
-            self._register(ctx, before=None)
+            self._register(ctx, None)
             self._serving, self._version = None, None
             return {"engine": parked.value}
         assert self._engine is not None

@@ -81,14 +81,18 @@ class Engine(Protocol):
 
 
 def make_engine(cfg: EngineConfig, *, log_dir: Path, port_file: Path | None = None,
-                check_cancel: Callable[[], None] | None = None) -> Engine:
+                check_cancel: Callable[[], None] | None = None,
+                on_spawn: Callable[[int], None] | None = None) -> Engine:
     """The engine of `cfg.kind` (imports neither torch nor vllm).  `check_cancel`
     raises once the caller is stopping: a start waiting for its server calls it
-    between two probes."""
+    between two probes.  `on_spawn` gets each server's pid as soon as it is
+    spawned, before it is ready."""
     if cfg.kind is EngineKind.HF:
         from rollout.engines.hf import HfEngine
 
-        return HfEngine(cfg, log_dir=log_dir, port_file=port_file, check_cancel=check_cancel)
+        return HfEngine(cfg, log_dir=log_dir, port_file=port_file, check_cancel=check_cancel,
+                        on_spawn=on_spawn)
     from rollout.engines.vllm import VllmEngine
 
-    return VllmEngine(cfg, log_dir=log_dir, port_file=port_file, check_cancel=check_cancel)
+    return VllmEngine(cfg, log_dir=log_dir, port_file=port_file, check_cancel=check_cancel,
+                      on_spawn=on_spawn)

@@ -93,6 +93,7 @@ class ServerEngine:
         port_file: Path | None = None,
         sleep: Callable[[float], None] = time.sleep,
         check_cancel: Callable[[], None] | None = None,
+        on_spawn: Callable[[int], None] | None = None,
     ) -> None:
         if config.kind is not self.kind:
             raise ValueError(
@@ -105,6 +106,10 @@ class ServerEngine:
         # Raises once the caller is stopping: a start waiting ready_timeout_s for a
         # server still loading its weights gives up at the next probe instead.
         self._check_cancel = check_cancel or (lambda: None)
+        # Told each server's pid the moment it is spawned, before it is ready: the
+        # caller's failure handling can then kill a server still loading, which
+        # also ends a readiness probe that the loading server is slow to answer.
+        self._on_spawn = on_spawn or (lambda pid: None)
         self._state = EngineState.STOPPED
         self._proc: proc_mod.ManagedProcess | None = None
         self._port: int | None = None
@@ -188,6 +193,7 @@ class ServerEngine:
         self.model_dir = model_dir
         self.log_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         self._proc, self._port, self._api_key = self._launch(model_dir)
+        self._on_spawn(self._proc.pid)
         self._log_offset = self._proc.log_offset
         self._set_state(EngineState.STARTING)
         self._publish_port_file()

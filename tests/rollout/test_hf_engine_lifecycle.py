@@ -266,6 +266,36 @@ def test_a_start_the_caller_cancels_stops_its_server_at_the_next_probe(
     engine.close()
 
 
+@pytest.mark.slow
+def test_the_caller_learns_each_servers_pid_at_spawn_and_a_kill_then_ends_the_start(
+    tmp_path: Path, models: tuple[Path, Path]
+) -> None:
+    """The daemon registers the server as its child the moment it is spawned, so a
+    failure elsewhere kills one still loading: its start then ends at the next
+    probe, naming the death, where before it ran on until ready, past the daemon's
+    exit timer (coordination.cancel_grace_s), and the node exited instead of
+    regrouping (tests/integration/test_broken_settings.py, reward-shrink)."""
+    spawned: list[int] = []
+
+    def killed_at_spawn(pid: int) -> None:
+        spawned.append(pid)
+        os.kill(pid, signal.SIGKILL)  # what Runtime.kill_children does on a failure
+
+    cfg = EngineConfig(kind=EngineKind.HF, ready_timeout_s=120, ready_poll_s=0.1,
+                       stop_grace_s=5, threads=1)
+    engine = make_engine(cfg, log_dir=tmp_path / "logs", on_spawn=killed_at_spawn)
+    started = time.monotonic()
+    with pytest.raises(EngineDied):
+        engine.start(models[0])
+    assert time.monotonic() - started < 30  # a probe or two, not the 120 s a start may take
+    assert engine.state is EngineState.FAILED and engine.pid is None
+    _assert_no_process(tuple(spawned))
+    engine = make_engine(cfg, log_dir=tmp_path / "logs", on_spawn=spawned.append)
+    engine.start(models[0])
+    assert engine.state is EngineState.READY and spawned[1:] == [engine.pid]
+    engine.close()
+
+
 # --- the server's protocol, in process (no subprocess: fast) -----------------
 
 
