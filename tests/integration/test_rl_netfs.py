@@ -84,10 +84,11 @@ def netfs_cluster(tmp_path: Path, fs: NetFs, model: Path, *, iterations: int = 2
         model=model, iterations=iterations, lease=LEASE, tasks=tasks, every=every,
         concurrency=concurrency, max_tokens=max_tokens, on_failure=on_failure,
         eval_before_train=str(eval_before_train).lower())
-    # Node-local: the master's from its config, the workers' from their command line.
-    reward = ("--set", f"reward.path={reward_gate.__file__}") if gate is not None else ()
+    reward: tuple[str, ...] = ()
     if gate is not None:  # its own deadline (600 s) comes before reward.timeout_s
         text += f'\n[reward]\npath = "{reward_gate.__file__}"\ntimeout_s = 900.0\n'
+        # Node-local: the master's from its config, the workers' from their command line.
+        reward = ("--set", f"reward.path={reward_gate.__file__}")
     config.write_text(text)
     (fs.mounts[0] / "run").mkdir()
     # The test reads records (heartbeats) on the server side, never through a
