@@ -25,6 +25,7 @@ from typing import Any
 
 from coordinator.errors import ActionError
 from coordinator.machine.actions import StepContext
+from coordinator.machine.runtime import Runtime
 from coordinator.storage import trees
 from rl import layout, node_local
 from rl.config import RlSections
@@ -118,7 +119,7 @@ class EngineHost:
                 # The daemon's, not this step's: the engine outlives the step (and
                 # a rollout ahead's own stop must not cancel a later start).
                 check_cancel=ctx.runtime.check_cancel,
-                on_spawn=lambda pid: self._register(ctx, pid))
+                on_spawn=lambda pid: self._register(ctx.runtime, pid))
         engine = self._engine
         devices = self.s.engine.cuda_visible_devices
         log.info("rank %d: the %s engine is to serve %s%s", self.rank, self.s.engine.kind.value,
@@ -130,7 +131,7 @@ class EngineHost:
             raise ActionError(f"rank {self.rank} on host {ctx.host}: the {self.s.engine.kind.value}"
                               f" inference engine could not serve {local}: {exc}") from exc
         finally:
-            self._register(ctx, engine.pid)
+            self._register(ctx.runtime, engine.pid)
         if how is Served.KEPT and not recheck:  # verified when it was loaded
             return {"engine": how.value, "engine_pid": engine.pid}
         # Unknown until the probes say what it serves: a failed check is loaded again.
@@ -142,17 +143,17 @@ class EngineHost:
         self._serving, self._version = local, version
         return {"engine": how.value, "engine_pid": engine.pid, **verdict.payload()}
 
-    def _register(self, ctx: StepContext, pid: int | None) -> None:
+    def _register(self, runtime: Runtime, pid: int | None) -> None:
         """The engine's process is the daemon's child from its spawn: a failure anywhere
         kills it, one still loading its weights too (and the start's readiness probe
         ends with it, instead of outlasting coordination.cancel_grace_s)."""
         if pid == self._registered:
             return
         if self._registered is not None:
-            ctx.remove_child(self._registered)
+            runtime.remove_child(self._registered)
         self._registered = pid
         if pid is not None:
-            ctx.add_child(pid, f"{self.s.engine.kind.value} inference engine")
+            runtime.add_child(pid, f"{self.s.engine.kind.value} inference engine")
 
     def release(self, ctx: StepContext) -> dict[str, Any]:
         """Phase 7: free the accelerator for training (rollout/engines/serving.py: sleep, or
@@ -161,7 +162,7 @@ class EngineHost:
         if parked is Parked.IDLE:
             return {}
         if parked is Parked.STOPPED:
-            self._register(ctx, None)
+            self._register(ctx.runtime, None)
             self._serving, self._version = None, None
             return {"engine": parked.value}
         assert self._engine is not None

@@ -85,9 +85,9 @@ class LocalCluster:
         log = self.work / f"rank{rank}-start{self.starts}.log"
         self.logs[rank] = log
         with open(log, "wb") as out:
-            proc = subprocess.Popen(command or self.command(rank), stdout=out,
-                                    stderr=subprocess.STDOUT, env={**self.env, **self.node_env.get(rank, {}),
-                                         **(env or {})})
+            proc = subprocess.Popen(
+                command or self.command(rank), stdout=out, stderr=subprocess.STDOUT,
+                env={**self.env, **self.node_env.get(rank, {}), **(env or {})})
         self.procs[rank] = proc
         return proc
 
