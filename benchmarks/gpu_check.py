@@ -8,7 +8,8 @@ Each GPU is one torchrun rank.  A Llama of the given shape (random weights) is
 written as safetensors; every rank loads only its shards
 (trainer/sharded_load.py), runs one forward, backward and AdamW step on a
 random batch in bf16 compute, then the checkpoint is saved the way the trainer
-publishes it (every rank its shards, rank 0 consolidating them:
+publishes it (every tensor gathered onto rank 0, or every rank's shards
+consolidated by rank 0 where the model would not fit in its memory:
 trainer/sharded_save.py; SHA-256 manifest), every saved tensor is compared with
 the trained parameter bit for bit, and the checkpoint is loaded back with
 from_pretrained and run as the trainer ran (same device, same compute dtype) to
@@ -55,7 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     from trainer.distributed import init_distributed, unwrap
     from trainer.grpo import collate
     from trainer.policy import forward_logits, load_policy
-    from trainer.sharded_save import stage_sharded_weights
+    from trainer.sharded_save import published_weights
 
     cuda = args.device == "cuda"
     config = TrainConfig.from_dict({"strategy": "fsdp2", "device": args.device,
@@ -80,10 +81,12 @@ def worker(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
     step_s = time.monotonic() - started
     step_peak = torch.cuda.max_memory_allocated() if cuda else 0
-    # As the trainer publishes it: shards saved by every rank, consolidated by rank 0.
-    staged = stage_sharded_weights(model, ctx, out_dir) if ctx.is_distributed else None
+    # As the trainer publishes it: gathered onto rank 0, or where it would not fit in
+    # rank 0's memory, every rank's shards staged and consolidated by rank 0.
+    gathered, staged = published_weights(model, ctx, out_dir, None) if ctx.is_distributed \
+        else (None, None)
     if ctx.rank == 0:
-        publish_checkpoint(unwrap(model), None, out_dir, iteration=0,
+        publish_checkpoint(unwrap(model), None, out_dir, iteration=0, state_dict=gathered,
                            carry_files_from=model_dir, weights_from=staged)
     if ctx.is_distributed:
         dist.barrier()

@@ -104,6 +104,10 @@ def load_sharded_model(model_dir: Path, ctx: DistContext, *, trainable: bool,
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Built on meta, a tied lm_head is a parameter of its own (the embedding's was
+    # replaced by its meta twin after the tie): tied again, it is one parameter,
+    # sharded, loaded and trained once, as in the model from_pretrained builds.
+    model.tie_weights()
     model.config.use_cache = False
     if not trainable:
         model.requires_grad_(False)

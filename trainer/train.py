@@ -77,7 +77,7 @@ from trainer.policy import (
 from trainer.probes import ProbeSet, make_probe_set
 from trainer.publisher import LAST_PUBLISHED
 from trainer.session import Session, open_session
-from trainer.sharded_save import stage_sharded_weights
+from trainer.sharded_save import published_weights
 from trainer.update import Inputs, Sums, optimizer_step, plan
 
 log = logging.getLogger("trainer")
@@ -332,10 +332,11 @@ def finish(job: TrainJob, session: Session, metrics: dict[str, Any], started: fl
     log.info("params sha256 %s", digest)
     with as_published(model, dtype):  # the probes score the weights the engines will load
         probes = score_probes(model, ctx)  # every rank: FSDP all-gathers inside the forward
-    # FSDP2: every rank saves its shards, rank 0 consolidates (trainer/sharded_save.py);
-    # nothing gathers the whole model.  DDP and a single process: the model as it is.
-    staged = stage_sharded_weights(model, ctx, job.out_dir, dtype) if ctx.is_distributed and \
-        ctx.strategy == Strategy.FSDP2 else None
+    # FSDP2: every tensor gathered onto rank 0 where the model fits in its memory, else
+    # every rank's shards staged on the share (trainer/sharded_save.py).  DDP and a
+    # single process: the model as it is.
+    gathered, staged = published_weights(model, ctx, job.out_dir, dtype) \
+        if ctx.is_distributed and ctx.strategy == Strategy.FSDP2 else (None, None)
     if job.save_state:
         session.save_state(job.state_dir, job.iteration)  # collective: every shard published
     elif ctx.is_distributed:
@@ -348,6 +349,7 @@ def finish(job: TrainJob, session: Session, metrics: dict[str, Any], started: fl
             None,
             job.out_dir,
             iteration=job.iteration,
+            state_dict=gathered,
             carry_files_from=job.model_dir,
             probes=probes,
             weights_from=staged,

@@ -192,17 +192,24 @@ def test_the_gpu_check_runs_its_path_on_gloo_and_refuses_without_a_gpu() -> None
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True], ids=["own-lm-head", "tied-embeddings"])
 def test_a_checkpoint_saved_shard_by_shard_verifies_and_loads_in_the_hf_engine(
-        model: Path, tmp_path: Path) -> None:
+        model: Path, tmp_path: Path, tied: bool) -> None:
     """3 ranks save their shards, rank 0 consolidates and publishes: the manifest
     verifies, the staging directory is gone, and the hf engine's loader reads back
-    exactly the weights that were loaded."""
+    exactly the weights that were loaded.  Tied: a Qwen2-shaped model whose lm_head
+    is its embedding matrix, one parameter under two names, saved once (safetensors
+    refuses two names of one storage)."""
     from safetensors.torch import load_file
 
     from rollout.hf.weights import load_safetensors
+    from trainer.architectures import create_model, preset
     from trainer.checkpoint import verify_checkpoint
     from trainer.sharded_save import staging_dir
 
+    if tied:
+        model = create_model(tmp_path / "tied", preset("qwen2", "tiny",
+                                                       tie_word_embeddings=True))
     script = tmp_path / "save.py"
     script.write_text(SAVE)
     out = tmp_path / "checkpoints" / "iter-000005"

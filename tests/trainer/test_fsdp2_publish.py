@@ -1,0 +1,103 @@
+"""An FSDP2 trainer's checkpoint, gathered onto rank 0 over the process group
+(trainer/sharded_save.py): published as a single process publishes it, so an
+iteration after a full one goes to the share as its delta, and what a node makes
+of that delta is the master weights, cast to the checkpoint's dtype, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.trainer.test_train_state import job_for, write_batches
+from tests.trainer.test_train_torchrun import DEADLINE_S, REPO, child_env, free_port, torchrun
+from trainer import train_state
+from trainer.architectures import create_model, preset
+from trainer.checkpoint import read_manifest
+from trainer.local_copy import copy_to_local_cache
+from trainer.manifest import list_files
+from trainer.sharded_save import gather_fits
+
+
+def run_pair(job: Path, tmp: Path, name: str) -> list[str]:
+    """`job` on two single-process torchrun nodes sharing `tmp`/node-tmp as TMPDIR
+    (where rank 0, the publisher, keeps its last checkpoint); both logs."""
+    env = child_env() | {"TMPDIR": str(tmp / "node-tmp")}
+    (tmp / "node-tmp").mkdir(exist_ok=True)
+    port = free_port()
+    logs = [tmp / f"{name}-{rank}.log" for rank in (0, 1)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with log.open("wb") as out:
+            procs.append(subprocess.Popen(torchrun(rank, port, job), cwd=REPO, env=env,
+                                          stdout=out, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=DEADLINE_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+    return texts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True], ids=["own-lm-head", "tied-embeddings"])
+def test_fsdp2_publishes_its_gathered_tensors_as_a_delta_of_its_last_checkpoint(
+        tmp_path: Path, tied: bool) -> None:
+    """Qwen2-shaped, bf16 on disk, fp32 parameters; tied: lm_head is the embedding
+    matrix (Qwen2.5-0.5B's way), one parameter under two names, written once."""
+    model_dir = create_model(tmp_path / "model", preset("qwen2", "tiny",
+                                                       tie_word_embeddings=tied))
+    write_batches(tmp_path, model_dir)
+    config = dict(strategy="fsdp2", epochs=2, micro_batch_size=2, lr=1e-6, warmup_steps=0)
+    for it, source in ((1, model_dir), (2, tmp_path / "ckpt-1")):
+        job = job_for(tmp_path, it, source, save_state=it == 2,
+                      delta_parent=tmp_path / "ckpt-1" if it == 2 else None, **config)
+        job.save(tmp_path / f"job-{it}.json")
+        logs = run_pair(tmp_path / f"job-{it}.json", tmp_path, f"it{it}")
+        assert "publishing by gather" in logs[0], logs[0][-3000:]
+        assert not (tmp_path / f".staging-ckpt-{it}").exists()
+
+    # Iteration 1 is full; iteration 2 went to the share as its delta from it.
+    full, delta = read_manifest(tmp_path / "ckpt-1"), read_manifest(tmp_path / "ckpt-2")
+    assert full.delta is None and "model.safetensors" in list_files(tmp_path / "ckpt-1")
+    assert delta.delta is not None and delta.delta.parent == "ckpt-1", delta
+    files = list_files(tmp_path / "ckpt-2")
+    assert "delta/model.safetensors" in files and "model.safetensors" not in files, files
+    sent = (tmp_path / "ckpt-2/delta/model.safetensors").stat().st_size
+    whole = (tmp_path / "ckpt-1/model.safetensors").stat().st_size
+    print(f"\nthe delta: {sent} bytes, {sent / whole:.3f} of the model's {whole}")
+    assert sent < whole / 5  # lr 1e-6: few bf16 elements move
+
+    # A node's copy of the delta is the trainer's fp32 master weights (each rank's
+    # rows, in rank order) cast to bf16, every element.
+    copy = copy_to_local_cache(tmp_path / "ckpt-2", tmp_path / "cache")
+    published = load_file(copy / "model.safetensors")
+    state = train_state.state_dir(tmp_path / "state", 2)
+    shards = [train_state.load_shard(state, i).weights for i in train_state.complete_state(state)]
+    assert len(shards) == 2
+    # The same tensors as the model save_pretrained wrote (a tied matrix once).
+    assert sorted(published) == sorted(load_file(model_dir / "model.safetensors"))
+    for name, tensor in published.items():
+        assert tensor.dtype == torch.bfloat16
+        master = torch.cat([s[name] for s in shards])
+        assert torch.equal(tensor, master.to(torch.bfloat16)), name
+    before = load_file(tmp_path / "ckpt-1/model.safetensors")
+    assert any(not torch.equal(before[k], published[k]) for k in before)
+    metrics = json.loads((tmp_path / "metrics-2.json").read_text())
+    assert metrics["strategy"] == "fsdp2"
+
+
+def test_rank_0_gathers_only_with_room_to_spare() -> None:
+    gib = 1 << 30
+    assert gather_fits(10 * gib, 14 * gib)  # 10 GB and a quarter of it spare
+    assert not gather_fits(10 * gib, 12 * gib)
+    assert gather_fits(gib // 2, 2 * gib)  # at least 1 GiB spare
+    assert not gather_fits(gib // 2, gib)
