@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -82,17 +83,20 @@ def gather_fits(need: int, available: int) -> bool:
     return available >= need + max(_GATHER_SPARE, int(need * _GATHER_SPARE_SHARE))
 
 
-def choose_route(model: Any, ctx: DistContext, dtype: str | None) -> Route:
-    """GATHER where the published model fits in rank 0's free memory, else STAGE;
-    rank 0 decides and every rank takes its answer.  Collective."""
+def choose_route(model: Any, ctx: DistContext, dtype: str | None,
+                 free: Callable[[], int] | None = None) -> Route:
+    """GATHER where the published model fits in rank 0's free memory (`free()`, the
+    memory available to allocate: psutil's), else STAGE; rank 0 decides and every
+    rank takes its answer.  Collective."""
     import psutil
 
     decision: list[str | None] = [None]
     if ctx.rank == 0:
-        need, free = published_bytes(model, dtype), psutil.virtual_memory().available
-        route = Route.GATHER if gather_fits(need, free) else Route.STAGE
+        need = published_bytes(model, dtype)
+        free_bytes = free() if free is not None else psutil.virtual_memory().available
+        route = Route.GATHER if gather_fits(need, free_bytes) else Route.STAGE
         log.info("publishing by %s: the model is %.2f GB in %s, rank 0 has %.2f GB free%s",
-                 route.value, need / 1e9, dtype or "its own dtypes", free / 1e9,
+                 route.value, need / 1e9, dtype or "its own dtypes", free_bytes / 1e9,
                  "" if route is Route.GATHER else
                  " (too little to gather it: every rank's shards go through a staging "
                  "directory on the share, and the checkpoint is full)")

@@ -101,3 +101,33 @@ def test_rank_0_gathers_only_with_room_to_spare() -> None:
     assert not gather_fits(10 * gib, 12 * gib)
     assert gather_fits(gib // 2, 2 * gib)  # at least 1 GiB spare
     assert not gather_fits(gib // 2, gib)
+
+
+def test_rank_0_stages_the_shards_where_the_gathered_model_would_not_fit(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The route is rank 0's, from the model's bytes in the checkpoint's dtype (a tied
+    matrix once) and its free memory; a process group of one rank here."""
+    import logging
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from trainer.config import Strategy
+    from trainer.distributed import DistContext
+    from trainer.sharded_save import Route, choose_route, published_bytes
+
+    model_dir = create_model(tmp_path / "model", preset("qwen2", "tiny", tie_word_embeddings=True))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    need = published_bytes(model, "bfloat16")
+    assert need == (model_dir / "model.safetensors").stat().st_size - 8 - int.from_bytes(
+        (model_dir / "model.safetensors").read_bytes()[:8], "little")  # the file's tensors
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
+                      strategy=Strategy.FSDP2)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with caplog.at_level(logging.INFO, logger="trainer"):
+            assert choose_route(model, ctx, "bfloat16", free=lambda: 64 << 30) is Route.GATHER
+            assert choose_route(model, ctx, "bfloat16", free=lambda: need) is Route.STAGE
+    finally:
+        dist.destroy_process_group()
+    assert "publishing by stage" in caplog.text and "too little to gather it" in caplog.text
