@@ -159,7 +159,9 @@ def check_loop(loop: Loop) -> None:
         prompt = longest_prompt(model, tasks)
     facts = Facts(s=s, run=loop.config.run, model=model_facts(model), tasks=TaskFacts(
         source=s.data.source, train=len(loop.tasks(Split.TRAIN)), eval=len(loop.tasks(Split.EVAL)),
-        longest_prompt=prompt[0] if prompt else None, longest_task=prompt[1] if prompt else ""))
+        longest_prompt=prompt[0] if prompt else None, longest_task=prompt[1] if prompt else "",
+        eval_as_chat=not s.rollout.agent and any(
+            t.messages() is not None for t in loop.tasks(Split.EVAL).values())))
     check(facts)
     log.info("settings checked against %s (context %s, longest prompt %s tokens) and %s "
              "(%d train, %d eval tasks)", model, facts.context or "unknown",

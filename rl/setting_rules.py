@@ -43,6 +43,8 @@ class TaskFacts:
     # own (rollout.agent) or could not be tokenized here.
     longest_prompt: int | None = None
     longest_task: str = ""
+    # Whether eval prompts go to the engine as chat messages (/v1/chat/completions).
+    eval_as_chat: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,8 +183,22 @@ def _tensor_parallel(f: Facts) -> str | None:
             "two multiplied are the GPUs a node rolls out on")
 
 
+def _greedy_chat_eval(f: Facts) -> str | None:
+    rollout = f.s.rollout
+    if not (f.evaluates and f.tasks.eval_as_chat and f.s.engine.kind is EngineKind.HF
+            and rollout.eval_group_size > 1 and rollout.eval_temperature == 0):
+        return None  # vLLM's case is refused with the settings alone (rl/config.py)
+    return (f"rollout.eval_group_size={rollout.eval_group_size} with "
+            "rollout.eval_temperature=0, and the eval prompts of "
+            f"{f.tasks.source} go to the model {f.model.path} as chat messages: the "
+            "engine's chat endpoint, as vLLM's, refuses n > 1 without sampling (greedy "
+            "decoding gives every sample of a prompt the same answer), so every eval "
+            "sample would fail; set rollout.eval_group_size=1, or rollout.eval_temperature "
+            "above 0")
+
+
 RULES: Final[Sequence[Rule]] = (_max_model_len, _max_tokens, _train_tasks, _eval_tasks,
-                                _mini_batch, _min_batch, _tensor_parallel)
+                                _mini_batch, _min_batch, _tensor_parallel, _greedy_chat_eval)
 
 
 def problems(facts: Facts) -> list[str]:

@@ -20,13 +20,14 @@ from rl.setting_rules import Facts, ModelFacts, TaskFacts
 
 def facts(sections: dict[str, Any] | None = None, *, context: int | None = 128,
           train: int = 256, eval_: int = 64, prompt: int | None = 6,
-          run: RunSection | None = None, heads: int | None = 4) -> Facts:
+          run: RunSection | None = None, heads: int | None = 4, chat: bool = False) -> Facts:
     """The tiny model's run on the built-in task, with `sections` changed."""
     raw = with_model_defaults(deep_merge({}, sections or {}))
     return Facts(s=parse_sections(raw), run=run or RunSection(),
                  model=ModelFacts(path=Path("/m"), context=context, attention_heads=heads),
                  tasks=TaskFacts(source="builtin:reverse", train=train, eval=eval_,
-                                 longest_prompt=prompt, longest_task="reverse/train/000243"))
+                                 longest_prompt=prompt, longest_task="reverse/train/000243",
+                                 eval_as_chat=chat))
 
 
 def test_the_tiny_models_defaults_pass_every_rule() -> None:
@@ -74,7 +75,22 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = [
     ("vLLM's tensor parallelism not dividing the heads",
      {"engine": {"kind": "vllm", "tensor_parallel_size": 3}}, {"heads": 28},
      ("engine.tensor_parallel_size=3", "28 attention heads", "one of 1, 2, 4, 7, 14, 28")),
+    ("greedy eval of several samples of a chat prompt on the hf engine",
+     {"rollout": {"eval_group_size": 2, "eval_temperature": 0.0}}, {"chat": True},
+     ("rollout.eval_group_size=2", "as chat messages", "every eval sample would fail",
+      "rollout.eval_group_size=1")),
 ]
+
+
+def test_greedy_eval_of_several_samples_is_refused_only_for_chat_prompts_or_no_sampling() -> None:
+    """The hf engine's completions endpoint samples n greedy answers (the same one n
+    times); its chat endpoint, like vLLM's, refuses."""
+    several = {"rollout": {"eval_group_size": 2, "eval_temperature": 0.0}}
+    assert setting_rules.problems(facts(several, chat=False)) == []
+    assert setting_rules.problems(facts({"rollout": {"eval_group_size": 2,
+                                                     "eval_temperature": 1.0}}, chat=True)) == []
+    never = {"eval_interval": 0, "eval_before_train": False}
+    assert setting_rules.problems(facts({**several, "schedule": never}, chat=True)) == []
 
 
 @pytest.mark.parametrize(("changed", "overrides", "words"),
