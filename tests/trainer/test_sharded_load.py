@@ -80,6 +80,34 @@ dist.destroy_process_group()
 """
 
 
+GATHER = r"""
+import sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from benchmarks.train_memory_bench import emit_row
+from trainer.config import TrainConfig
+from trainer.distributed import init_distributed
+from trainer.sharded_load import load_sharded_model
+from trainer.sharded_save import gather_published
+
+model_dir = Path(sys.argv[1])
+ctx = init_distributed(TrainConfig.from_dict({"strategy": "fsdp2", "device": "cpu"}))
+model = load_sharded_model(model_dir, ctx, trainable=True)
+gathered = gather_published(model, ctx, "bfloat16")
+row = {"rank": ctx.rank, "none": gathered is None}
+if ctx.rank == 0:
+    stored = load_file(model_dir / "model.safetensors")
+    row["names"] = sorted(gathered) == sorted(stored)
+    row["unequal"] = [n for n, t in stored.items()
+                      if not torch.equal(gathered[n], t.to(torch.bfloat16))]
+    row["cpu_bf16"] = all(t.device.type == "cpu" and t.dtype == torch.bfloat16
+                          for t in gathered.values())
+emit_row(row)
+torch.distributed.destroy_process_group()
+"""
+
+
 def torchrun(ranks: int, script: str, *args: str) -> list[dict]:
     from benchmarks.train_memory_bench import torchrun_rows
 
@@ -222,3 +250,21 @@ def test_a_checkpoint_saved_shard_by_shard_verifies_and_loads_in_the_hf_engine(
     assert saved.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(saved[name], tensor), name
+
+
+@pytest.mark.slow
+def test_gathered_on_3_ranks_every_tensor_is_the_models_whole_once_on_rank_0_alone(
+        tmp_path: Path) -> None:
+    """trainer/sharded_save.py's gather: uneven dim-0 splits (3 ranks), a tied matrix
+    under its first name only; rank 0 holds every tensor whole in CPU memory, in the
+    checkpoint's dtype, the others nothing."""
+    from trainer.architectures import create_model, preset
+
+    model = create_model(tmp_path / "tied", preset("qwen2", "tiny", tie_word_embeddings=True))
+    script = tmp_path / "gather.py"
+    script.write_text(GATHER)
+    rows = {r["rank"]: r for r in torchrun(3, str(script), str(model))}
+    assert sorted(rows) == [0, 1, 2] and rows[1]["none"] and rows[2]["none"]
+    assert not rows[0]["none"] and rows[0]["names"] and rows[0]["cpu_bf16"], rows[0]
+    assert rows[0]["unequal"] == [], rows[0]
+
