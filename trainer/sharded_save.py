@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from coordinator.storage.fsio import remove_tree
+from trainer import memory_room
 from trainer.checkpoint import cast_state
 from trainer.distributed import DistContext
 
@@ -85,15 +86,13 @@ def gather_fits(need: int, available: int) -> bool:
 
 def choose_route(model: Any, ctx: DistContext, dtype: str | None,
                  free: Callable[[], int] | None = None) -> Route:
-    """GATHER where the published model fits in rank 0's free memory (`free()`, the
-    memory available to allocate: psutil's), else STAGE; rank 0 decides and every
-    rank takes its answer.  Collective."""
-    import psutil
-
+    """GATHER where the published model fits in rank 0's free memory (`free()`: the
+    bytes it may still allocate, its cgroup's limit counted: trainer/memory_room.py),
+    else STAGE; rank 0 decides and every rank takes its answer.  Collective."""
     decision: list[str | None] = [None]
     if ctx.rank == 0:
         need = published_bytes(model, dtype)
-        free_bytes = free() if free is not None else psutil.virtual_memory().available
+        free_bytes = (free or memory_room.available_bytes)()
         route = Route.GATHER if gather_fits(need, free_bytes) else Route.STAGE
         log.info("publishing by %s: the model is %.2f GB in %s, rank 0 has %.2f GB free%s",
                  route.value, need / 1e9, dtype or "its own dtypes", free_bytes / 1e9,
