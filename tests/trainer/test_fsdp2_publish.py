@@ -6,6 +6,8 @@ of that delta is the master weights, cast to the checkpoint's dtype, bit for bit
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -34,14 +36,15 @@ def run_pair(job: Path, tmp: Path, name: str) -> list[str]:
     for rank, log in enumerate(logs):
         with log.open("wb") as out:
             procs.append(subprocess.Popen(torchrun(rank, port, job), cwd=REPO, env=env,
-                                          stdout=out, stderr=subprocess.STDOUT))
+                                          stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
     try:
         codes = [p.wait(timeout=DEADLINE_S) for p in procs]
-    finally:
+    finally:  # torchrun and its workers, whatever happened
         for p in procs:
             if p.poll() is None:
-                p.kill()
-                p.wait()
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
     return texts
