@@ -6,48 +6,19 @@ of that delta is the master weights, cast to the checkpoint's dtype, bit for bit
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.test_train_state import job_for, write_batches
-from tests.trainer.test_train_torchrun import DEADLINE_S, REPO, child_env, free_port, torchrun
+from tests.trainer.test_train_state import job_for, torchrun_pair, write_batches
 from trainer import train_state
 from trainer.architectures import create_model, preset
 from trainer.checkpoint import read_manifest
 from trainer.local_copy import copy_to_local_cache
 from trainer.manifest import list_files
 from trainer.sharded_save import gather_fits
-
-
-def run_pair(job: Path, tmp: Path, name: str) -> list[str]:
-    """`job` on two single-process torchrun nodes sharing `tmp`/node-tmp as TMPDIR
-    (where rank 0, the publisher, keeps its last checkpoint); both logs."""
-    env = child_env() | {"TMPDIR": str(tmp / "node-tmp")}
-    (tmp / "node-tmp").mkdir(exist_ok=True)
-    port = free_port()
-    logs = [tmp / f"{name}-{rank}.log" for rank in (0, 1)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("wb") as out:
-            procs.append(subprocess.Popen(torchrun(rank, port, job), cwd=REPO, env=env,
-                                          stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    try:
-        codes = [p.wait(timeout=DEADLINE_S) for p in procs]
-    finally:  # torchrun and its workers, whatever happened
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    texts = [log.read_text() for log in logs]
-    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
-    return texts
 
 
 @pytest.mark.slow
@@ -64,9 +35,10 @@ def test_fsdp2_publishes_its_gathered_tensors_as_a_delta_of_its_last_checkpoint(
         job = job_for(tmp_path, it, source, save_state=it == 2,
                       delta_parent=tmp_path / "ckpt-1" if it == 2 else None, **config)
         job.save(tmp_path / f"job-{it}.json")
-        logs = run_pair(tmp_path / f"job-{it}.json", tmp_path, f"it{it}")
+        # Both jobs' rank 0 keeps its last checkpoint in this test's own TMPDIR
+        # (tests/trainer/conftest.py), as a run's publisher does in its .tmp/.
+        logs = torchrun_pair(tmp_path / f"job-{it}.json", tmp_path, f"it{it}")
         assert "publishing by gather" in logs[0], logs[0][-3000:]
-        assert not (tmp_path / f".staging-ckpt-{it}").exists()
 
     # Iteration 1 is full; iteration 2 went to the share as its delta from it.
     full, delta = read_manifest(tmp_path / "ckpt-1"), read_manifest(tmp_path / "ckpt-2")
