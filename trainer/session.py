@@ -73,7 +73,11 @@ class Session:
         return {name: _local(t).detach().float().cpu()
                 for (name, _), t in zip(self._named(), self._masters(), strict=True)}
 
-    def _load_weights(self, weights: dict[str, Tensor], where: Path) -> None:
+    def _check_weights_fit(self, weights: dict[str, Tensor], where: Path) -> None:
+        """CheckpointError unless `weights` names exactly this rank's parameters, in
+        their shapes: a state saved from another model, or from one whose tied matrix
+        was saved under two names (an FSDP2 trainer before the tie was kept on the
+        meta build), is not resumed."""
         named = self._named()
         names = {n for n, _ in named}
         if set(weights) != names:
@@ -85,6 +89,9 @@ class Session:
             if tuple(weights[name].shape) != tuple(_local(p).shape):
                 raise CheckpointError(f"{where}: {name} has shape {tuple(weights[name].shape)}, "
                                       f"this rank's is {tuple(_local(p).shape)}", path=where)
+
+    def _load_weights(self, weights: dict[str, Tensor]) -> None:
+        named = self._named()
         with torch.no_grad():
             for (name, p), master in zip(named, self._masters(), strict=True):
                 _local(p).copy_(weights[name])
@@ -135,7 +142,7 @@ class Session:
                             dist.ReduceOp.MIN if self.ctx.is_distributed else None)[0]
         if usable < 1 or shard is None:
             return False
-        self._load_weights(shard.weights, directory)
+        self._load_weights(shard.weights)
         self.optimizer.load_state_dict(shard.optimizer)
         for group in self.optimizer.param_groups:  # this run's config wins over the saved one
             group.update(lr=self.config.lr, betas=self.config.betas, eps=self.config.adam_eps,
@@ -158,6 +165,7 @@ class Session:
                 f"group has {self.ctx.world_size} ({self.ctx.strategy.value})", path=directory)
         shard = train_state.load_shard(directory, indexes[self.ctx.rank if first.shards > 1
                                                           else 0])
+        self._check_weights_fit(shard.weights, directory)
         self._check_optimizer_fits(shard.optimizer, directory)
         return shard
 

@@ -18,6 +18,7 @@ import pytest
 from coordinator.records.phases import Phase
 from tests.support.cluster import LocalCluster, arrivals_on_disk, scripted_log, write_config
 from tests.support.netfs import NetFs
+from tests.support.sftp_gate import RenameGate
 
 pytestmark = [pytest.mark.slow, pytest.mark.netfs]
 POLL_CEILING_S = 0.5  # tests/support/cluster.py TEST_CONFIG
@@ -38,6 +39,47 @@ def test_the_mounts_really_cache_like_nfs_clients(tmp_path: Path) -> None:
         assert (b / "grow").stat().st_size == 1
         (a / "grow").write_text("xxxxxxxx")
         assert (b / "grow").stat().st_size == 1
+
+
+def test_the_server_holds_the_armed_rename_until_the_test_drops_it(tmp_path: Path) -> None:
+    # The gate tests use to freeze a writer exactly before it publishes: the writer
+    # blocks in rename(2); a dropped rename fails and never reaches the export,
+    # and the gate fires once (the next rename of the same name goes through).
+    import threading
+
+    gate = RenameGate(tmp_path / "gate")
+    with NetFs(tmp_path / "fs", mounts=2, rename_gate=gate.directory) as fs:
+        a, b = fs.mounts
+        (a / ".batch.pt.tmp").write_text("batch")
+        (b / "other.tmp").write_text("other")
+        gate.arm(".batch.pt")
+        os.rename(b / "other.tmp", b / "other")  # not armed for it: goes through
+        failed: list[BaseException] = []
+
+        def publish() -> None:
+            try:
+                os.rename(a / ".batch.pt.tmp", a / "batch.pt")
+            except OSError as exc:
+                failed.append(exc)
+
+        writer = threading.Thread(target=publish)
+        writer.start()
+        deadline = time.monotonic() + 30  # a loopback round trip, on a loaded machine
+        while not gate.held() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gate.held(), "the armed rename never reached the gate"
+        old, new = gate.held_paths()
+        assert old.endswith("/.batch.pt.tmp") and new.endswith("/batch.pt")
+        time.sleep(0.2)
+        assert writer.is_alive() and not (fs.export / "batch.pt").exists()
+        gate.drop()
+        writer.join(timeout=30)
+        assert not writer.is_alive() and len(failed) == 1, failed
+        assert not (fs.export / "batch.pt").exists()
+        assert (fs.export / ".batch.pt.tmp").read_text() == "batch"
+        assert (fs.export / "other").read_text() == "other"
+        os.rename(a / ".batch.pt.tmp", a / "batch.pt")  # fired once: through now
+        assert (fs.export / "batch.pt").read_text() == "batch"
 
 
 def test_three_ranks_on_three_client_mounts_complete_with_fast_barriers(tmp_path: Path) -> None:

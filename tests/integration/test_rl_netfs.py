@@ -29,6 +29,7 @@ from tests.support import reward_gate
 from tests.support.cluster import LocalCluster
 from tests.support.netfs import NetFs
 from tests.support.reward_gate import RewardGate
+from tests.support.sftp_gate import RenameGate
 from tests.support.trainers import trainer_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.netfs]
@@ -202,16 +203,21 @@ def hold_mid_rollout(c: LocalCluster, gate: RewardGate, manifest: Path,
     assert listed_chunks(manifest) == 1 and not json.loads(manifest.read_text())["complete"]
 
 
-def kill_node(c: LocalCluster, export_run: Path, rank: int) -> None:
-    """SIGKILL a node: its daemon and its engine (the engine dies with it on a real node)."""
-    import contextlib
+def kill_node(c: LocalCluster, export_run: Path, rank: int,
+              unblock: Callable[[], None] | None = None) -> None:
+    """SIGKILL a node: its daemon and its engine (the engine dies with it on a real node).
+    `unblock` runs between the signal and the reaping: a daemon blocked in a request
+    the file server holds (tests/support/sftp_gate.py) dies once it is answered."""
     import os
     import signal
 
     with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
         pid = engine_pid(export_run, rank)
         os.kill(pid, signal.SIGKILL)
-    c.kill(rank)
+    c.procs[rank].send_signal(signal.SIGKILL)
+    if unblock is not None:
+        unblock()
+    c.procs[rank].wait(timeout=30)
 
 
 def recoveries(export_run: Path) -> int:
@@ -297,36 +303,6 @@ def test_async_rollout_and_training_nodes_killed_rejoin_alone_redoing_no_saved_c
         assert not (run / "ranks/0/engine.json").exists()  # node 0 only trains
 
 
-def stop_when_created(directory: Path, prefix: str, pid: int) -> Callable[[], bool]:
-    """SIGSTOP `pid` the moment a file named `prefix`... appears in `directory` (an
-    inotify watch on the export, the server side of every mount): the writer is
-    frozen inside the step that writes it.  Returns whether it has fired."""
-    import os
-    import signal
-    import threading
-
-    from watchdog.events import FileSystemEvent, FileSystemEventHandler
-    from watchdog.observers import Observer
-
-    fired = threading.Event()
-
-    class Handler(FileSystemEventHandler):
-        def on_created(self, event: FileSystemEvent) -> None:
-            if not fired.is_set() and Path(str(event.src_path)).name.startswith(prefix):
-                os.kill(pid, signal.SIGSTOP)
-                fired.set()
-
-    observer = Observer()
-    observer.schedule(Handler(), str(directory), recursive=False)
-    observer.start()
-
-    def done() -> bool:
-        if fired.is_set():
-            observer.stop()
-        return fired.is_set()
-    return done
-
-
 def stop_all_then_recover(c: LocalCluster, export_run: Path, killed: int, iteration: int,
                           phases: tuple[int, ...]) -> None:
     """After a node's SIGKILL the others exit 3 within lease + 5 s naming it and where
@@ -365,10 +341,9 @@ def test_async_nodes_killed_recover_and_restart_without_redoing_a_saved_chunk(
     every chunk saved before a kill (eval, and iteration 1's rolled out ahead)
     is kept as it was (same content, same file), and every task is in its batch
     exactly once, within one policy version."""
-    import os
-    import signal
 
-    with NetFs(tmp_path / "fs", mounts=3, direct_io=False) as fs, \
+    renames = RenameGate(tmp_path / "renames")
+    with NetFs(tmp_path / "fs", mounts=3, direct_io=False, rename_gate=renames.directory) as fs, \
             RewardGate(tmp_path / "gate") as gate:
         c = netfs_cluster(tmp_path, fs, warm_model, eval_before_train=True, tasks=24, every=1,
                           concurrency=1, max_tokens=12, weights="2,1,3", on_failure="exit",
@@ -396,23 +371,24 @@ def test_async_nodes_killed_recover_and_restart_without_redoing_a_saved_chunk(
             gate.go_on()
             stop_all_then_recover(c, run, 2, 0, (10,))
 
-            # Phase 4 of iteration 1: the master (the training node) is frozen as
-            # it creates the train batch's temporary file, then killed.  The watch
-            # goes on at once: with iteration 1 rolled out ahead, phases 1-3 of it
-            # can pass between two heartbeats.
+            # Phase 4 of iteration 1: the master (the training node) is killed
+            # with the train batch written to its temporary name, its rename held
+            # at the file server (tests/support/sftp_gate.py), then dropped.  The
+            # gate is armed at once: with iteration 1 rolled out ahead, phases 1-3
+            # of it can pass between two heartbeats.
             assert it1.is_dir() and not (it1 / "batch.pt").exists()
-            stopped = stop_when_created(it1, ".batch.pt", c.procs[0].pid)
-            c.wait_until(stopped, 600, "the master writing iteration 1's batch")
-            assert not (it1 / "batch.pt").exists(), "the master got past phase 4's write"
+            renames.arm("/iterations/000001/.batch.pt")
+            c.wait_until(renames.held, 600, "the master publishing iteration 1's batch")
+            assert renames.held_paths()[1].endswith("/iterations/000001/batch.pt")
             saved |= chunks(run)
-            kill_node(c, run, 0)
+            kill_node(c, run, 0, unblock=renames.drop)
+            assert not (it1 / "batch.pt").exists()
             stop_all_then_recover(c, run, 0, 1, (3, 4))
 
             codes = c.wait_all(timeout=900)
             assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(c.procs[0].pid, signal.SIGCONT)
+            renames.let_through()
             c.close()
         final = chunks(run)
         redone = {p: v for p, v in saved.items() if final.get(p) != v}

@@ -32,6 +32,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,13 +53,17 @@ def _free_port() -> int:
 
 class NetFs:
     def __init__(self, base: Path, *, mounts: int, cache_s: float = 30.0,
-                 negative_timeout_s: float = 0.0, direct_io: bool = True) -> None:
+                 negative_timeout_s: float = 0.0, direct_io: bool = True,
+                 rename_gate: Path | None = None) -> None:
         self.base = base
         self.export = base / "export"
         self.mounts = [base / f"client{i}" for i in range(mounts)]
         self.cache_s = cache_s
         self.negative_timeout_s = negative_timeout_s
         self.direct_io = direct_io
+        # With a gate directory, the server can hold one rename for the test
+        # (tests/support/sftp_gate.py), in front of OpenSSH's sftp-server.
+        self.rename_gate = rename_gate
         self._sshd: subprocess.Popen[bytes] | None = None
         self._mounted: list[Path] = []
 
@@ -93,7 +98,8 @@ class NetFs:
             f"Port {port}\nListenAddress 127.0.0.1\nHostKey {keys / 'host'}\n"
             f"AuthorizedKeysFile {keys / 'authorized_keys'}\nPasswordAuthentication no\n"
             "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
-            f"PidFile {keys / 'sshd.pid'}\nSubsystem sftp internal-sftp\nMaxStartups 100\n"
+            f"PidFile {keys / 'sshd.pid'}\nSubsystem sftp {self._sftp_subsystem()}\n"
+            "MaxStartups 100\n"
         )
         Path("/run/sshd").mkdir(exist_ok=True)
         self._sshd = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)],
@@ -128,6 +134,12 @@ class NetFs:
                 raise NetFsUnavailable(f"sshfs mount of {mount} failed: {result.stderr.strip()}")
             self._mounted.append(mount)
         return self
+
+    def _sftp_subsystem(self) -> str:
+        if self.rename_gate is None:
+            return "internal-sftp"
+        gate = Path(__file__).with_name("sftp_gate.py")
+        return f"{sys.executable} {gate} {self.rename_gate}"
 
     def __exit__(self, *exc: object) -> None:
         for mount in self._mounted:

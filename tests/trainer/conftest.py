@@ -21,7 +21,12 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def own_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def own_tmpdir(monkeypatch: pytest.MonkeyPatch,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    # pytest finds its own base directory under gettempdir() the first time a test
+    # asks for one (in one process; xdist's workers are given theirs): find it now,
+    # or it would lie in this test's directory, removed before the next test's tmp_path.
+    tmp_path_factory.getbasetemp()
     path = Path(tempfile.mkdtemp(prefix="trainer-test-", dir="/tmp"))
     monkeypatch.setenv("TMPDIR", str(path))  # the processes a test starts
     monkeypatch.setattr(tempfile, "tempdir", str(path))  # this process's gettempdir()

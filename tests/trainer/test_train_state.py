@@ -122,6 +122,26 @@ def test_an_incomplete_or_altered_state_is_skipped_for_an_older_one_or_none(
     assert train_state.saved_iterations(root) == [5]
 
 
+def test_a_state_whose_weights_name_another_model_starts_fresh_with_the_reason_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A state with a tensor this model does not have, as an FSDP2 trainer saved a
+    # tied model's lm_head apart from its embedding before the tie was kept on the
+    # meta build. Its optimizer state fits: only the weights' names tell.
+    model_dir = create_tiny_model(tmp_path / "model", seed=0)
+    session = trained_session(tmp_path, model_dir, steps=1)
+    weights = session.master_weights()
+    weights["extra.weight"] = torch.zeros(3, 4)
+    directory = train_state.state_dir(tmp_path / "state", 2)
+    train_state.save_shard(directory, iteration=2, shard=0, shards=1, world_size=1,
+                           strategy="ddp", step=1, weights=weights,
+                           optimizer=session.optimizer.state_dict())
+    with caplog.at_level("WARNING"):
+        fresh = open_session(job_for(tmp_path, 3, model_dir, resume_state=directory), SINGLE)
+    assert fresh.resumed.get("fresh_optimizer") and fresh.step == 0 and fresh.through == 2
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "unexpected ['extra.weight']" in logged and "fresh Adam moments" in logged
+
+
 def write_batches(tmp: Path, model_dir: Path, iterations: int = 2) -> None:
     from transformers import AutoTokenizer
 
