@@ -58,7 +58,7 @@ def report(exc: CoordinatorError) -> typer.Exit:
 # (demo makes its own, under runs/).
 RunDir = Annotated[str | None, typer.Option(
     "--run-dir", "--log-path", help="The run directory on the shared filesystem (a path "
-    "every node mounts), or its bucket URL (s3://, gs://, az://); --log-path is the same "
+    "every node mounts), or its bucket URL (s3://, az://); --log-path is the same "
     "option, under the name the flag-file run.sh used.")]
 
 # The options that set a config key come from coordinator_cli/flags.py (CONFIG_FLAGS);
@@ -167,7 +167,9 @@ def show_config(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Print the resolved configuration as TOML, each value with where it came from (default,
-    file, --set, a flag); exit 2 on a setting `run` would refuse (docs/CONFIG.md lists them)."""
+    file, --set, a flag); exit 2 on a value refused as the configuration is read (its type,
+    bounds and section checks: docs/CONFIG.md); `run` also checks it against the model, the
+    data and the nodes at start."""
     from coordinator_cli import config_show
 
     try:

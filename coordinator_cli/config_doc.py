@@ -36,7 +36,10 @@ A config file (`--config`, TOML or YAML) holds one table per section below;
 as the key's type: `--set engine.extra_args=--enforce-eager,--seed=1`), and the
 flags named here set theirs.  `coordinator config [--config F] [--set ...]
 [flags]` prints the resolved configuration as TOML, each value with where it
-came from, and exits 2 on a setting `coordinator run` would refuse.
+came from, and exits 2 on a value refused as the configuration is read (its
+type, its bounds below, its section's checks).  `coordinator run` also checks
+the settings against the model, the data and the nodes at start (the context
+length, the mini-batch against the samples, the placement), and exits 2 there.
 
 - **default**: the declared default.  Where the run uses the tiny demo model
   (`model.path` empty), the tiny model's own value comes first, marked *tiny*.

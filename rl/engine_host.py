@@ -37,7 +37,7 @@ from rollout.client import CompletionClient
 from rollout.engines import serving
 from rollout.engines.engine import Engine, EngineError, EngineState, make_engine
 from rollout.engines.weight_updates import Parked, Served
-from trainer.local_copy import remove_copy
+from trainer.local_copy import remove_others
 from trainer.probes import ProbeSet
 
 log = logging.getLogger(__name__)
@@ -180,13 +180,12 @@ class EngineHost:
             return
         with node_lock(lock_dir(root), "cache", timeout_s=CACHE_LOCK_TIMEOUT_S,
                        what="copying a checkpoint"):
-            for child in root.iterdir():
-                if child != keep and child.is_dir() and not child.name.startswith("."):
-                    if remove_copy(child):
-                        log.info("rank %d: removed old cached model %s", self.rank, child)
-                    else:
-                        log.info("rank %d: old cached model %s is still being read: kept",
-                                 self.rank, child)
+            for child, gone in remove_others(root, keep):
+                if gone:
+                    log.info("rank %d: removed old cached model %s", self.rank, child)
+                else:
+                    log.info("rank %d: old cached model %s is still being read: kept",
+                             self.rank, child)
 
     def endpoint(self) -> EngineEndpoint:
         """The engine as an agent plugin sees it (rollout/agents.py)."""

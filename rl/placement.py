@@ -258,11 +258,15 @@ class RlRunSection(RunSection):
     (--set run.train_nodes=0)."""
 
     rollout_nodes: str | int = setting(
-        "", "Ranks that roll out, e.g. '1-3' ('': every node; rl/placement.py).")
+        "", "Ranks that roll out, e.g. '1-3' ('': every node run.train_nodes does not name; "
+        "every node when both are empty; rl/placement.py).")
     train_nodes: str | int = setting(
-        "", "Ranks that train, e.g. '0' ('': every node).")
+        "", "Ranks that train, e.g. '0' ('': every node run.rollout_nodes does not name; "
+        "every node when both are empty).")
     max_off_policy_steps: int = setting(
-        0, "How many policy versions a sample may lag (0: the synchronous loop).", ge=0)
+        0, "How many policy versions a sample may lag (0: the synchronous loop); 1 or more "
+        "needs rollout and training on different nodes or GPUs (run.train_nodes, "
+        "run.rollout_nodes).", ge=0, le=MAX_OFF_POLICY_STEPS)
 
 
 def placement_of(config: RunConfig, num_nodes: int) -> Placement:

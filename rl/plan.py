@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import random
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -220,9 +221,25 @@ def prune(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     root = layout.checkpoints(loop.run_dir)
     if root.is_dir():
         for child in root.iterdir():
-            if child.name.startswith(".superseded-"):
-                _remove_unless_busy(child)
+            if _leftover(child.name, ctx.iteration) and _remove_unless_busy(child):
+                log.info("removed %s, left by an earlier attempt", child)
     return {}
+
+
+# Hidden directories in checkpoints/ that no process writes once phase 11 published
+# the iteration: an attempt set aside (rl/training.py), and a killed publisher's
+# temporary (trainer/checkpoint.py tmp_sibling) or FSDP2 staging directory
+# (trainer/sharded_save.py staging_dir) of an iteration up to this one.
+_SET_ASIDE = re.compile(r"\.superseded-iter-\d+-[0-9a-f]+")
+_UNFINISHED = re.compile(r"\.iter-(\d+)\.tmp-\d+-[0-9a-f]+|\.staging-iter-(\d+)")
+
+
+def _leftover(name: str, iteration: int) -> bool:
+    """Whether checkpoints/`name` is a leftover phase 13 of `iteration` removes."""
+    if _SET_ASIDE.fullmatch(name):
+        return True
+    found = _UNFINISHED.fullmatch(name)
+    return found is not None and int(found.group(1) or found.group(2)) <= iteration
 
 
 def _chains(run_dir: Path, kept: list[int]) -> set[str] | None:

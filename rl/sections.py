@@ -60,7 +60,8 @@ class DataSection(Section):
         "list (instead of data.path).")
     val_files: str | tuple[str, ...] = setting(
         (), "verl's data.val_files: the eval split's parquet or JSONL files, a path or a "
-        "list; none: no eval.")
+        "list; none: no eval split (eval turned off with a WARNING, or the run refused "
+        "at start where schedule.eval_interval or eval_before_train is set).")
     reward: str = setting(
         "", "A reward registered under the entry-point group coordinator.rewards; '' picks "
         "the one registered for each task's data_source.")

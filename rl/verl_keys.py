@@ -31,7 +31,7 @@ _AR: Final = "actor_rollout_ref"
 VERL_KEYS: Final = (
     VerlKey("data.train_files", "data.train_files",
             "a path or a list; or data.path: one file, or a directory of train.* and test.*"),
-    VerlKey("data.val_files", "data.val_files", "none given: the run does not evaluate"),
+    VerlKey("data.val_files", "data.val_files", "none given: no eval split (eval off with a WARNING unless the schedule asks for it: then refused at start)"),
     VerlKey("data.train_batch_size", "rollout.tasks_per_iteration",
             "prompts in both: verl's per step, ours per iteration (one rollout, then "
             "train.epochs passes over it)"),

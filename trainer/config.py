@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 from coordinator.config.run_config import to_plain
-from coordinator.config.settings import Section, SettingError, from_mapping, setting
+from coordinator.config.settings import Section, from_mapping, setting
 from coordinator.errors import UsageError
 
 # Supervised steps of the tiny model's warm start (trainer/warmstart.py): 70
@@ -44,6 +44,13 @@ class Device(str, enum.Enum):
 
 class DType(str, enum.Enum):
     AUTO = "auto"  # float32 on cpu; bfloat16 compute (fp32 master weights) on cuda
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+class ParamDType(str, enum.Enum):
+    """The parameters' own dtype (train.param_dtype): no "auto", which is compute's."""
+
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
 
@@ -131,8 +138,8 @@ class TrainConfig(Section):
     activation_checkpointing: bool = setting(
         False, "Recompute each decoder layer's activations in the backward pass: less memory "
         "for long responses, about a third more compute.")
-    param_dtype: DType = setting(
-        DType.FLOAT32, "The parameters' dtype: float32, or bfloat16 with the optimizer's "
+    param_dtype: ParamDType = setting(
+        ParamDType.FLOAT32, "The parameters' dtype: float32, or bfloat16 with the optimizer's "
         "copies and moments in float32 (trainer/master_weights.py).")
     # A trainer lost in between resumes from the last saved state and trains the
     # iterations since then again from their kept batches.
@@ -143,13 +150,6 @@ class TrainConfig(Section):
     offload: Offload = setting(
         Offload.AUTO, "Where a resident trainer keeps weights and optimizer between jobs: "
         "auto (CPU memory when training on a GPU), on, or off (stay on the accelerator).")
-
-    def check(self) -> None:
-        if self.param_dtype not in (DType.FLOAT32, DType.BFLOAT16):
-            raise SettingError(
-                f"train.param_dtype={self.param_dtype.value!r} is not float32 or bfloat16: give "
-                "param_dtype = 'bfloat16' for bf16 parameters with fp32 optimizer state",
-                key="train.param_dtype", value=self.param_dtype.value)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (1-based, counted over the whole run)."""

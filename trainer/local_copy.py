@@ -140,6 +140,17 @@ def held_copy(src_dir: Path, cache_root: Path, *, advance: bool = False) -> Iter
         os.close(hold)
 
 
+def remove_others(cache_root: Path, keep: Path) -> list[tuple[Path, bool]]:
+    """Every copy in `cache_root` but `keep` removed, unless a reader holds it: each
+    with whether it went.  Under the copiers' lock, so no copy is being made; the
+    hidden temporaries of a copier killed mid-copy go at the next copy."""
+    if not cache_root.is_dir():
+        return []
+    with filelock.FileLock(str(cache_root / ".copy.lock"), timeout=COPY_LOCK_S):
+        return [(child, remove_copy(child)) for child in sorted(cache_root.iterdir())
+                if child != keep and child.is_dir() and not child.name.startswith(".")]
+
+
 def _readers(copy: Path) -> Path:
     return copy.parent / f".{copy.name}.readers"
 
@@ -202,8 +213,10 @@ def _local_copy(src_dir: Path, manifest: Manifest, cache_root: Path, depth: int,
                     "making it again", dest)
         remove_tree(dest)
     parent = _parent_copy(src_dir, manifest, cache_root, depth, advance)
-    for stale in cache_root.glob(f".{dest.name}.tmp-*"):  # a copier killed mid-copy
-        remove_tree(stale)  # (one copier per cache at a time: copy_to_local_cache's lock)
+    # A copier killed mid-copy left its temporary: any there now is one, of this
+    # checkpoint or another (one copier per cache at a time: held_copy's lock).
+    for stale in cache_root.glob(".*.tmp-*"):
+        remove_tree(stale)
     made = manifest.delta.results if manifest.delta is not None else {}
     deltas = {delta_file(result) for result in made}
     plain = {name: entry for name, entry in manifest.files.items() if name not in deltas}

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import Tensor
@@ -29,36 +30,52 @@ from trainer.config import Strategy
 from trainer.distributed import DistContext, unwrap, wrap_model
 from trainer.errors import TrainError
 from trainer.grpo import shard
-from trainer.local_copy import copy_to_local_cache
+from trainer.local_copy import held_copy, remove_others
 from trainer.local_view import local_view
 
+log = logging.getLogger("trainer")
+POLICIES: Final = "policies"  # under TMPDIR: the delta checkpoints a trainer loaded, made whole
 
-def readable(model_dir: Path) -> Path:
-    """A model directory checked and readable as local files: a published checkpoint
-    verified against its manifest (fetched to the node-local root from a bucket,
-    trainer/local_view.py; a delta checkpoint made whole in this process's
-    TMPDIR, the run's node-local .tmp/), or a user's own directory as it is."""
+
+@contextlib.contextmanager
+def readable(model_dir: Path) -> Iterator[Path]:
+    """A model directory checked and readable as local files while the block reads it:
+    a published checkpoint verified against its manifest (fetched to the node-local
+    root from a bucket, trainer/local_view.py), or a user's own directory as it is.
+
+    A delta checkpoint is made whole in this process's TMPDIR (the run's node-local
+    .tmp/) under `policies/`, held while the block reads it, advanced in place from
+    the copy of its parent (the one a trainer of the last iteration loaded); the
+    other copies there go after: a trainer started each iteration keeps one model
+    on the node's disk, not one more per iteration."""
     if trees.exists(model_dir / MANIFEST_NAME) and read_manifest(model_dir).delta is not None:
-        return copy_to_local_cache(model_dir, Path(tempfile.gettempdir()) / "policies")
+        cache = Path(tempfile.gettempdir()) / POLICIES
+        with held_copy(model_dir, cache, advance=True) as copy:
+            yield copy
+        for old, gone in remove_others(cache, copy):
+            log.info("%s %s", "removed the older policy copy" if gone
+                     else "kept the older policy copy another process reads:", old)
+        return
     if routing.routed(model_dir) is not None:
-        return local_view(model_dir)
+        yield local_view(model_dir)
+        return
     if (model_dir / MANIFEST_NAME).exists():
         verify_checkpoint(model_dir)
     elif not model_dir.is_dir():
         raise TrainError(f"model_dir {model_dir} does not exist")
-    return model_dir
+    yield model_dir
 
 
 def load_model(model_dir: Path, ctx: DistContext,
                dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = readable(model_dir)
-    # fp32 weights unless asked (train.param_dtype); FSDP2 casts to bf16 for compute on GPUs.
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, local_files_only=True, use_safetensors=True
-    )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    with readable(model_dir) as files:
+        # fp32 weights unless asked (train.param_dtype); FSDP2 casts to bf16 for compute.
+        model = AutoModelForCausalLM.from_pretrained(
+            files, dtype=dtype, local_files_only=True, use_safetensors=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(files, local_files_only=True)
     model.to(ctx.device)  # type: ignore[arg-type]  # transformers' stub is wrong
     model.config.use_cache = False  # no KV cache while training
     return model, tokenizer
@@ -90,11 +107,12 @@ def load_policy(model_dir: Path, ctx: DistContext, *, trainable: bool,
 
     from trainer.sharded_load import load_sharded_model
 
-    model_dir = readable(model_dir)
-    wrapped = load_sharded_model(model_dir, ctx, trainable=trainable, dtype=dtype,
-                                 prepare=enable_checkpointing if checkpointing else None)
+    with readable(model_dir) as files:
+        wrapped = load_sharded_model(files, ctx, trainable=trainable, dtype=dtype,
+                                     prepare=enable_checkpointing if checkpointing else None)
+        tokenizer = AutoTokenizer.from_pretrained(files, local_files_only=True)
     wrapped.train(trainable)
-    return wrapped, AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return wrapped, tokenizer
 
 
 def autocast(ctx: DistContext) -> contextlib.AbstractContextManager[Any]:

@@ -25,7 +25,7 @@ from torch import Tensor
 from rollout.errors import CheckpointError
 from trainer import train_state
 from trainer.checkpoint import saved_dtype
-from trainer.config import DType, Offload, Strategy, TrainConfig
+from trainer.config import Offload, ParamDType, Strategy, TrainConfig
 from trainer.distributed import DistContext, all_reduce, unwrap
 from trainer.job import TrainJob
 from trainer.master_weights import MasterWeightsAdamW
@@ -239,7 +239,7 @@ def open_session(job: TrainJob, ctx: DistContext) -> Session:
     iterations.
     """
     config = job.config
-    bf16 = config.param_dtype == DType.BFLOAT16
+    bf16 = config.param_dtype == ParamDType.BFLOAT16
     model_dir = job.start_model_dir
     wrapped, tokenizer = load_policy(model_dir, ctx, trainable=True,
                                      dtype=torch.bfloat16 if bf16 else torch.float32,

@@ -71,7 +71,12 @@ def test_an_engine_serving_stale_weights_is_caught_naming_the_node(
                      r"average \(tolerance 0\.002\)", text), text[-3000:]
     arrival = phase12(c, FAULTY)
     assert arrival["status"] == "failed" and "does not serve" in arrival["error"]
-    assert phase12(c, 0)["payload"]["engine"] == "reloaded"  # the healthy node passed
+    # The healthy node is never blamed. Its own arrival is there, a success, when it
+    # finished phase 12 before rank 1's failure stopped it; under load it may not
+    # have (the master acts on a peer's failed step while its own still runs).
+    assert not re.search(r"rank 0 on host \S+: the inference engine does not serve", text)
+    if (c.run_dir / "iterations/000000/phase-12/arrive-0.json").exists():
+        assert phase12(c, 0)["payload"]["engine"] == "reloaded"
 
 
 def test_a_failed_reload_falls_back_to_a_restart_and_the_run_completes(

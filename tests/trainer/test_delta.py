@@ -382,6 +382,11 @@ def test_a_node_killed_while_applying_a_delta_makes_it_again_at_the_next_use(
     assert leftovers and not [p for p in node.iterdir() if p.name.startswith("iter-000001")]
     assert [p for p in node.iterdir() if p.name.startswith("iter-000000")] == \
         ([] if advance else [parent])
+    # The next copy of any checkpoint removes it: one copier at a time, so a
+    # temporary it finds is a killed copier's.
+    publish(share, 2, weights(seed=5), last)
+    copy_to_local_cache(share / "iter-000002", node)
+    assert not [p for p in node.iterdir() if ".tmp-" in p.name]
     copy = copy_to_local_cache(share / "iter-000001", node, advance=advance)
     assert (copy / "model.safetensors").read_bytes() == full_bytes(tmp_path, step(big, 0.02, 1))
     assert not [p for p in node.iterdir() if p.name.startswith(".iter-000001") and p.is_dir()]
