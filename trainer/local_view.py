@@ -45,7 +45,8 @@ def local_view(directory: Path) -> Path:
     def fetch(name: str, entry: FileEntry) -> None:
         path = directory / name
         try:  # fetches the object to `path`, then hashes what it fetched
-            read_verified(path, size=entry.size, sha256=entry.sha256, allow_map=False).close()
+            read_verified(path, size=entry.size, sha256=entry.sha256, allow_map=False,
+                          keep_local=True).close()
         except MalformedRecordError as exc:
             raise CheckpointError(str(exc), path=path) from exc
 

@@ -21,6 +21,11 @@
 
 Without room on this node's disk the checkpoint is written to the share directly
 and read back to hash it (logged); the next publication is then full.
+
+The private directories are `publish-<pid>-*` and `delta-<pid>-*`: a publisher
+killed mid-publication (SIGKILL, or the SIGTERM of a group's teardown: the trainer
+has no handler) leaves a whole model there, removed by the next publisher on the
+node once no process has that pid.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+import psutil
 
 from coordinator.storage import local_seal
 from coordinator.storage.fsio import ensure_dir, publish_bytes, remove_tree, rename
@@ -82,10 +89,27 @@ class Staged:
             remove_tree(self.deltas)
 
 
+_PRIVATE: Final = ("publish", "delta")  # the kinds of a publisher's private directories
+
+
+def private_dir(kind: str, parent: Path | None = None) -> Path:
+    """A new directory `<kind>-<pid>-<random>` in `parent` (TMPDIR when None), those of
+    every kind a killed publisher left there removed first (their pid gone: a whole
+    model each)."""
+    where = Path(tempfile.gettempdir()) if parent is None else parent
+    for old in (p for k in _PRIVATE for p in where.glob(f"{k}-*-*")):
+        owner = old.name.split("-")[1]
+        if owner.isdigit() and int(owner) != os.getpid() and not psutil.pid_exists(int(owner)):
+            remove_tree(old)
+            log.info("removed %s, left by a publisher (pid %s) killed mid-publication", old,
+                     owner)
+    return Path(tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}-", dir=where))
+
+
 def stage(tmp: Path, write: Callable[[Path], None]) -> Staged | None:
     """`write` into a new private directory on this node's disk; None when there is no
     room there: then written into `tmp` on the share directly (logged)."""
-    staging = Path(tempfile.mkdtemp(prefix="publish-"))
+    staging = private_dir("publish")
     try:
         write(staging)
     except OSError as exc:
@@ -137,7 +161,7 @@ def with_delta(staged: Staged, final_dir: Path, parent: Path | None,
     if found is None:
         return staged
     assert last is not None and parent is not None
-    deltas = Path(tempfile.mkdtemp(prefix="delta-", dir=staged.full.parent))
+    deltas = private_dir("delta", staged.full.parent)
     upload = dict(staged.upload)
     encoded: dict[str, delta.Encoded] = {}
     try:
@@ -189,8 +213,8 @@ def advance_kept(state: Mapping[str, Any] | None, dtype: str | None, final_dir: 
         log.info("%s: its delta is encoded from the checkpoint written whole, not from the "
                  "trainer's tensors: %s", final_dir.name, matched)
         return None
-    staging = Path(tempfile.mkdtemp(prefix="publish-"))
-    deltas = Path(tempfile.mkdtemp(prefix="delta-", dir=staging.parent))
+    staging = private_dir("publish")
+    deltas = private_dir("delta", staging.parent)
     try:
         side_files(staging)
         written = [rel for rel in list_files(staging) if rel.endswith(".safetensors")]

@@ -267,18 +267,31 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: Path, *, max_bytes: int | None = None) -> int:
+def open_regular(path: Path, *, max_bytes: int | None = None, keep_local: bool = False) -> int:
     """A read descriptor of a regular file: never a symlink, FIFO, device or directory.
 
     O_NONBLOCK makes the open of a planted FIFO return at once instead of
     waiting for a writer; on a regular file it changes nothing.
 
-    Beneath a bucket's root the object is fetched into the local path first.
+    Beneath a bucket's root the object is fetched into the node-local root first:
+    under a temporary name beside `path`, unlinked once open, so nothing stays on
+    the node's disk once the descriptor is closed (a checkpoint's files, a
+    training state's shards and a batch are read every iteration, and are
+    model-sized); with `keep_local`, into `path` itself, for a reader that opens
+    it by name after (trainer/local_view.py).
     """
+    target = path
     if (route := routed(path)) is not None:
-        route[0].download(route[1], path, max_bytes=max_bytes)
+        if not keep_local:
+            target = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+        route[0].download(route[1], target, max_bytes=max_bytes)
     STATS.count("open")
-    fd = beneath.open_file(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fd = beneath.open_file(target, os.O_RDONLY | os.O_NONBLOCK)
+    finally:
+        if target != path:
+            with contextlib.suppress(FileNotFoundError):
+                beneath.remove_tree(target)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

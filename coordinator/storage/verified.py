@@ -108,8 +108,9 @@ def _read_all(fd: int, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-def _attempt(path: Path, size: int, sha256: str, allow_map: bool, fresh: bool) -> Verified:
-    fd = fsio.open_regular(path)
+def _attempt(path: Path, size: int, sha256: str, allow_map: bool, fresh: bool,
+             keep_local: bool = False) -> Verified:
+    fd = fsio.open_regular(path, keep_local=keep_local)
     keep = False
     try:
         if fresh:
@@ -148,9 +149,10 @@ def _retryable(exc: BaseException) -> bool:
 
 def read_verified(
     path: Path, *, size: int, sha256: str, retry_s: float | None = None, allow_map: bool = True,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] = time.sleep, keep_local: bool = False,
 ) -> Verified:
-    """The file at `path` if it is exactly `size` bytes with this SHA-256.
+    """The file at `path` if it is exactly `size` bytes with this SHA-256 (beneath a
+    bucket's root, `keep_local` leaves the fetched file at `path`: fsio.open_regular).
 
     IntegrityError when it still differs after `retry_s` (None: fsio.read_retry);
     OSError (its path
@@ -159,7 +161,7 @@ def read_verified(
     """
     retry_s = fsio.read_retry(retry_s)
     try:
-        return _attempt(path, size, sha256, allow_map, fresh=False)
+        return _attempt(path, size, sha256, allow_map, fresh=False, keep_local=keep_local)
     except Exception as exc:
         if not _retryable(exc) or retry_s <= 0:
             raise _named(exc, path) from None
@@ -172,7 +174,7 @@ def read_verified(
             "re-reading %s: %s", path, state.outcome.exception() if state.outcome else "?"),
     )
     try:
-        return retrying(_attempt, path, size, sha256, allow_map, True)
+        return retrying(_attempt, path, size, sha256, allow_map, True, keep_local)
     except Exception as exc:
         raise _named(exc, path) from None
 

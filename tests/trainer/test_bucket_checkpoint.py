@@ -61,6 +61,9 @@ def test_a_checkpoint_in_a_bucket_is_published_by_its_manifest_and_verified_on_c
         theirs = load_file(tiny_model / "model.safetensors")
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        # The node's copy is the one local copy: what was fetched to make it is gone
+        # (model-sized, every iteration), no file left in the bucket's local root.
+        assert [p for p in reader.rglob("*") if p.is_file()] == []
         # Publishing the same content again is a no-op; other content is refused.
         again = tmp_sibling(reader / "checkpoints/iter-000000")
         (again / "model.safetensors").write_bytes(b"other weights")

@@ -392,6 +392,35 @@ def test_a_node_killed_while_applying_a_delta_makes_it_again_at_the_next_use(
     assert not [p for p in node.iterdir() if p.name.startswith(".iter-000001") and p.is_dir()]
 
 
+def test_a_publisher_killed_mid_publication_leaves_its_staging_to_the_next_one(
+        tmp_path: Path) -> None:
+    """The staged checkpoint (a whole model at real sizes) of a publisher SIGKILLed
+    before its upload is removed by the next publication on the node (its pid gone)."""
+    import tempfile
+
+    share, last = tmp_path / "share", tmp_path / "last"
+    publish(share, 0, weights(), last)
+    gate = tmp_path / "uploading"
+    kill_at(textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT)!r})
+        import trainer.publisher
+        def killed_here(*args, **kwargs):  # staged on this node's disk, not uploaded
+            Path({str(gate)!r}).write_text("uploading")
+            time.sleep(60)
+        trainer.publisher.upload = killed_here
+        from tests.trainer.test_delta import publish, step, weights
+        publish(Path({str(share)!r}), 1, step(weights(), 0.02, 1), Path({str(last)!r}),
+                parent=0)
+    """), gate, "the publisher of iteration 1")
+    node_tmp = Path(tempfile.gettempdir())  # the killed process's too (tests/trainer/conftest.py)
+    staged = [p.name for p in node_tmp.iterdir() if p.name.startswith(("publish-", "delta-"))]
+    assert staged, "the killed publisher staged nothing"
+    assert publish(share, 1, step(weights(), 0.02, 1), last, parent=0).delta is None  # no parent
+    assert not [p for p in node_tmp.iterdir() if p.name.startswith(("publish-", "delta-"))]
+
+
 def test_a_file_with_bytes_outside_its_tensors_is_no_file_a_delta_applies_to(
         tmp_path: Path) -> None:
     """The node checks the result by its tensors' digests alone: that decides the whole
