@@ -44,13 +44,15 @@ def readable(model_dir: Path) -> Iterator[Path]:
     root from a bucket, trainer/local_view.py), or a user's own directory as it is.
 
     A delta checkpoint is made whole in this process's TMPDIR (the run's node-local
-    .tmp/) under `policies/`, held while the block reads it, advanced in place from
-    the copy of its parent (the one a trainer of the last iteration loaded); the
-    other copies there go after: a trainer started each iteration keeps one model
-    on the node's disk, not one more per iteration."""
+    .tmp/) under `policies/`, held while the block reads it, from a clone of its
+    parent's copy (the one a trainer of the last iteration loaded; never advanced
+    in place: a process that loaded it may still map its file); the other copies
+    there go after (a removed file stays readable to whoever maps it): a trainer
+    started each iteration keeps one model on the node's disk, not one more per
+    iteration."""
     if trees.exists(model_dir / MANIFEST_NAME) and read_manifest(model_dir).delta is not None:
         cache = Path(tempfile.gettempdir()) / POLICIES
-        with held_copy(model_dir, cache, advance=True) as copy:
+        with held_copy(model_dir, cache) as copy:
             yield copy
         for old, gone in remove_others(cache, copy):
             log.info("%s %s", "removed the older policy copy" if gone

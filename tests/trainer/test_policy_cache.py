@@ -52,7 +52,7 @@ def test_a_trainer_on_each_iterations_delta_keeps_one_copy_on_the_nodes_disk(
         for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(),
                                 strict=True):
             assert torch.equal(a, b), (it, name)
-        # Made whole once, then advanced in place: one model on the disk.
+        # Made whole, then each from a clone of the last: one model left on the disk.
         assert copies(cache) == [f"iter-{it:06d}-{manifest.digest}"]
 
     # A copy another process reads stays (the next one is a clone of it), and goes
