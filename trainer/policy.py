@@ -10,6 +10,7 @@ ranks can be compared.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import math
@@ -34,45 +35,61 @@ from trainer.local_copy import held_copy, remove_others
 from trainer.local_view import local_view
 
 log = logging.getLogger("trainer")
-POLICIES: Final = "policies"  # under TMPDIR: the delta checkpoints a trainer loaded, made whole
+# Under TMPDIR: the checkpoint a trainer loaded as its policy, and as its reference.
+POLICIES: Final = "policies"
+REFERENCE: Final = "reference"
 
 
 @contextlib.contextmanager
-def readable(model_dir: Path) -> Iterator[Path]:
-    """A model directory checked and readable as local files while the block reads it:
-    a published checkpoint verified against its manifest (fetched to the node-local
-    root from a bucket, trainer/local_view.py), or a user's own directory as it is.
+def readable(model_dir: Path, cache: str = POLICIES) -> Iterator[Path]:
+    """A model directory checked and readable as local files while the block reads it.
 
-    A delta checkpoint is made whole in this process's TMPDIR (the run's node-local
-    .tmp/) under `policies/`, held while the block reads it, from a clone of its
-    parent's copy (the one a trainer of the last iteration loaded; never advanced
-    in place: a process that loaded it may still map its file); the other copies
-    there go after (a removed file stays readable to whoever maps it): a trainer
-    started each iteration keeps one model on the node's disk, not one more per
-    iteration."""
-    if trees.exists(model_dir / MANIFEST_NAME) and read_manifest(model_dir).delta is not None:
-        cache = Path(tempfile.gettempdir()) / POLICIES
-        with held_copy(model_dir, cache) as copy:
-            yield copy
-        for old, gone in remove_others(cache, copy):
-            log.info("%s %s", "removed the older policy copy" if gone
-                     else "kept the older policy copy another process reads:", old)
+    A published checkpoint (its manifest beside it) is copied into this process's
+    TMPDIR (the run's node-local .tmp/), under `cache`, hashed as it is copied
+    (trainer/local_copy.py): one read of the share per node, whatever the number of
+    local ranks (the first copies under the cache's lock, the others find it
+    sealed), where each rank used to read it twice, its check then its load.  A
+    delta checkpoint is made whole there, in a clone of its parent's copy (never
+    advanced in place: a process that loaded it may still map its file).  The copy
+    is held while the block reads it; the cache's other copies go after (a removed
+    file stays readable to whoever maps it): a trainer started each iteration keeps
+    one model there, not one more per iteration.  A full checkpoint with no room
+    for its copy is checked and read where it is (logged).  From a bucket, a full
+    checkpoint is fetched to the node-local root instead (trainer/local_view.py); a
+    user's own directory (no manifest) is read as it is."""
+    if not trees.exists(model_dir / MANIFEST_NAME):
+        if not model_dir.is_dir():
+            raise TrainError(f"model_dir {model_dir} does not exist")
+        yield model_dir
         return
-    if routing.routed(model_dir) is not None:
+    full = read_manifest(model_dir).delta is None
+    if full and routing.routed(model_dir) is not None:
         yield local_view(model_dir)
         return
-    if (model_dir / MANIFEST_NAME).exists():
-        verify_checkpoint(model_dir)
-    elif not model_dir.is_dir():
-        raise TrainError(f"model_dir {model_dir} does not exist")
-    yield model_dir
+    root = Path(tempfile.gettempdir()) / cache
+    with contextlib.ExitStack() as stack:
+        try:
+            copy = stack.enter_context(held_copy(model_dir, root))
+        except OSError as exc:
+            if not full or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.warning("no room in %s for a copy of %s (%s): checking it and reading it "
+                        "where it is, twice; give TMPDIR (or checkpoint.local_cache) room for "
+                        "one more model", root, model_dir, exc)
+            verify_checkpoint(model_dir)
+            yield model_dir
+            return
+        yield copy
+    for old, gone in remove_others(root, copy):
+        log.info("%s %s", "removed the older copy" if gone
+                 else "kept the older copy another process reads:", old)
 
 
-def load_model(model_dir: Path, ctx: DistContext,
-               dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def load_model(model_dir: Path, ctx: DistContext, dtype: torch.dtype = torch.float32,
+               cache: str = POLICIES) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with readable(model_dir) as files:
+    with readable(model_dir, cache) as files:
         # fp32 weights unless asked (train.param_dtype); FSDP2 casts to bf16 for compute.
         model = AutoModelForCausalLM.from_pretrained(
             files, dtype=dtype, local_files_only=True, use_safetensors=True
@@ -100,7 +117,8 @@ def load_policy(model_dir: Path, ctx: DistContext, *, trainable: bool,
     and its tokenizer.  Under FSDP2 each rank reads only its own shards
     (trainer/sharded_load.py); otherwise the whole model, wrapped for DDP."""
     if not (ctx.is_distributed and ctx.strategy == Strategy.FSDP2):
-        model, tokenizer = load_model(model_dir, ctx, dtype)
+        model, tokenizer = load_model(model_dir, ctx, dtype,
+                                      POLICIES if trainable else REFERENCE)
         model.train(trainable)
         if checkpointing:
             enable_checkpointing(model)
@@ -109,7 +127,7 @@ def load_policy(model_dir: Path, ctx: DistContext, *, trainable: bool,
 
     from trainer.sharded_load import load_sharded_model
 
-    with readable(model_dir) as files:
+    with readable(model_dir, POLICIES if trainable else REFERENCE) as files:
         wrapped = load_sharded_model(files, ctx, trainable=trainable, dtype=dtype,
                                      prepare=enable_checkpointing if checkpointing else None)
         tokenizer = AutoTokenizer.from_pretrained(files, local_files_only=True)
