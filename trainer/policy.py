@@ -116,9 +116,9 @@ def load_policy(model_dir: Path, ctx: DistContext, *, trainable: bool,
     """The model ready to train (or, not `trainable`, frozen for reference log-probs)
     and its tokenizer.  Under FSDP2 each rank reads only its own shards
     (trainer/sharded_load.py); otherwise the whole model, wrapped for DDP."""
+    cache = POLICIES if trainable else REFERENCE
     if not (ctx.is_distributed and ctx.strategy == Strategy.FSDP2):
-        model, tokenizer = load_model(model_dir, ctx, dtype,
-                                      POLICIES if trainable else REFERENCE)
+        model, tokenizer = load_model(model_dir, ctx, dtype, cache)
         model.train(trainable)
         if checkpointing:
             enable_checkpointing(model)
@@ -127,7 +127,7 @@ def load_policy(model_dir: Path, ctx: DistContext, *, trainable: bool,
 
     from trainer.sharded_load import load_sharded_model
 
-    with readable(model_dir, POLICIES if trainable else REFERENCE) as files:
+    with readable(model_dir, cache) as files:
         wrapped = load_sharded_model(files, ctx, trainable=trainable, dtype=dtype,
                                      prepare=enable_checkpointing if checkpointing else None)
         tokenizer = AutoTokenizer.from_pretrained(files, local_files_only=True)

@@ -21,7 +21,9 @@ subsystem, in front of OpenSSH's sftp-server, one process per mount.
     (or let_through() -> <gate>/pass)         forwards it
 
 Every other request, and every answer, is relayed unchanged, a whole packet at a
-time (SFTP: a 4-byte big-endian length, then a type byte and the body).  The gate
+time (SFTP: a 4-byte big-endian length, then a type byte and the body); while a
+rename is held, the requests after it from the same mount wait behind it, as a
+stalled file server's would.  The gate
 fires once.  This file runs with sshd's environment and the project's Python, and
 imports nothing from the project.
 """
