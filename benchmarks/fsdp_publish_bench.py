@@ -112,7 +112,6 @@ def worker(args: argparse.Namespace) -> None:
                 shutil.rmtree(share / "peer" / f"iter-{it - 1:06d}")
             rows.append(row)
     emit_row({"rank": ctx.rank, "rows": rows})
-    dist.destroy_process_group()
 
 
 def print_row(row: dict[str, Any], model_bytes: int) -> None:
@@ -189,7 +188,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         worker(args)
-        return
+        from trainer.distributed import exit_rank
+
+        exit_rank(0)  # leaves the group; why not a plain exit: its docstring
     if args.iterations < 2:
         ap.error("--iterations: at least 2 (a full publication, then deltas)")
     started = time.perf_counter()

@@ -122,8 +122,6 @@ def worker(args: argparse.Namespace) -> None:
     emit_row({"rank": ctx.rank, "load_peak": load_peak, "step_peak": step_peak,
               "step_s": step_s, "loss": float(out.loss.detach()), "max_logit_diff": diff,
               "max_logit": scale, "unequal_weights": unequal, **resident})
-    if ctx.is_distributed:
-        dist.destroy_process_group()
 
 
 def unequal_weights(model: Any, out_dir: Path, ctx: Any) -> list[str] | None:
@@ -208,7 +206,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         worker(args)
-        return 0
+        from trainer.distributed import exit_rank
+
+        exit_rank(0)  # leaves the group; why not a plain exit: its docstring
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():

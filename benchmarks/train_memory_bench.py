@@ -105,8 +105,6 @@ def worker(args: argparse.Namespace) -> None:
     emit_row({"rank": ctx.rank, "mode": args.mode, "checkpointing": args.checkpointing,
               "load_peak": load_peak, "ref_peak": ref_peak, "step_peak": step_peak,
               "local_bytes": local, "loss": float(out.loss)})
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def build_model(out: Path, *, hidden: int, intermediate: int, layers: int, heads: int) -> int:
@@ -176,7 +174,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args)
-        return
+        from trainer.distributed import exit_rank
+
+        exit_rank(0)  # leaves the group; why not a plain exit: its docstring
     with tempfile.TemporaryDirectory(prefix="train-memory-") as tmp:
         model = Path(tmp) / "model"
         size = build_model(model, hidden=args.hidden, intermediate=args.intermediate or

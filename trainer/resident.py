@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from trainer import worker
 from trainer.channel import SOCKET_ENV, TOKEN_ENV, Channel, ChannelClosed, connect
-from trainer.distributed import DistContext, env_int
+from trainer.distributed import DistContext, env_int, exit_rank
 from trainer.errors import TrainError
 from trainer.session import Session
 from trainer.train import prepare, train_iteration
@@ -168,4 +168,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())  # not sys.exit: a gloo worker thread can abort interpreter shutdown

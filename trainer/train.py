@@ -40,7 +40,6 @@ import contextlib
 import json
 import logging
 import random
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -62,6 +61,7 @@ from trainer.distributed import (
     DistContext,
     all_reduce,
     env_int,
+    exit_rank,
     unwrap,
 )
 from trainer.errors import TrainError
@@ -427,4 +427,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())  # not sys.exit: a gloo worker thread can abort interpreter shutdown

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 from trainer.config import TrainConfig
-from trainer.distributed import init_distributed
+from trainer.distributed import exit_rank, init_distributed
 from trainer.sharded_load import load_sharded_model, shard_rows
 
 model_dir = Path(sys.argv[1])
@@ -54,7 +54,7 @@ with torch.no_grad():
     same = torch.allclose(sharded(input_ids=ids).logits, whole(input_ids=ids).logits, atol=1e-5)
 emit_row({"rank": ctx.rank, "mismatched": mismatched, "same_logits": same,
           "params": len(reference)})
-torch.distributed.destroy_process_group()
+exit_rank(0)  # trainer/distributed.py: why not a plain exit
 """
 
 
@@ -64,7 +64,7 @@ from pathlib import Path
 import torch.distributed as dist
 from trainer.checkpoint import publish_checkpoint
 from trainer.config import TrainConfig
-from trainer.distributed import init_distributed, unwrap
+from trainer.distributed import exit_rank, init_distributed, unwrap
 from trainer.sharded_load import load_sharded_model
 from trainer.sharded_save import stage_sharded_weights
 
@@ -76,7 +76,7 @@ if ctx.rank == 0:
     publish_checkpoint(unwrap(model), None, out, iteration=5, carry_files_from=model_dir,
                        weights_from=staged)
 dist.barrier()
-dist.destroy_process_group()
+exit_rank(0)  # trainer/distributed.py: why not a plain exit
 """
 
 
@@ -87,7 +87,7 @@ import torch
 from safetensors.torch import load_file
 from benchmarks.train_memory_bench import emit_row
 from trainer.config import TrainConfig
-from trainer.distributed import init_distributed
+from trainer.distributed import exit_rank, init_distributed
 from trainer.sharded_load import load_sharded_model
 from trainer.sharded_save import gather_published
 
@@ -104,7 +104,7 @@ if ctx.rank == 0:
     row["cpu_bf16"] = all(t.device.type == "cpu" and t.dtype == torch.bfloat16
                           for t in gathered.values())
 emit_row(row)
-torch.distributed.destroy_process_group()
+exit_rank(0)  # trainer/distributed.py: why not a plain exit
 """
 
 
