@@ -38,6 +38,12 @@ one made after the old one went:
 
 A directory that vanishes under a daemon that holds it (a TMPDIR cleaner,
 `rm`) is named with that cause and made again at its next use.
+
+One whose last daemon was SIGKILLed stays: nothing tells a run abandoned from
+one between a kill and its restart, whose next daemon here reuses it.  Each
+daemon, as it adopts its run's directory, names the directories of other runs
+beside it that no live daemon holds, with their sizes (a WARNING), so that a
+person can remove those of finished runs.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ CHILD_TMP: Final = ".tmp"
 DIR_LOCK_TIMEOUT_S: Final = 120.0
 _LOCK_POLL_S: Final = 0.02
 _ATTEMPTS: Final = 5  # times a registration may find its directory removed under it
+_LISTED: Final = 5  # unheld directories of other runs named in the warning, at most
 _joined: dict[Path, PrivateDir] = {}  # the directories this process holds
 _anchor: list[Path] = []  # TMPDIR as this process found it (adopt points TMPDIR inside)
 _adopted: list[Path] = []  # the run directory whose .tmp is this process's TMPDIR
@@ -152,7 +159,58 @@ def adopt(run_id: str, local_cache: str = "") -> Path:
     _adopted.append(root)
     os.environ["TMPDIR"] = str(tmp)
     tempfile.tempdir = None  # this process's own temporary files follow
+    try:
+        warn_unheld_runs(root)
+    except OSError as exc:  # a hint for the operator: never a reason not to start
+        log.info("could not look for directories of other runs beside %s: %s", root, exc)
     return root
+
+
+def unheld_runs(root: Path) -> list[tuple[Path, int]]:
+    """The directories of other runs beside `root` (this run's, held) that no live
+    daemon holds, with the bytes of their files: each was left by a daemon killed
+    (SIGKILL, a lost node) as the last of its run on this node, or kept by
+    checkpoint.keep_local_cache.  Read-only: one of them may be a run between a kill
+    and its restart, whose next daemon here reuses it, so only a person may say it
+    is over.  A sibling without .holders is not a run's directory and is not looked at."""
+    found = []
+    for sibling in sorted(root.parent.iterdir()):
+        holders = sibling / HOLDERS
+        if sibling == root or sibling.is_symlink() or not holders.is_dir():
+            continue
+        try:
+            if any(_alive(name) for name in os.listdir(holders)):
+                continue
+        except OSError:  # removed meanwhile by its own run's daemon leaving
+            continue
+        found.append((sibling, _tree_bytes(sibling)))
+    return found
+
+
+def _tree_bytes(top: Path) -> int:
+    total = 0
+    for where, _, files in os.walk(top):  # never into a symlinked directory
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(where, name)).st_size
+    return total
+
+
+def warn_unheld_runs(root: Path) -> None:
+    """Log the directories of runs no daemon holds beside `root`, with their sizes and
+    what to do: a run abandoned after SIGKILL keeps its copies of whole models here."""
+    unheld = unheld_runs(root)
+    if not unheld:
+        return
+    total = sum(size for _, size in unheld)
+    listed = ", ".join(f"{path} ({size / 2**20:,.1f} MiB)" for path, size in unheld[:_LISTED])
+    more = f" and {len(unheld) - _LISTED} more" if len(unheld) > _LISTED else ""
+    count = "1 directory" if len(unheld) == 1 else f"{len(unheld)} directories"
+    log.warning("this node keeps %s of runs that no daemon holds, %s MiB in all: %s%s. "
+                "Each was left by a daemon killed as the last of its run on this node "
+                "(SIGKILL, a lost node), or kept by checkpoint.keep_local_cache; a run's next "
+                "daemon here reuses its own. Remove those of finished runs (rm -rf DIR), or "
+                "give each job its own TMPDIR", count, f"{total / 2**20:,.1f}", listed, more)
 
 
 def lock_dir(root: Path) -> Path:
@@ -309,16 +367,20 @@ def _me() -> str:
     return f"{me.pid}-{int(me.create_time() * 1000)}"
 
 
+def _alive(holder: str) -> bool:
+    """Whether the process a holder's name (<pid>-<start time in ms>) names still runs."""
+    pid, _, started = holder.partition("-")
+    try:
+        return int(started) == int(psutil.Process(int(pid)).create_time() * 1000)
+    except (ValueError, psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
 def _live_holders(holders: int) -> list[str]:
     """The live holders registered in the directory `holders`; stale ones removed."""
     live = []
     for name in os.listdir(holders):
-        pid, _, started = name.partition("-")
-        try:
-            alive = int(started) == int(psutil.Process(int(pid)).create_time() * 1000)
-        except (ValueError, psutil.NoSuchProcess, psutil.AccessDenied):
-            alive = False
-        if alive:
+        if _alive(name):
             live.append(name)
         else:
             with contextlib.suppress(FileNotFoundError):  # another leaver removed it first

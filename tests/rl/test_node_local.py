@@ -7,9 +7,11 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -314,3 +316,67 @@ def test_daemons_leaving_at_once_remove_the_directory_once_and_quietly(
 
 
 ROUNDS = 10  # the race hit old code in most rounds on the 2-core machine
+
+
+# --- Directories of runs that no daemon holds any more --------------------------------
+
+KILLED_RUN, LIVE_RUN = "aaaaaaaaaaaa", "bbbbbbbbbbbb"
+
+
+def _hold_and_wait(run_id: str, ready: Any, size: int) -> None:
+    root = node_local.run_root(run_id)
+    (root / "iter-000001-abc").mkdir()
+    (root / "iter-000001-abc" / "model.safetensors").write_bytes(b"\0" * size)
+    ready.set()
+    time.sleep(CHILD_TIMEOUT_S)  # until the test kills it
+    os._exit(0)
+
+
+def _adopt_and_count(report: Path) -> None:
+    caught = _quiet_or_fail()
+    node_local.adopt(RUN_ID)
+    report.write_text("\n".join(record.getMessage() for record in caught))
+    os._exit(0)
+
+
+def test_a_run_whose_last_daemon_was_killed_is_named_with_its_size_and_kept(
+        own_tmpdir: Path) -> None:
+    """A daemon SIGKILLed as the last of its run on this node cannot remove its
+    directory (whole models).  The next daemon of any run to start here names it with
+    its size and what to do, and leaves it: it may be a run between a kill and its
+    restart.  Directories a live daemon holds, and others that are no run's, are not
+    named."""
+    ready_killed, ready_live = FORK.Event(), FORK.Event()
+    killed = FORK.Process(target=_hold_and_wait, args=(KILLED_RUN, ready_killed, 3 << 20))
+    live = FORK.Process(target=_hold_and_wait, args=(LIVE_RUN, ready_live, 1 << 20))
+    killed.start()
+    live.start()
+    try:
+        assert ready_killed.wait(CHILD_TIMEOUT_S) and ready_live.wait(CHILD_TIMEOUT_S)
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.join(CHILD_TIMEOUT_S)
+        base = own_tmpdir / f"coordinator-{os.getuid()}"
+        (base / "notes").mkdir()  # the user's own, not a run's: no .holders
+        report = own_tmpdir / "warnings"
+        adopter = FORK.Process(target=_adopt_and_count, args=(report,))
+        adopter.start()
+        assert _finish(adopter) == 0
+        (warning,) = report.read_text().splitlines()
+        assert warning.startswith(
+            f"this node keeps 1 directory of runs that no daemon holds, 3.0 MiB in all: "
+            f"{base / KILLED_RUN} (3.0 MiB). Each was left by a daemon killed as the last of "
+            "its run on this node"), warning
+        assert "Remove those of finished runs (rm -rf DIR)" in warning
+        assert (base / KILLED_RUN / "iter-000001-abc" / "model.safetensors").is_file()
+        # Once the other run's daemon is gone too, both are named; nothing is removed.
+        live.kill()
+        live.join(CHILD_TIMEOUT_S)
+        root = node_local.run_root(RUN_ID)
+        assert [(p.name, size) for p, size in node_local.unheld_runs(root)] == [
+            (KILLED_RUN, 3 << 20), (LIVE_RUN, 1 << 20)]
+        assert (base / LIVE_RUN).is_dir() and (base / KILLED_RUN).is_dir()
+    finally:
+        for proc in (killed, live):
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
