@@ -96,12 +96,12 @@ def exit_rank(code: int) -> NoReturn:
     that asks for the GIL once the main thread is finalizing the interpreter is ended
     by Python inside a C++ destructor, and the C++ runtime aborts the process: SIGABRT,
     "terminate called without an active exception", after every step succeeded, so
-    torchrun reports the rank failed.  Seen in CI and in 1 of about 150 three-rank
+    torchrun reports the rank failed.  Seen in CI and in 1 of about 175 three-rank
     saves here; the core showed ProcessGroupGloo::runLoop freeing an AsyncBarrierWork,
     blocked in take_gil, while the main thread ran Py_FinalizeEx (PyTorch has no fix:
-    pytorch/pytorch#179291 was abandoned).  `os._exit` ends every thread at once: a
-    rank's files are closed and fsynced by the code that wrote them, and a trainer
-    registers no atexit handler."""
+    pytorch/pytorch#179291 was abandoned).  `os._exit` ends every thread at once: the
+    code that writes a rank's files closes them (what was written stays with the
+    kernel, however the process ends), and a trainer registers no atexit handler."""
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

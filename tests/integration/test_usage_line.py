@@ -4,6 +4,7 @@ this machine, the tiny model built on the spot, two iterations that learn."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -29,8 +30,13 @@ def test_the_usage_line_as_the_readme_writes_it_trains_every_iteration_and_learn
                                          ["coordinator", "run", "--worker"],
                                          ["coordinator", "run", "--worker"]]
     assert not any(a in ("--config", "--set") for c in commands for a in c)
+    # The nodes' own temporary directory, as a Slurm job's: what the suite's other tests
+    # left in /tmp (runs whose daemons they SIGKILLed, which a daemon names at WARNING
+    # as it starts) is not this run's.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     # Measured 43 s on the 2-core machine (model built, 2 iterations); room for CI.
-    done = run_nodes(commands, cwd=tmp_path, timeout_s=300)
+    done = run_nodes(commands, cwd=tmp_path, timeout_s=300, env={"TMPDIR": str(tmp)})
     assert done.codes == {0: 0, 1: 0, 2: 0}, {r: t[-3000:] for r, t in done.logs.items()}
     rewards = []
     for it in (0, 1):
@@ -53,6 +59,8 @@ def test_the_usage_line_as_the_readme_writes_it_trains_every_iteration_and_learn
         loud = [line for line in log.splitlines()
                 if re.search(r" (WARNING|ERROR|CRITICAL) ", line)]
         assert loud == [], loud
+    # The last daemon of the run on this node removed its directory there (the copies).
+    assert not (tmp / f"coordinator-{os.getuid()}").exists(), sorted(tmp.rglob("*"))[:20]
     status = subprocess.run([coordinator(), "status", "--run-dir", str(run), "--json"],
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
