@@ -191,7 +191,8 @@ def _tree_bytes(top: Path) -> int:
     total = 0
     for where, _, files in os.walk(top):  # never into a symlinked directory
         for name in files:
-            with contextlib.suppress(OSError):
+            # Removed meanwhile by its own run's daemon leaving: it no longer counts.
+            with contextlib.suppress(FileNotFoundError):
                 total += os.lstat(os.path.join(where, name)).st_size
     return total
 

@@ -105,11 +105,14 @@ def exit_rank(code: int) -> NoReturn:
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # leaving after a failure must not mask its exit code
+        except Exception:  # a peer already gone (its connection reset): logged, and
+            # the exit code, which says what failed first, is kept
             log.warning("leaving the process group failed", exc_info=True)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a closed pipe: nothing left to tell
+        # The reader of a pipe gone (BrokenPipeError) or the stream closed (ValueError):
+        # nothing is left to tell, and the exit code still says what happened.
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
 
