@@ -241,30 +241,42 @@ def node_lock(directory: Path, name: str, *, timeout_s: float, what: str) -> Ite
 
     filelock makes a missing parent directory again (with the umask's mode): a
     directory that vanished between our look and the lock is told apart by its
-    inode, what filelock made is removed, and the vanishing is named."""
+    inode, what filelock made is removed, and the vanishing is named.  The look is
+    an open descriptor, held until the lock is checked: a removed directory's inode
+    number is free for the next one made (ext4 and overlayfs give it again at once),
+    unless something still holds it open."""
     path = directory / f"{name}.lock"
     try:
-        before = os.stat(directory, follow_symlinks=False)
+        held = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise vanished(directory.parent) from None
-    lock = filelock.FileLock(path, mode=0o600, timeout=timeout_s)
-    try:
-        lock.acquire()
-    except filelock.Timeout:
-        raise ActionError(
-            f"waited {timeout_s:g} s for another process on this node to finish {what} "
-            f"(lock file {path}): is a daemon of this run stuck?") from None
     except OSError as exc:
-        raise local_disk_error(exc, path) from None
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise ActionError(
+                f"{directory} is no longer a directory (a symlink or a file took its place): "
+                "this node's locks are never taken through one; remove it, and the run's "
+                "daemons make it again") from None
+        raise local_disk_error(exc, directory) from None
     try:
-        after = os.stat(directory, follow_symlinks=False)
-        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        lock = filelock.FileLock(path, mode=0o600, timeout=timeout_s)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise ActionError(
+                f"waited {timeout_s:g} s for another process on this node to finish {what} "
+                f"(lock file {path}): is a daemon of this run stuck?") from None
+        except OSError as exc:
+            raise local_disk_error(exc, path) from None
+        if not private_dir.same_directory(held, directory):
             lock.release()
             # Only filelock's lock file can be in a directory made a moment ago.
             with contextlib.suppress(OSError):
                 path.unlink()
                 directory.rmdir()
             raise vanished(directory.parent)
+    finally:
+        os.close(held)
+    try:
         yield
     finally:
         lock.release()
