@@ -66,17 +66,40 @@ def warm_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def temp_dir_untouched() -> Iterator[None]:
-    """No test may leave the suite's process another temporary directory: every
-    subprocess a later test starts would inherit it (rl/node_local.py changes
-    TMPDIR only in a daemon's own process)."""
-    import os
+def own_tmpdir_for_children() -> Iterator[Path]:
+    """Each test's child processes (daemons, engines, trainers) get a TMPDIR of that
+    test's own, removed after it, as a Slurm job's is at its end.
+
+    A daemon keeps the run's node-local directory under TMPDIR
+    (`coordinator-<uid>/<run id>/`, rl/node_local.py); one killed with SIGKILL, as many
+    tests do, leaves it behind by design, and the next daemon on that TMPDIR names it
+    in a WARNING.  With the machine's /tmp shared by the whole suite, one CI run left 91
+    such directories (15 MB) there, and a test that requires a clean finish to say
+    nothing at WARNING failed on another test's leftovers.
+
+    This process's own temporary directory (pytest's tmp_path, in-process code) stays
+    the machine's; tests that need both on one directory set it themselves
+    (tests/trainer/conftest.py).  Short, under /tmp: vLLM binds Unix sockets beneath it.
+    No test may leave the suite's process another TMPDIR, since every subprocess a later
+    test starts would inherit it (rl/node_local.py changes it only in a daemon's own
+    process)."""
+    import shutil
     import tempfile
 
     before = os.environ.get("TMPDIR"), tempfile.gettempdir()
-    yield
-    after = os.environ.get("TMPDIR"), tempfile.gettempdir()
-    assert after == before, f"this test changed the process's TMPDIR: {before} -> {after}"
+    own = Path(tempfile.mkdtemp(prefix="ct-", dir="/tmp"))
+    os.environ["TMPDIR"] = str(own)
+    try:
+        yield own
+        after = os.environ.get("TMPDIR"), tempfile.gettempdir()
+        assert after == (str(own), before[1]), (
+            f"this test changed the process's TMPDIR: {(str(own), before[1])} -> {after}")
+    finally:
+        if before[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before[0]
+        shutil.rmtree(own, ignore_errors=True)
 
 
 # Module scope, not session: a server must not outlive the modules that use it
