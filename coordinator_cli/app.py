@@ -183,7 +183,10 @@ def show_config(
 def status(
     run_dir: RunDir = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-    window: Annotated[float, typer.Option(help="Seconds to watch heartbeats advance (0: one read).")] = 0.0,
+    window: Annotated[float, typer.Option(help=(
+        "Seconds to watch heartbeats advance (0: one read). Shorter than the run's heartbeat "
+        "interval + 1 s, a rank seen not beating is judged by its heartbeat's age against "
+        "the lease, as with 0."))] = 0.0,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until every daemon has stopped.")] = False,
     interval: Annotated[float, typer.Option(help="With --watch: seconds between refreshes.")] = 2.0,
 ) -> None:

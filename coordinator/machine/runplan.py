@@ -34,7 +34,7 @@ from coordinator.errors import UsageError
 from coordinator.machine import finished, membership, refusal
 from coordinator.machine.actions import kind, node_local_keys, resolve_config
 from coordinator.machine.polling import Backoff
-from coordinator.ops.status import collect
+from coordinator.ops.status import BEAT_SLACK_S, collect
 from coordinator.records import layout
 from coordinator.records.records import Manifest, Weights
 from coordinator.storage import fsio
@@ -169,7 +169,7 @@ def _resume(existing: Manifest, config: RunConfig, num_nodes: int,
 
 
 def _archive(run_dir: Path, old: Manifest, config: RunConfig) -> None:
-    report = collect(run_dir, window_s=config.coordination.heartbeat_interval_s + 1.0)
+    report = collect(run_dir, window_s=config.coordination.heartbeat_interval_s + BEAT_SLACK_S)
     live = report.live()
     if live:
         who = ", ".join(f"rank {r.rank} (pid {r.pid} on {r.host})" for r in live)

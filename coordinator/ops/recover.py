@@ -27,7 +27,7 @@ from coordinator import routing
 from coordinator.config.run_config import RunConfig
 from coordinator.errors import UsageError
 from coordinator.machine.actions import kind, resolve_config
-from coordinator.ops.status import collect
+from coordinator.ops.status import BEAT_SLACK_S, collect
 from coordinator.records import layout
 from coordinator.records.bounds import MAX_ITERATIONS
 from coordinator.records.phases import Phase
@@ -115,7 +115,7 @@ def plan(run_dir: Path, iteration: int, *, force: bool, window_s: float | None) 
             f"--iteration {iteration} was never reached by run {manifest.run_id} (it got as far as "
             f"iteration {furthest}): give an iteration between 0 and {max(furthest, 0)}"
         )
-    live = _live_daemons(run_dir, config.coordination.heartbeat_interval_s + 1.0
+    live = _live_daemons(run_dir, config.coordination.heartbeat_interval_s + BEAT_SLACK_S
                          if window_s is None else window_s)
     if live and not force:
         raise UsageError(

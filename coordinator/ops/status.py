@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from coordinator import routing
+from coordinator.config.run_config import CoordinationConfig
 from coordinator.errors import MalformedRecordError, UsageError
 from coordinator.machine import daemon_log
 from coordinator.machine.actions import kind
@@ -56,6 +57,9 @@ class RankState(str, enum.Enum):
 
 
 _LIVE: Final = tuple(RankState(s.value) for s in LIVE_STATES)
+# A window that sees every live rank beat again: its heartbeat interval and this much
+# (a beat's write, a loaded node).
+BEAT_SLACK_S: Final = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,7 +140,13 @@ def collect(run_dir: Path, *, window_s: float = 0.0, lease_s: float | None = Non
     if manifest is None:
         return StatusReport(run_dir=run_dir, manifest=None, session=None, ranks=(),
                             last_error=None, problems=tuple(_safe.problems.values()))
-    lease = lease_s or float(manifest.config.get("coordination", {}).get("lease_s", 15.0))
+    coordination = manifest.config.get("coordination", {})
+    defaults = CoordinationConfig()
+    lease = lease_s or float(coordination.get("lease_s", defaults.lease_s))
+    # A window shorter than a beat and its slack may see no new beat from a rank that
+    # is alive: only a counter that moved is evidence then, one that did not is not.
+    conclusive = window_s >= float(coordination.get(
+        "heartbeat_interval_s", defaults.heartbeat_interval_s)) + BEAT_SLACK_S
     ranks = range(manifest.num_nodes)
     first = {r: _safe(layout.heartbeat(r), Heartbeat) for r in ranks}
     second = first
@@ -155,8 +165,9 @@ def collect(run_dir: Path, *, window_s: float = 0.0, lease_s: float | None = Non
         before = first[r]
         advancing = None
         if window_s > 0:
-            advancing = before is not None and before.token == hb.token and \
+            moved = before is not None and before.token == hb.token and \
                 hb.counter != before.counter
+            advancing = True if moved else (False if conclusive else None)
         age = max(0.0, now - hb.wall_time)
         state = RankState(hb.state.value)
         live = state in _LIVE

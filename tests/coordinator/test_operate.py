@@ -70,3 +70,39 @@ def test_timeline_skips_malformed_timing_records_and_refuses_a_bad_format(
                            str(c.run_dir), "--out", str(tmp_path / "t.svg")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "give a file ending in .png or .html" in done.stderr
+
+
+def test_status_over_a_window_shorter_than_a_beat_never_calls_a_live_rank_lost(
+        tmp_path: Path) -> None:
+    """A rank beats every 2 s here; `status --window 0.5` often sees no new beat from
+    it.  That is no evidence: it stays running (judged by its age against the lease),
+    where it used to be shown lost, and `--watch --interval 0.5` ended on "every daemon
+    has stopped (lost)".  A window of the beat and its slack still finds a killed
+    rank lost at once."""
+    config = write_config(tmp_path / "c.toml", iterations=1, lease=8.0,
+                          scripted='sleeps = ["0:0:5:60"]')
+    config.write_text(config.read_text().replace("heartbeat_interval_s = 0.5",
+                                                 "heartbeat_interval_s = 2.0"))
+    c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=1, config=config)
+
+    def status(window: float) -> dict[str, object]:
+        done = subprocess.run(
+            [sys.executable, "-m", "coordinator_cli", "status", "--run-dir", str(c.run_dir),
+             "--json", "--window", str(window)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        rank: dict[str, object] = json.loads(done.stdout)["ranks"][0]
+        return rank
+
+    try:
+        c.start_all()
+        c.wait_until(lambda: c.at_phase(0, 0, 5), 60, "the master asleep in phase 5")
+        seen = [status(0.5) for _ in range(4)]
+        # Each window of 0.5 s sees one of the 2 s beats about a quarter of the time:
+        # all four see one about once in 250 runs.  A window that saw none is undecided.
+        assert {r["state"] for r in seen} == {"running"}, seen
+        assert {r["advancing"] for r in seen} <= {True, None}, seen
+        c.kill(0)
+        dead = status(3.0)  # the beat (2 s) and its slack (1 s): conclusive
+        assert dead["state"] == "lost" and dead["advancing"] is False, dead
+    finally:
+        c.close()
