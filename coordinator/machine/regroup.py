@@ -275,7 +275,10 @@ def rejoin_later(back: Sequence[int], carried: Session | None, *,
 def incident_from_members(beats: Mapping[int, Heartbeat], previous_master: Heartbeat | None,
                           ) -> Incident | None:
     """A restarted master's view of the failure: members still regrouping say it was
-    lost, and where (its previous incarnation's last heartbeat)."""
+    lost, and where (its previous incarnation's last heartbeat).  The failure came
+    after that heartbeat, which therefore dates it: the member's own heartbeat is
+    only as old as its last beat (seconds, however long the master was gone), and
+    `resumed_after_s` counted from it said the group had waited that little."""
     waiting = sorted((r, hb) for r, hb in beats.items()
                      if r != 0 and hb.state is NodeState.REGROUPING)
     if not waiting:
@@ -285,7 +288,7 @@ def incident_from_members(beats: Mapping[int, Heartbeat], previous_master: Heart
     return Incident(rank=0, host=previous_master.host if previous_master else "?",
                     iteration=where.iteration, phase=where.phase,
                     cause=(hb.error or "the master was lost")[:MAX_CAUSE_CHARS],
-                    detected_by=rank, detected_at=hb.wall_time)
+                    detected_by=rank, detected_at=where.wall_time)
 
 
 def rejoin_timeout(what: str, timeout_s: float) -> PeerLostError:

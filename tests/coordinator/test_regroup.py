@@ -42,11 +42,13 @@ def test_killed_daemons_restarted_alone_rejoin_and_the_run_completes(tmp_path: P
                           scripted=f"sleeps = [{sleeps}]", on_failure="wait")
     c = LocalCluster(tmp_path / "run", tmp_path, num_nodes=3, config=config)
     resumed: list[float] = []
+    killed_at: list[float] = []
     try:
         c.start_all()
         for n, (it, victim, phase, delay) in enumerate(KILLS, start=1):
             c.wait_until(lambda it=it, v=victim, p=phase: c.at_phase(v, it, p, "running"), 120,
                          f"rank {victim} in iteration {it} phase {phase}")
+            killed_at.append(time.time())
             c.kill(victim)
             survivors = {r: c.procs[r] for r in range(3) if r != victim}
             time.sleep(delay)
@@ -71,6 +73,13 @@ def test_killed_daemons_restarted_alone_rejoin_and_the_run_completes(tmp_path: P
         assert h["members"].keys() == {"0", "1", "2"}
         assert int(phase) in h["pending"][str(victim)], h  # the killed action runs again
         assert 0 <= h["resumed_after_s"] < 120
+    # A restarted master dates the failure by its predecessor's last heartbeat (before
+    # the kill): the outage it records spans the restart's delay.  Counted from a
+    # regrouping worker's latest beat, as it was, it came out under a beat (0.5 s).
+    for h, (_, victim, _, delay), killed in zip(history, KILLS, killed_at, strict=True):
+        if victim == 0:
+            assert h["detected_at"] <= killed, (h, killed)
+            assert h["resumed_after_s"] >= delay, (h, delay)
 
     # Nothing that completed was redone, but the killed action and, when a rank
     # died in training (a collective step), the survivors' training with it.
