@@ -191,6 +191,8 @@ class Doctor:
                     trips = out.trips[kind].setdefault(rank, [])
                     if answer.listed:  # a list probe the listing did not show has no lag
                         trips.append(trip)
+                    else:
+                        out.unlisted[rank] = out.unlisted.get(rank, 0) + 1
                     out.reach[rank] = answer.reach
                     # It answered between our publish and our read: the midpoint; the
                     # shortest round trip is the least uncertain (as NTP takes it).

@@ -9,6 +9,7 @@ to the verdict table every node prints, with each slow lag's likely cause and fi
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from pathlib import Path
 from typing import ClassVar, Final
@@ -95,7 +96,9 @@ class Probed:
     trips: dict[str, dict[int, list[float]]]  # round trips, in seconds
     reach: dict[int, str] = dataclasses.field(default_factory=dict)  # "" or what failed
     clock_offset: dict[int, float] = dataclasses.field(default_factory=dict)  # seconds
-    failure: str = ""  # a probe not seen in time
+    # Per rank: list probes it answered whose file its listing did not show in time.
+    unlisted: dict[int, int] = dataclasses.field(default_factory=dict)
+    failure: str = ""  # a probe not seen in time (the probes after it were not made)
     exclusive: str = ""  # what went wrong with the exclusive create, or ""
 
 
@@ -109,13 +112,14 @@ def judge(nodes: dict[int, DoctorNode], probed: Probed, *, run_dir: Path, addres
              + (f"; {probed.failure}" if probed.failure else "")]
     for kind in KINDS:
         for rank, values in sorted(probed.trips[kind].items()):
-            if len(values) < ROUNDS_PER_KIND:  # list probes the listing did not show
+            unlisted = probed.unlisted.get(rank, 0) if kind == "list" else 0
+            if unlisted:
                 lines.append(f"INFO {kind:<7} rank {rank} ({nodes[rank].host}): "
-                             f"{ROUNDS_PER_KIND - len(values)} of {ROUNDS_PER_KIND} new "
-                             f"files did not show in a listing within {LIST_WAIT_S:g} s; "
+                             f"{unlisted} of {unlisted + len(values)} new files did not "
+                             f"show in a listing within {LIST_WAIT_S:g} s; "
                              f"{SLOW_FIX['list']}")
-                if not values:
-                    continue
+            if not values:
+                continue
             lag = statistics.median(values) / 2
             # A new file: one late probe is the cache of failed lookups at work.
             slow = (max(values) if kind == "new" else statistics.median(values)) / 2 \
@@ -153,7 +157,14 @@ def judge(nodes: dict[int, DoctorNode], probed: Probed, *, run_dir: Path, addres
             continue
         enough = node.free_bytes >= need_bytes
         lines.append(f"{'OK  ' if enough else 'WARN'} space   rank {rank}: "
-                     f"{node.free_bytes / 2**30:.1f} GiB free in the run directory"
-                     + ("" if enough else f", below the {need_bytes / 2**30:.0f} GiB "
+                     f"{_gib(node.free_bytes, enough)} GiB free in the run directory"
+                     + ("" if enough else f", below the {need_bytes / 2**30:g} GiB "
                         "asked for (--need-gb): checkpoints and trajectories may not fit"))
     return lines, ok
+
+
+def _gib(free: int, enough: bool) -> str:
+    """Free space in GiB to one decimal; rounded down when short of the need, so that
+    19.96 GiB against 20 reads 19.9, never a 20.0 that would seem to meet it."""
+    tenths = free / 2**30 * 10
+    return f"{(round(tenths) if enough else math.floor(tenths)) / 10:.1f}"

@@ -7,7 +7,9 @@
 - three nodes given three different local directories under the same path
   (one mount namespace each, a bind mount of its own directory): every one
   exits 3 within its timeout, naming who it could not see;
-- mount options read from mountinfo text: each risky one explained with its fix.
+- mount options read from mountinfo text: each risky one explained with its fix;
+- the verdict's lines from given measurements: a listing that missed, a round
+  broken off, free space short of the need.
 """
 
 from __future__ import annotations
@@ -128,3 +130,37 @@ def test_doctor_reports_a_mount_with_negative_lookups_cached_with_its_fix(
     assert ok, text
     assert "WARN mount   rank 0: NFS caches negative lookups" in text
     assert "fix: mount with lookupcache=positive" in text
+
+
+def test_the_verdict_names_only_listings_that_missed_and_never_rounds_a_shortfall_away() -> None:
+    """The verdict's figures from what the probes measured (doctor_verdict.judge).  A
+    round broken off by a probe not seen in time leaves later probes unmade: that is
+    the FAIL line's to say, not a listing that missed (every kind's short row was once
+    reported as "did not show in a listing").  A list probe answered as unlisted is
+    counted as such.  Free space short of --need-gb never rounds up to meet it."""
+    from coordinator.ops.doctor_verdict import DoctorNode, Probed, judge
+
+    nodes = {r: DoctorNode(rank=r, nonce="n", host=f"h{r}", pid=1, mount="nfs4 /x",
+                           free_bytes=int(19.96 * 2**30), risks=()) for r in range(3)}
+    broken = Probed(trips={"replace": {1: [0.01, 0.01], 2: [0.01]}, "new": {1: [0.01], 2: [0.01]},
+                           "list": {1: [0.02], 2: [0.02]}},
+                    reach={1: "", 2: ""}, clock_offset={1: 0.0, 2: 0.0},
+                    failure="rank(s) [2] did not see probe 4 (replace) within 60 s")
+    lines, ok = judge(nodes, broken, run_dir=Path("/x"), address="10.0.0.1",
+                      need_bytes=20 * 2**30)
+    assert not ok and lines[0].startswith("FAIL shared") and "probe 4" in lines[0]
+    assert not [line for line in lines if "listing" in line], lines
+    assert "WARN space   rank 0: 19.9 GiB free in the run directory, below the 20 GiB asked " \
+        "for" in "\n".join(lines)
+
+    unlisted = Probed(trips={"replace": {1: [0.01, 0.01]}, "new": {1: [0.01, 0.01]},
+                             "list": {1: [0.02]}},
+                      unlisted={1: 1}, reach={1: ""}, clock_offset={1: 0.0})
+    lines, ok = judge({r: nodes[r] for r in (0, 1)}, unlisted, run_dir=Path("/x"),
+                      address="10.0.0.1", need_bytes=int(0.5 * 2**30))
+    assert ok, lines
+    missed = [line for line in lines if "listing" in line]
+    assert missed == [line for line in missed if line.startswith("INFO list    rank 1 (h1): "
+                                                                  "1 of 2 new files")], lines
+    assert len(missed) == 1, lines
+    assert "OK   space   rank 0: 20.0 GiB free" in "\n".join(lines)
