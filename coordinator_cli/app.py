@@ -283,7 +283,8 @@ def timeline(
         raise report(exc) from None
     iterations = len({s.iteration for s in drawn.spans})
     typer.echo(f"wrote {out}: {drawn.num_nodes} ranks, {iterations} iterations, "
-               f"{len(drawn.recoveries)} recoveries"
+               + ("recoveries unknown (recoveries.json unreadable)" if drawn.recoveries_unread
+                  else f"{len(drawn.recoveries)} recoveries")
                + (f", {drawn.skipped} unreadable timing files skipped" if drawn.skipped else ""))
 
 

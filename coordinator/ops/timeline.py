@@ -66,6 +66,9 @@ class Timeline:
     spans: tuple[Span, ...]
     recoveries: tuple[Recovery, ...]
     skipped: int  # timing files that were malformed or from another run
+    # Why recoveries.json could not be read ("" when it was, or is absent): then
+    # `recoveries` is empty for want of the record, not for want of recoveries.
+    recoveries_unread: str = ""
 
     @property
     def origin(self) -> float:
@@ -137,13 +140,14 @@ def load(run_dir: Path) -> Timeline:
     if not spans:
         raise UsageError(f"run {manifest.run_id} in {routing.display(run_dir)} has no timing records yet: each "
                          "rank writes one when it completes an iteration")
+    unread = ""
     try:
         recoveries = read_log(store, manifest.run_id, retry_s=2.0).recoveries
     except MalformedRecordError as exc:
         log.warning("drawing no recoveries: %s", exc)
-        recoveries, skipped = (), skipped + 1
+        recoveries, unread = (), str(exc)
     return Timeline(run_id=manifest.run_id, num_nodes=manifest.num_nodes, spans=tuple(spans),
-                    recoveries=recoveries, skipped=skipped)
+                    recoveries=recoveries, skipped=skipped, recoveries_unread=unread)
 
 
 def write(timeline: Timeline, out: Path) -> None:
@@ -246,14 +250,24 @@ def _html(timeline: Timeline) -> str:
                      f'display:inline-block">{html.escape(p.label)}</span>'
                      for p in Phase)
     rows = []
+    # A rank publishes its timings when it completes an iteration: one a recovery
+    # resumed counts only the work after it (phases done before are skipped, ~0 s).
+    resumed: dict[int, list[int]] = {}
+    for r in timeline.recoveries:
+        resumed.setdefault(r.resume_iteration, []).append(r.number)
     for it, per_rank in sorted(timeline.iteration_totals().items()):
         slowest = max(per_rank, key=lambda r: per_rank[r])
         red = ' style="color:#b00"'
         cells = "".join(f"<td{red if r == slowest else ''}>{per_rank[r]:.2f} s</td>"
                         if r in per_rank else "<td>-</td>" for r in range(timeline.num_nodes))
-        rows.append(f"<tr><td>{it}</td>{cells}<td>rank {slowest}</td></tr>")
+        note = (f" (resumed by recovery {', '.join(map(str, resumed[it]))}: only the work "
+                "after it is counted)" if it in resumed else "")
+        rows.append(f"<tr><td>{it}{note}</td>{cells}<td>rank {slowest}</td></tr>")
     head = "".join(f"<th>rank {r}</th>" for r in range(timeline.num_nodes))
     recoveries = "".join(f"<li>{html.escape(r.describe())}</li>" for r in timeline.recoveries)
+    if timeline.recoveries_unread:
+        recoveries = (f"<li>unknown: recoveries.json could not be read "
+                      f"({html.escape(timeline.recoveries_unread)})</li>")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>timeline of run "
             f"{html.escape(timeline.run_id)}</title></head><body style='font-family:sans-serif'>"
             f"<h2>run {html.escape(timeline.run_id)}: phases per rank</h2>"

@@ -70,6 +70,19 @@ def test_timeline_skips_malformed_timing_records_and_refuses_a_bad_format(
                            str(c.run_dir), "--out", str(tmp_path / "t.svg")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "give a file ending in .png or .html" in done.stderr
+    # A damaged recoveries.json is not a timing file, and its recoveries are unknown, not 0.
+    (c.run_dir / "recoveries.json").write_text("{not json")
+    drawn = load(c.run_dir)
+    assert drawn.skipped == 1 and drawn.recoveries == () and drawn.recoveries_unread
+    done = subprocess.run([sys.executable, "-m", "coordinator_cli", "timeline", "--run-dir",
+                           str(c.run_dir), "--out", str(tmp_path / "t.html")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "recoveries unknown (recoveries.json unreadable), 1 unreadable timing files " \
+        "skipped" in done.stdout, done.stdout
+    page = (tmp_path / "t.html").read_text()
+    assert "unknown: recoveries.json could not be read" in page
+    assert "1 unreadable timing file(s) skipped" in page
 
 
 def test_status_over_a_window_shorter_than_a_beat_never_calls_a_live_rank_lost(

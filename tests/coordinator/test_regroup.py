@@ -80,6 +80,15 @@ def test_killed_daemons_restarted_alone_rejoin_and_the_run_completes(tmp_path: P
         if victim == 0:
             assert h["detected_at"] <= killed, (h, killed)
             assert h["resumed_after_s"] >= delay, (h, delay)
+    # The timeline's table says which iterations count only the work after a recovery
+    # (a rank publishes its timings once it completes the iteration).
+    from coordinator.ops.timeline import load, write
+
+    write(load(c.run_dir), tmp_path / "timeline.html")
+    page = (tmp_path / "timeline.html").read_text()
+    for n, (it, *_) in enumerate(KILLS, start=1):
+        assert f"<td>{it} (resumed by recovery {n}: only the work after it is counted)</td>" \
+            in page
 
     # Nothing that completed was redone, but the killed action and, when a rank
     # died in training (a collective step), the survivors' training with it.
