@@ -45,8 +45,9 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.FENCED: "this daemon is superseded: the generation was bumped or its claim was taken",
     ExitCode.CORRUPT: "a file in the run directory is corrupt, out of range or not a plain "
     "file (a symlink, FIFO, device, directory or oversized); the message names it",
-    ExitCode.STORAGE: "the shared filesystem refused a write (no space, quota, read-only, "
-    "permission); the message names the path and the errno",
+    ExitCode.STORAGE: "the shared filesystem refused a write during the run (no space, "
+    "quota, read-only, permission); the message names the path and the errno (a run "
+    "directory this user cannot write at all is refused at start: exit 2)",
     ExitCode.UNSUITABLE_STORAGE: "the run directory's filesystem cannot carry the protocol "
     "(an object-store FUSE mount: no atomic rename, no link(2)); every node refuses at start, "
     "naming the mount, what it lacks and the fix",
