@@ -37,6 +37,9 @@ from rl import layout
 from rl.schedule import RolloutSplit, schedule_of
 
 
+_SPLIT_FILES: Final = ("rollout.json", "eval.json")  # each holds one split's counts
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IterationRecord:
     iteration: int
@@ -56,15 +59,20 @@ class IterationRecord:
 
     @property
     def failed(self) -> int | None:
-        """Failed samples, train and eval; None when neither is known."""
-        known = [n for n in (self.train_failed, self.eval_failed) if n is not None]
-        return sum(known) if known else None
+        """Failed samples, train and eval; None when neither is known, or when
+        rollout.json or eval.json is there but unreadable (its share is unknown: the
+        other's alone is no total)."""
+        return self._total(self.train_failed, self.eval_failed)
 
     @property
     def reward_timeouts(self) -> int | None:
-        """Reward calls that timed out, train and eval; None when neither is known."""
-        known = [n for n in (self.train_reward_timeouts, self.eval_reward_timeouts)
-                 if n is not None]
+        """Reward calls that timed out, train and eval; None as for `failed`."""
+        return self._total(self.train_reward_timeouts, self.eval_reward_timeouts)
+
+    def _total(self, train: int | None, evaluation: int | None) -> int | None:
+        if any(u.path.name in _SPLIT_FILES for u in self.unreadable):
+            return None
+        known = [n for n in (train, evaluation) if n is not None]
         return sum(known) if known else None
 
     def row(self) -> dict[str, Any]:

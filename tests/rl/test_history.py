@@ -66,6 +66,11 @@ def test_missing_metrics_are_unknown_never_zero(tmp_path: Path) -> None:
     (tmp_path / "iterations/000000/metrics/rollout.json").write_text("{torn")
     assert history.record(tmp_path, 0).rolled_out is None
     assert history.report(tmp_path, 3) == []  # nothing readable: no rows
+    # Eval's counts alone are no total while rollout.json is there but unreadable.
+    write(tmp_path, 0, "eval", num_samples=128, num_failed=0, accuracy=0.5, reward_timeouts=0)
+    [row] = history.report(tmp_path, 1)
+    assert row["eval_accuracy"] == 0.5
+    assert row["failed_samples"] is None and row["reward_timeouts"] is None, row
 
 
 def test_a_run_that_asked_for_no_training_is_not_held_to_it(tmp_path: Path) -> None:
