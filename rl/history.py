@@ -36,7 +36,6 @@ from coordinator.storage.store import read_document
 from rl import layout
 from rl.schedule import RolloutSplit, schedule_of
 
-
 _SPLIT_FILES: Final = ("rollout.json", "eval.json")  # each holds one split's counts
 
 
