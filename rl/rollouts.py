@@ -141,6 +141,13 @@ def roll_out_shard(loop: Loop, ctx: StepContext, split: Split, *,
     if done:
         log.info("rank %d %s rollout: %d of %d tasks already saved, %d to go", ctx.rank,
                  split.value, len(done & {t.task_id for t in tasks}), len(tasks), len(todo))
+    if todo:
+        # The engine serves the chosen policy before the clock starts: its start or
+        # wake (phase 6 of a run that only evaluates) is not generation time.
+        name = PolicyChoice.read(ctx).policy
+        loop.engines.ensure(ctx, loop.model(ctx, name, where_phase=0),
+                            version=policy_version(name))
+        writer.restart_clock()
     started = time.monotonic()
     failed: list[str] = []
     try:
@@ -186,8 +193,6 @@ def _generate(loop: Loop, ctx: StepContext, split: Split, iteration: int,
     what the budget allows for the whole shard: BudgetError, the rest not done."""
     s = loop.s
     kept_failed = writer.manifest.failed_samples  # final: of a manifest once complete
-    name = PolicyChoice.read(ctx).policy
-    loop.engines.ensure(ctx, loop.model(ctx, name, where_phase=0), version=policy_version(name))
     generated = 0
     started = last_report = time.monotonic()
     groups = run_groups(_agent(loop, iteration, split), todo, loop.engines.endpoint(),

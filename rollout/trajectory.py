@@ -153,6 +153,11 @@ class RankCheckpointWriter:
         self._done = {*saved, *(g[0].task_id for g in self._pending)}
         return frozenset(saved)
 
+    def restart_clock(self) -> None:
+        """Rollout time (the manifest's rollout_seconds) counts from now: what came
+        since the writer opened (the engine started or woken) is not generation."""
+        self._session_start = self._clock()
+
     def reopen(self) -> None:
         """Take more groups after finalize: the rank was given more tasks (the group
         went on without a lost rank and shared out its unfinished ones)."""

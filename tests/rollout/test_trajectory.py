@@ -83,6 +83,19 @@ def test_a_chunk_is_published_every_k_groups_with_its_checksum_in_the_manifest(
     assert (data["schema"], data["version"]) == ("coordinator/rank-manifest", 1)
 
 
+def test_time_before_the_clock_restarts_is_not_rollout_time(tmp_path: Path) -> None:
+    """rl/rollouts.py opens the writer, then makes the engine serve (a start or a wake,
+    in a run that only evaluates), then restarts the clock: rollout_seconds, and the
+    samples per second made of it, hold generation alone."""
+    clock = FakeClock()
+    writer = RankCheckpointWriter(tmp_path, 0, 4, iteration=0, clock=clock)
+    clock.now += 90.0  # the engine starting
+    writer.restart_clock()
+    writer.add_group(make_group("t/0"))
+    clock.now += 8.0
+    assert writer.finalize().rollout_seconds == pytest.approx(8.0)
+
+
 def test_finalize_publishes_the_remainder_and_marks_the_manifest_complete(tmp_path: Path) -> None:
     clock = FakeClock()
     writer = RankCheckpointWriter(tmp_path, 0, 4, iteration=0, clock=clock)
