@@ -38,9 +38,12 @@ from rollout.rewards import METRIC_NAME
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_KEYS = ("reward_mean", "reward_std", "accuracy", "response_length_mean",
-                "response_length_max", "num_failed", "num_dropped_groups",
-                "staleness_max", "staleness_mean", "stale_groups_dropped")
+# Eval keeps every group and samples on the policy it evaluates: its metrics file
+# carries the batch's keys (dropped groups, staleness) as 0, measured by nothing.
+EVAL_KEYS = ("reward_mean", "reward_std", "accuracy", "response_length_mean",
+             "response_length_max", "num_failed")
+ROLLOUT_KEYS = (*EVAL_KEYS, "num_dropped_groups", "staleness_max", "staleness_mean",
+                "stale_groups_dropped")
 TRAIN_KEYS = ("loss", "kl", "grad_norm", "clip_fraction", "ratio_mean", "lr", "world_size",
               "samples", "tokens", "seconds", "logprob_mismatch_mean_abs",
               "logprob_mismatch_max_abs", "tis_weight_mean", "tis_truncated_fraction")
@@ -61,7 +64,7 @@ def end_iteration(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
 
 def iteration_scalars(loop: Loop, ctx: StepContext) -> dict[str, float]:
     out: dict[str, float] = {}
-    for name, keys in (("rollout", ROLLOUT_KEYS), ("eval", ROLLOUT_KEYS),
+    for name, keys in (("rollout", ROLLOUT_KEYS), ("eval", EVAL_KEYS),
                        ("train", TRAIN_KEYS)):
         metrics = _metrics(loop, ctx.iteration, name)
         for key in keys:

@@ -125,6 +125,9 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
                 "train/tokens_per_second", "phase_s/10_train"):
         assert [step for step, _ in board[tag]] == [0, 1], (tag, board.get(tag))
     assert [step for step, _ in board["eval/accuracy"]] == [it for it in (0, 1) if evaluated[it]]
+    # Eval drops no group and samples one policy: nothing of the batch's is reported.
+    assert not {t for t in board if t.startswith("eval/") and t.split("/")[1] in (
+        "num_dropped_groups", "staleness_max", "staleness_mean", "stale_groups_dropped")}
     assert [v for _, v in board["train/world_size"]] == [3.0, 3.0]
     if not uninterrupted:
         return
