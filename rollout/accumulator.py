@@ -110,6 +110,7 @@ class Accumulator:
         self.length_sum = 0
         self.length_max: int | None = None
         self.kept_samples = 0
+        self.kept_versions: dict[int, int] = {}  # policy version -> the batch's samples of it
         self.group_task_ids: list[str] = []
         self.group_index: list[torch.Tensor] = []
         self.prompt_lengths: list[torch.Tensor] = []
@@ -119,7 +120,8 @@ class Accumulator:
         self.first_error = ""  # the first failed sample's error (it names its task)
         self.extra_sums: dict[str, tuple[float, int]] = {}  # name -> (sum, samples)
 
-    def add(self, chunk: Chunk, *, rank: int, path: Path) -> None:
+    def add(self, chunk: Chunk, *, rank: int, path: Path, version: int = 0) -> None:
+        """One chunk, of policy `version` (its manifest entry's)."""
         t = chunk.tensors
         ok = ~t["failed"]
         rewards = t["rewards"].double()[ok]
@@ -143,9 +145,10 @@ class Accumulator:
             total, count = self.extra_sums.get(name, (0.0, 0))
             self.extra_sums[name] = (total + float(good.sum()), count + int(good.numel()))
         if self.collect:
-            self._collect(chunk, ok, rank=rank, path=path)
+            self._collect(chunk, ok, rank=rank, path=path, version=version)
 
-    def _collect(self, chunk: Chunk, ok: torch.Tensor, *, rank: int, path: Path) -> None:
+    def _collect(self, chunk: Chunk, ok: torch.Tensor, *, rank: int, path: Path,
+                 version: int) -> None:
         t = chunk.tensors
         group = t["sample_group"]
         survivors = torch.bincount(group[ok], minlength=len(chunk.task_ids))
@@ -164,7 +167,9 @@ class Accumulator:
         self.prompt_lengths.append(t["prompt_offsets"].diff()[keep])
         self.response_lengths.append(t["response_offsets"].diff()[keep])
         self.rewards.append(t["rewards"][keep])
-        self.kept_samples += int(keep.sum())
+        kept = int(keep.sum())
+        self.kept_samples += kept
+        self.kept_versions[version] = self.kept_versions.get(version, 0) + kept
         self.tokens.append(
             _KeptTokens(
                 prompt_tokens=t["prompt_tokens"],

@@ -35,7 +35,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -243,7 +243,7 @@ def _merge(
                 task_ids=entry.task_ids,
                 group_size=group_size,
             )
-            acc.add(chunk, rank=rank, path=directory / entry.file)
+            acc.add(chunk, rank=rank, path=directory / entry.file, version=entry.policy_version)
             # Released now unless its token tensors wait, mapped, for pass 2.
             del chunk
             check_failures_so_far(acc.failed, seen=acc.samples, planned=planned,
@@ -263,16 +263,14 @@ def _merge(
 
 @dataclass
 class ManifestTotals:
-    """What the merged ranks' manifests count beside their chunks: samples per policy
-    version, the stale groups they dropped, their reward calls and timeouts."""
+    """What the merged ranks' manifests count beside their chunks: the stale groups
+    they dropped, their reward calls and timeouts."""
 
-    samples: Counter[int] = field(default_factory=Counter)
     stale_groups_dropped: int = 0
     reward_calls: int = 0
     reward_timeouts: int = 0
 
     def add(self, manifest: RankManifest) -> None:
-        self.samples.update(manifest.policy_versions)
         self.stale_groups_dropped += manifest.stale_groups_dropped
         self.reward_calls += manifest.reward_calls
         self.reward_timeouts += manifest.reward_timeouts
@@ -282,16 +280,19 @@ class ManifestTotals:
         return replace(metrics, reward_calls=self.reward_calls,
                        reward_timeouts=self.reward_timeouts)
 
-    def into(self, metrics: AggregateMetrics, iteration: int) -> AggregateMetrics:
-        """`metrics` with each batch's staleness (iteration minus the sample's version)
-        and the reward counts."""
-        total = sum(self.samples.values())
-        lag = {v: max(0, iteration - v) for v in self.samples}
+    def into(self, metrics: AggregateMetrics, iteration: int,
+             versions: Mapping[int, int]) -> AggregateMetrics:
+        """`metrics` with the batch's staleness (iteration minus each sample's version,
+        over `versions`: policy version -> the batch's samples of it; failed samples and
+        dropped groups are in no batch) and the reward counts."""
+        batch = {v: n for v, n in sorted(versions.items()) if n}
+        total = sum(batch.values())
+        lag = {v: max(0, iteration - v) for v in batch}
         return replace(
             self.rewards(metrics),
-            policy_versions={v: n for v, n in sorted(self.samples.items())},
+            policy_versions=batch,
             staleness_max=max(lag.values(), default=0),
-            staleness_mean=sum(lag[v] * n for v, n in self.samples.items()) / total
+            staleness_mean=sum(lag[v] * n for v, n in batch.items()) / total
             if total else 0.0,
             stale_groups_dropped=self.stale_groups_dropped)
 
@@ -346,7 +347,7 @@ def aggregate_iteration(
         acc.kept_samples,
         len(acc.group_task_ids),
     )
-    return totals.into(acc.metrics(iteration, speeds), iteration)
+    return totals.into(acc.metrics(iteration, speeds), iteration, acc.kept_versions)
 
 
 def merge_eval_metrics(

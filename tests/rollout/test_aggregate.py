@@ -449,6 +449,27 @@ def test_each_batch_reports_its_policy_versions_and_refuses_samples_past_the_bou
                             out_path=tmp_path / "batch2.pt", oldest_version=5)
 
 
+def test_staleness_is_of_the_batchs_samples_not_of_failed_or_dropped_ones(
+        tmp_path: Path) -> None:
+    """PROTOCOL: the staleness of a sample in iteration N's batch is N - version.  Rank 0's
+    one group, on version 5, failed whole (dropped from the batch); rank 1's two groups,
+    on version 6, are the batch: staleness 1 throughout, where counting every sample of
+    the manifests gave a max of 2 and a mean of 1.33."""
+    dirs = {}
+    for rank, (version, groups) in enumerate(((5, [make_group("a", failed=(0, 1))]),
+                                              (6, [make_group("b"), make_group("c")]))):
+        dirs[rank] = tmp_path / f"rank-{rank}"
+        writer = RankCheckpointWriter(dirs[rank], rank, 1, iteration=7, policy_version=version)
+        for group in groups:
+            writer.add_group(group)
+        writer.finalize()
+    metrics = aggregate_iteration(dirs, {0: ["a"], 1: ["b", "c"]}, iteration=7, group_size=2,
+                                  out_path=tmp_path / "batch.pt")
+    assert (metrics.num_train_samples, metrics.num_failed, metrics.num_dropped_groups) == (4, 2, 1)
+    assert metrics.policy_versions == {6: 4}
+    assert metrics.staleness_max == 1 and metrics.staleness_mean == 1.0
+
+
 def test_phase_4_aggregates_only_the_manifest_whose_digest_phase_3_reported(
     tmp_path: Path,
 ) -> None:
