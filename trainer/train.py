@@ -301,7 +301,8 @@ def iteration_metrics(
         "steps": steps,
         "loss": totals.loss / steps if steps else 0.0,
         "loss_per_step": progress.losses,
-        "kl": totals.kl / seen,
+        # None with kl_coef 0: no reference model, nothing measured (not a KL of 0).
+        "kl": totals.kl / seen if job.config.kl_coef > 0 else None,
         "grad_norm": sum(progress.grad_norms) / steps if steps else 0.0,
         "grad_norm_per_step": progress.grad_norms,
         "clip_fraction": totals.clipped / seen,

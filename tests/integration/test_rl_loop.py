@@ -121,9 +121,10 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
     from tests.integration.test_rl_reporting import scalars
 
     board = scalars(run)
-    for tag in ("rollout/reward_mean", "rollout/accuracy", "train/loss", "train/kl",
+    for tag in ("rollout/reward_mean", "rollout/accuracy", "train/loss",
                 "train/tokens_per_second", "phase_s/10_train"):
         assert [step for step, _ in board[tag]] == [0, 1], (tag, board.get(tag))
+    assert "train/kl" not in board  # train.kl_coef 0: no reference model, no KL measured
     assert [step for step, _ in board["eval/accuracy"]] == [it for it in (0, 1) if evaluated[it]]
     # Eval drops no group and samples one policy: nothing of the batch's is reported.
     assert not {t for t in board if t.startswith("eval/") and t.split("/")[1] in (
