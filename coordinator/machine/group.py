@@ -80,11 +80,19 @@ class GroupForming:
         left = carried if carried is not None and \
             carried.generation == self.manifest.generation else None
 
+        quorum = self._quorum(after_failure=incident is not None or previous is not None,
+                              admit=admit, left=left)
+        why = (incident.cause if incident else "the shrunk group takes back the ranks that "
+               "returned" if admit else "a restart of the master")
+        # The deadline gather_members enforces: with a quorum, the group forms with the
+        # ranks back by then (or fails naming the rule), without one it gives up.
+        until = (f"waiting up to {quorum.after_s:g} s, then going on with the ranks back, "
+                 f"at least {quorum.nodes} ({quorum.rule})" if quorum is not None
+                 else f"waiting up to {self.coord.rejoin_timeout_s:g} s")
+
         def waiting(missing: list[int]) -> str:
-            return (f"rank(s) {missing} to rejoin run {run_id} after: "
-                    f"{incident.cause if incident else 'a restart of the master'} (restart each "
-                    "with its original `coordinator run` command; waiting up to "
-                    f"{self.coord.rejoin_timeout_s:g} s)")
+            return (f"rank(s) {missing} to rejoin run {run_id} after: {why} (restart each with "
+                    f"its original `coordinator run` command; {until})")
 
         try:
             claims, beats = membership.gather_members(
@@ -94,9 +102,7 @@ class GroupForming:
                 else self.coord.join_timeout_s, lease_s=self.coord.lease_s,
                 backoff=self.backoff, progress_interval_s=self.coord.progress_interval_s,
                 retry_s=self.coord.read_retry_s, clock=self.clock, check=self.runtime.check,
-                describe_wait=waiting if rejoin else None,
-                quorum=self._quorum(after_failure=incident is not None or previous is not None,
-                                    admit=admit, left=left),
+                describe_wait=waiting if rejoin else None, quorum=quorum,
             )
         except WaitTimeout as exc:
             if not rejoin:
@@ -209,11 +215,16 @@ class GroupForming:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise regroup.rejoin_timeout("the group", self.coord.rejoin_timeout_s)
-            info = membership.wait_for_master(
-                self.store, run_dir=routing.display(self.run_dir), join_timeout_s=remaining,
-                backoff=self.backoff, progress_interval_s=self.coord.progress_interval_s,
-                retry_s=self.coord.read_retry_s, probe_timeout_s=self.coord.probe_timeout_s,
-                clock=self.clock, check=self.runtime.check, gave_up_token=master_token)
+            # Each wait gets what is left of the one deadline; running out in either is
+            # running out of rejoin_timeout_s, and is named so (not as the wait's share).
+            try:
+                info = membership.wait_for_master(
+                    self.store, run_dir=routing.display(self.run_dir), join_timeout_s=remaining,
+                    backoff=self.backoff, progress_interval_s=self.coord.progress_interval_s,
+                    retry_s=self.coord.read_retry_s, probe_timeout_s=self.coord.probe_timeout_s,
+                    clock=self.clock, check=self.runtime.check, gave_up_token=master_token)
+            except WaitTimeout as exc:  # (a master that gave up for good raises at once)
+                raise regroup.rejoin_timeout("the group", self.coord.rejoin_timeout_s) from exc
             master_token = info.claim.token
             try:
                 session = self._session(master_token, exclude=left,
@@ -221,6 +232,8 @@ class GroupForming:
             except PeerLostError as exc:
                 log.warning("rank %d: %s; waiting for a master again", self.rank, exc)
                 continue
+            except WaitTimeout as exc:
+                raise regroup.rejoin_timeout("the group", self.coord.rejoin_timeout_s) from exc
             self.heartbeat.update(state=NodeState.RUNNING, session=session.session, error=None,
                                   waiting_for="")
             return session, info.claim.host
