@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,13 @@ from coordinator.storage import fsio
 # a 3-node RL test took 10-15 % longer and 15 % more CPU (test_rl_agent's multi-turn
 # test, twice each way: 47.9 and 46.3 s against 41.9 and 42.9 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch's compile cache, where torch puts it on this machine, fixed for the session:
+# torch takes it from gettempdir() at its first compile and writes it into
+# os.environ, and a trainer test's gettempdir() is that test's own directory
+# (tests/trainer/conftest.py), removed after it; later compiles, and every process
+# started after, then made that directory again (left in /tmp once the suite ended).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
 
 @pytest.fixture
@@ -84,7 +93,6 @@ def own_tmpdir_for_children() -> Iterator[Path]:
     test starts would inherit it (rl/node_local.py changes it only in a daemon's own
     process)."""
     import shutil
-    import tempfile
 
     before = os.environ.get("TMPDIR"), tempfile.gettempdir()
     own = Path(tempfile.mkdtemp(prefix="ct-", dir="/tmp"))
