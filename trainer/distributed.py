@@ -105,8 +105,9 @@ def exit_rank(code: int) -> NoReturn:
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # a peer already gone (its connection reset): logged, and
-            # the exit code, which says what failed first, is kept
+        except dist.DistError:  # a peer already gone (its connection reset, its store
+            # closed): logged, and the exit code, which says what failed first, is kept.
+            # Anything else propagates: a traceback and exit 1, loudly.
             log.warning("leaving the process group failed", exc_info=True)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
