@@ -218,20 +218,20 @@ class GroupForming:
             # Each wait gets what is left of the one deadline; running out in either is
             # running out of rejoin_timeout_s, and is named so (not as the wait's share).
             try:
+                # A master that gave up for good raises at once (PeerLostError): it ends
+                # the wait; only a session that turned out stale sends us round again.
                 info = membership.wait_for_master(
                     self.store, run_dir=routing.display(self.run_dir), join_timeout_s=remaining,
                     backoff=self.backoff, progress_interval_s=self.coord.progress_interval_s,
                     retry_s=self.coord.read_retry_s, probe_timeout_s=self.coord.probe_timeout_s,
                     clock=self.clock, check=self.runtime.check, gave_up_token=master_token)
-            except WaitTimeout as exc:  # (a master that gave up for good raises at once)
-                raise regroup.rejoin_timeout("the group", self.coord.rejoin_timeout_s) from exc
-            master_token = info.claim.token
-            try:
-                session = self._session(master_token, exclude=left,
-                                        timeout_s=max(deadline - time.monotonic(), 0.001))
-            except PeerLostError as exc:
-                log.warning("rank %d: %s; waiting for a master again", self.rank, exc)
-                continue
+                master_token = info.claim.token
+                try:
+                    session = self._session(master_token, exclude=left,
+                                            timeout_s=max(deadline - time.monotonic(), 0.001))
+                except PeerLostError as exc:
+                    log.warning("rank %d: %s; waiting for a master again", self.rank, exc)
+                    continue
             except WaitTimeout as exc:
                 raise regroup.rejoin_timeout("the group", self.coord.rejoin_timeout_s) from exc
             self.heartbeat.update(state=NodeState.RUNNING, session=session.session, error=None,
