@@ -181,7 +181,7 @@ def unheld_runs(root: Path) -> list[tuple[Path, int]]:
         try:
             if any(_alive(name) for name in os.listdir(holders)):
                 continue
-        except OSError:  # removed meanwhile by its own run's daemon leaving
+        except FileNotFoundError:  # removed meanwhile by its own run's daemon leaving
             continue
         found.append((sibling, _tree_bytes(sibling)))
     return found
