@@ -6,10 +6,12 @@ decision of the resumed iteration freezes what node 2 saved and gives its
 other tasks to nodes 0 and 1 (rl/takeover.py); they roll them out, the master
 merges every task exactly once, and torchrun trains on two nodes.  Node 2 is
 then restarted with its original command and taken back at the next
-iteration boundary it makes (1, 2 or 3: the resident trainer makes an
-iteration of this run take about 2 s, a daemon's start about 5): from there
-on every iteration runs on three nodes again, node 2 with its share of the
-tasks, and every one before it on the two alone.
+iteration boundary it makes.  The resident trainer makes an iteration of this
+run take about 2 s, a daemon's start about 5 (far more on a loaded machine),
+so the master's rollout waits for the restarted daemon's first heartbeat: from
+the iteration it is taken back at on, every iteration runs on three nodes
+again, node 2 with its share of the tasks, and every one before it on the two
+alone.
 """
 
 from __future__ import annotations
@@ -56,12 +58,16 @@ def lose_node_2_then_restart_it(c: LocalCluster, gate: RewardGate, it_dir: Path,
                                 phase: tuple[int, int] | None,
                                 back_after: tuple[int, int] | None,
                                 fresh_disk: Path | None = None,
+                                member_gate: RewardGate | None = None,
                                 ) -> tuple[dict, dict[Path, tuple[str, int]]]:
     """SIGKILL node 2 mid-rollout of `it_dir`'s train shard (at `phase`, if given),
     wait for the group to go on without it, restart it (once the master is past
     `back_after`, if given) and run to the end.  Returns the train plan as it was
     and node 2's chunks saved before the kill.  With `fresh_disk`, node 2 comes back
-    with that empty directory as its TMPDIR: a replaced node, its cache gone."""
+    with that empty directory as its TMPDIR: a replaced node, its cache gone.  With
+    `member_gate` (a member's reward calls wait for it), that member's rollout of
+    the iteration after `back_after`'s waits until the restarted daemon beats: node 2
+    is taken back before the run ends however slowly it starts."""
     run = c.run_dir
     manifest = it_dir / "rollout/rank-2/manifest.json"
     try:
@@ -77,13 +83,33 @@ def lose_node_2_then_restart_it(c: LocalCluster, gate: RewardGate, it_dir: Path,
                          f"the master past iteration {back_after[0]} phase {back_after[1]}")
         if fresh_disk is not None:
             fresh_disk.mkdir(mode=0o700)
-        c.start(2, c.command(2, run_dir=c.mount_paths[2]),  # type: ignore[attr-defined]
-                env=None if fresh_disk is None else {"TMPDIR": str(fresh_disk)})
+        restarted: int | None = None
+        if member_gate is not None:
+            # The member's reward calls from the next iteration's plan on (written
+            # at phase 0, before any rollout of it) wait for node 2's new daemon to
+            # beat; the master, which takes a left-out rank back at an iteration's
+            # last phase, cannot end the run without that rollout.  Unheld, a daemon
+            # slower to start than the iterations left (about 2 s each) found the
+            # run complete and did no work.
+            assert back_after is not None
+            plan = run / f"iterations/{back_after[0] + 1:06d}/shard-train.json"
+            member_gate.hold_when(lambda: plan.exists() and not node_2_beats_as(c, restarted))
+        restarted = c.start(2, c.command(2, run_dir=c.mount_paths[2]),  # type: ignore[attr-defined]
+                            env=None if fresh_disk is None else {"TMPDIR": str(fresh_disk)}).pid
+        if member_gate is not None:
+            c.wait_until(lambda: node_2_beats_as(c, restarted), 300,
+                         "node 2's restarted daemon beating")
+            member_gate.go_on()
         codes = c.wait_all(timeout=900)
         assert codes == {0: 0, 1: 0, 2: 0}, {r: c.output(r)[-3000:] for r in codes}
     finally:
         c.close()
     return planned, saved
+
+
+def node_2_beats_as(c: LocalCluster, pid: int | None) -> bool:
+    hb = c.heartbeat(2)
+    return hb is not None and pid is not None and hb["pid"] == pid
 
 
 def check_taken_over(it_dir: Path, planned: dict, saved: dict[Path, tuple[str, int]]) -> dict:
@@ -120,14 +146,18 @@ def test_a_lost_worker_is_left_out_its_tasks_taken_over_then_it_rejoins(
     tmp_path: Path, warm_model: Path
 ) -> None:
     iterations = ITERATIONS + 1  # back at iteration 3 or 4: the newest policy is a delta
-    with NetFs(tmp_path / "fs", mounts=3) as fs, RewardGate(tmp_path / "gate") as gate:
+    with NetFs(tmp_path / "fs", mounts=3) as fs, RewardGate(tmp_path / "gate") as gate, \
+            RewardGate(tmp_path / "master-gate") as master_gate:
         c = shrinking_cluster(tmp_path, fs, warm_model, gate, iterations=iterations, tasks=TASKS)
+        c.node_env[0] = master_gate.env
         run = fs.export / "run"
         it0 = run / "iterations/000000"
         # Restarted once the group is past iteration 2's start: taken back at the next
-        # iteration boundary after its daemon is up.
+        # iteration boundary after its daemon is up, 3 or 4 (the master waits for it
+        # in iteration 3's rollout).
         planned, saved = lose_node_2_then_restart_it(c, gate, it0, phase=None, back_after=(2, 0),
-                                                     fresh_disk=tmp_path / "node-2-new-disk")
+                                                     fresh_disk=tmp_path / "node-2-new-disk",
+                                                     member_gate=master_gate)
 
         # Taking node 2 back is no failure: nobody took the master for gone meanwhile.
         assert "to re-form the group: no reason given" not in c.output(1), c.output(1)[-3000:]
@@ -178,14 +208,17 @@ def test_async_a_rollout_node_lost_while_rolling_out_ahead_is_left_out_then_rejo
     at a boundary and rolls out from the first plan made after it (a plan is made
     one iteration ahead)."""
     iterations, tasks = 5, 6  # 3 tasks per rollout node
-    with NetFs(tmp_path / "fs", mounts=3) as fs, RewardGate(tmp_path / "gate") as gate:
+    with NetFs(tmp_path / "fs", mounts=3) as fs, RewardGate(tmp_path / "gate") as gate, \
+            RewardGate(tmp_path / "node-1-gate") as node_1_gate:
         c = shrinking_cluster(tmp_path, fs, warm_model, gate, iterations=iterations, tasks=tasks,
                               run_keys='train_nodes = "0"\nmax_off_policy_steps = 1\n')
+        c.node_env[1] = node_1_gate.env  # the other rollout node: node 0 only trains
         run = fs.export / "run"
         it1 = run / "iterations/000001"
         # Restarted once phase 0 of iteration 1 has shared out its tasks (taken
         # back sooner, it would roll them out itself).
-        planned, saved = lose_node_2_then_restart_it(c, gate, it1, phase=(0, 10), back_after=(1, 0))
+        planned, saved = lose_node_2_then_restart_it(c, gate, it1, phase=(0, 10), back_after=(1, 0),
+                                                     member_gate=node_1_gate)
 
         (recovery,) = read(run / "recoveries.json")["recoveries"]
         assert (recovery["rank"], recovery["iteration"], recovery["left_out"]) == (2, 0, [2])
