@@ -61,7 +61,7 @@ def merge_eval(loop: Loop, ctx: StepContext,
     except (AggregationError, BudgetError) as exc:
         raise ActionError(f"eval merge refused iteration {ctx.iteration}: {exc}") from exc
     fsio.publish_bytes(layout.metrics(loop.run_dir, ctx.iteration, "eval"),
-                       metrics.to_json().encode())
+                       metrics.to_json(batch=False).encode())
     log.info("iteration %d: eval accuracy %.3f over %d samples", ctx.iteration,
              metrics.accuracy or 0.0, metrics.num_samples)
     warn_reward_timeouts(ctx.iteration, "eval", metrics)

@@ -27,6 +27,10 @@ from rollout.chunk_format import Chunk
 from rollout.errors import AggregationError
 from rollout.train_batch import TrainBatchWriter
 
+# AggregateMetrics' fields that describe the training batch: an eval makes none.
+BATCH_KEYS = ("num_train_samples", "num_dropped_groups", "policy_versions", "staleness_max",
+              "staleness_mean", "stale_groups_dropped")
+
 
 @dataclass(frozen=True, kw_only=True)
 class AggregateMetrics:
@@ -63,10 +67,15 @@ class AggregateMetrics:
     # averaged over the samples that did not fail and reported it.
     reward_extra: dict[str, float] = field(default_factory=dict)
 
-    def to_json(self) -> str:
+    def to_json(self, *, batch: bool = True) -> str:
+        """The metrics file's text; `batch` False (eval, which makes no batch) leaves
+        out the keys that describe a training batch rather than report 0 for them."""
         data = asdict(self)
         data["samples_per_second"] = {str(r): v for r, v in self.samples_per_second.items()}
         data["policy_versions"] = {str(v): n for v, n in self.policy_versions.items()}
+        if not batch:
+            for key in BATCH_KEYS:
+                del data[key]
         return json.dumps(data, allow_nan=False, sort_keys=True)
 
 

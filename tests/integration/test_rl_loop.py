@@ -81,8 +81,9 @@ def check_two_iterations(run: Path, tmp_path: Path, *, samples: int, eval_sample
         # eval_interval 1: iteration 1 evaluates; iteration 0 with eval_before_train only.
         assert (base / "metrics/eval.json").exists() == evaluated[it]
         if evaluated[it]:
-            assert json.loads((base / "metrics/eval.json").read_text())[
-                "num_samples"] == eval_samples
+            evaluation = json.loads((base / "metrics/eval.json").read_text())
+            assert evaluation["num_samples"] == eval_samples
+            assert "staleness_max" not in evaluation and "num_dropped_groups" not in evaluation
         train = json.loads((base / "metrics/train.json").read_text())
         assert train["samples"] == samples
         manifest = verify_checkpoint(run / f"checkpoints/iter-{it:06d}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.accumulator import AggregateMetrics
+from rollout.accumulator import BATCH_KEYS, AggregateMetrics
 from rollout.aggregate import aggregate_iteration, merge_eval_metrics
 from rollout.batch_format import TrainBatch, TrainBatchError
 from rollout.chunk_format import FinishReason, TrajectorySample, encode_chunk
@@ -361,6 +361,10 @@ def test_eval_merging_reports_metrics_without_writing_a_batch(tmp_path: Path) ->
     assert (metrics.num_samples, metrics.num_failed, metrics.accuracy) == (4, 2, 0.5)
     assert metrics.num_train_samples == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r0", "r1"]
+    # eval.json reports no batch's figures as 0: they are not in it.
+    written = json.loads(metrics.to_json(batch=False))
+    assert not written.keys() & set(BATCH_KEYS) and written["num_samples"] == 4
+    assert set(BATCH_KEYS) <= json.loads(metrics.to_json()).keys()
 
 
 def test_metrics_are_none_when_every_sample_failed_and_no_empty_batch_is_published(
