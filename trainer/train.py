@@ -103,9 +103,12 @@ class Progress:
     grad_norms: list[float] = field(default_factory=list)  # per step
 
 
-def run(job: TrainJob, ctx: DistContext, *, run_dir: Path | None = None) -> dict[str, Any]:
-    """Open a session for `job` (resumed and replayed as it says), train it and publish."""
-    started = time.monotonic()
+def run(job: TrainJob, ctx: DistContext, *, run_dir: Path | None = None,
+        started: float | None = None) -> dict[str, Any]:
+    """Open a session for `job` (resumed and replayed as it says), train it and publish.
+    The metrics' `seconds` count from `started` (default: now): `main` passes the
+    moment it began reading the job, as a resident trainer counts from its message."""
+    started = time.monotonic() if started is None else started
     session = prepare(job, ctx, run_dir=run_dir)
     return train_iteration(session, job, started=started)
 
@@ -125,25 +128,33 @@ def prepare(job: TrainJob, ctx: DistContext, *, run_dir: Path | None = None) -> 
         earlier = TrainJob.load(path, run_dir=run_dir)
         if earlier.iteration <= session.through:
             continue  # the saved state was unusable: the job's model already holds it
-        earlier_metrics = _published_metrics(earlier)
+        published = _published_digest(earlier)
         train_iteration(session, earlier, publish=False)
         digest = param_digest(session.model)
-        matches = digest == earlier_metrics.get("params_sha256")
+        # None: nothing to compare with (its metrics unreadable), which is no difference.
+        matches = None if published is None else digest == published
         log.info("replayed iteration %d: weights %s what it published", earlier.iteration,
-                 "equal" if matches else "differ from")
+                 {True: "equal", False: "differ from", None: "not compared with"}[matches])
         replayed.append({"iteration": earlier.iteration, "matches": matches})
     session.resumed["replayed"] = replayed
     return session
 
 
-def _published_metrics(job: TrainJob) -> dict[str, Any]:
+def _published_digest(job: TrainJob) -> str | None:
+    """The `params_sha256` the job's iteration published, or None (a warning says why)."""
+    why = "missing"
     try:
         found = read_document(job.metrics_path, lambda raw, _where: json.loads(raw))
     except (OSError, ValueError) as exc:
-        log.warning("no metrics of iteration %d to compare its replay with: %s",
-                    job.iteration, exc)
-        return {}
-    return found if isinstance(found, dict) else {}
+        found, why = None, str(exc)
+    digest = found.get("params_sha256") if isinstance(found, dict) else None
+    if isinstance(digest, str):
+        return digest
+    if found is not None:
+        why = "no params_sha256 in it"
+    log.warning("no metrics of iteration %d to compare its replay with (%s: %s)",
+                job.iteration, job.metrics_path, why)
+    return None
 
 
 def train_iteration(session: Session, job: TrainJob, *, publish: bool = True,
@@ -286,10 +297,13 @@ def iteration_metrics(
     """The metrics file's content, before `finish` adds the checkpoint's digest."""
     batch, advantages, totals = inputs.batch, inputs.advantages, progress.totals
     steps = len(progress.losses)
-    seen = max(totals.tokens, 1.0)
-    # The model's tokens: what the loss, the mismatch and the TIS sums run over.
+    # The model's tokens: what the loss, the mismatch and the TIS sums run over.  A
+    # per-token figure over none of them (every response empty) is None, not 0.
     model_tokens = sum(batch.model_token_counts)
-    counted = max(1, model_tokens)
+
+    def per_token(total: float, tokens: float, measured: bool = True) -> float | None:
+        return total / tokens if measured and tokens > 0 else None
+
     return {
         "schema": METRICS_SCHEMA,
         "version": METRICS_VERSION,
@@ -302,20 +316,20 @@ def iteration_metrics(
         "loss": totals.loss / steps if steps else 0.0,
         "loss_per_step": progress.losses,
         # None with kl_coef 0: no reference model, nothing measured (not a KL of 0).
-        "kl": totals.kl / seen if job.config.kl_coef > 0 else None,
+        "kl": per_token(totals.kl, totals.tokens, job.config.kl_coef > 0),
         "grad_norm": sum(progress.grad_norms) / steps if steps else 0.0,
         "grad_norm_per_step": progress.grad_norms,
-        "clip_fraction": totals.clipped / seen,
-        "ratio_mean": totals.ratio / seen if totals.tokens else 1.0,
+        "clip_fraction": per_token(totals.clipped, totals.tokens),
+        "ratio_mean": per_token(totals.ratio, totals.tokens),
         "lr": job.config.lr_at(start_step + max(steps, 1)),
         "reward_mean": float(batch.rewards.mean()) if batch.num_samples else 0.0,
         "advantage_mean": float(advantages.mean()) if batch.num_samples else 0.0,
         "advantage_abs_mean": float(advantages.abs().mean()) if batch.num_samples else 0.0,
-        "logprob_mismatch_mean_abs": mismatch[0] / counted,
-        "logprob_mismatch_max_abs": mismatch[1],
+        "logprob_mismatch_mean_abs": per_token(mismatch[0], model_tokens),
+        "logprob_mismatch_max_abs": mismatch[1] if model_tokens else None,
         # Off-policy jobs only (asynchronous runs): the truncated importance weights.
-        "tis_weight_mean": mismatch[2] / counted if job.off_policy else None,
-        "tis_truncated_fraction": mismatch[3] / counted if job.off_policy else None,
+        "tis_weight_mean": per_token(mismatch[2], model_tokens, job.off_policy),
+        "tis_truncated_fraction": per_token(mismatch[3], model_tokens, job.off_policy),
         "optimizer_step_start": start_step,
         "optimizer_step_end": start_step + steps,
     }
@@ -410,12 +424,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = worker.prepare_process()
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     worker.setup_logging(rank, world, "?")
+    started = time.monotonic()  # "seconds": from receiving the job, joining the group included
     try:
         job = worker.read_job(args.job, run_dir)
         worker.setup_logging(rank, world, job.iteration)
         ctx = worker.start_distributed(job)
         log.info("start: %s on %s, strategy %s", args.job, ctx.device, ctx.strategy.value)
-        run(job, ctx, run_dir=run_dir)
+        run(job, ctx, run_dir=run_dir, started=started)
     except Exception as exc:
         return worker.exit_code(exc)
     else:

@@ -241,6 +241,14 @@ def test_a_new_trainer_resumes_from_the_saved_state_and_replays_to_the_same_weig
     assert [r["matches"] for r in from_scratch["resumed"]["replayed"]] == [True, True]
     assert from_scratch["params_sha256"] == resident[2]["params_sha256"]
 
+    # Iteration 1's metrics lost: its replay is compared with nothing, which is no
+    # difference (null), where it used to read as one (false).
+    jobs[1].metrics_path.unlink()
+    unread = train(dataclasses.replace(scratch, out_dir=tmp_path / "ckpt-3-unread",
+                                       metrics_path=tmp_path / "metrics-3-unread.json"), tmp_path)
+    assert unread["resumed"]["replayed"] == [{"iteration": 1, "matches": None},
+                                             {"iteration": 2, "matches": True}]
+
 
 def torchrun_pair(job: Path, tmp: Path, name: str) -> list[str]:
     """Run `job` on two single-process torchrun nodes; return both logs."""
