@@ -291,7 +291,7 @@ def timeline(
 @app.command()
 def recover(
     run_dir: RunDir = None,
-    iteration: Annotated[int | None, typer.Option(help="The iteration that failed (default: found from the journals).")] = None,
+    iteration: Annotated[int | None, typer.Option(help="The iteration that failed, where the restart resumes: the lowest one a journal has not completed (the default; any other is refused, naming it).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List, do not remove.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Proceed even if daemons still heartbeat.")] = False,
     window: Annotated[float | None, typer.Option(help="Seconds to watch heartbeats advance (default: heartbeat interval + 1).")] = None,
@@ -325,7 +325,8 @@ def export(
 ) -> None:
     """Write a published checkpoint as a plain Hugging Face model directory (weights as
     trained, tokenizer, chat template; no manifest) that transformers and vLLM load.
-    Exit 2: a bad choice or --out; 7: the checkpoint does not match its manifest."""
+    Exit 2: a bad choice or --out; 7: the checkpoint does not match its manifest; 8: --out
+    cannot be written (a full disk, no permission); 1: the checkpoint cannot be read."""
     from coordinator.storage import beneath
     from rl import export as export_mod
     from rl.keep_best import parse_metric

@@ -126,8 +126,10 @@ def demo(
         typer.echo(f"mean reward: first 2 iterations {first:.3f}, last 2 {last:.3f} ({ratio})")
     if result.png:
         typer.echo(f"reward curve: {result.png}")
-    typer.echo(f"{nodes} nodes, {iterations} iterations in {result.seconds:.0f} s")
-    if not result.ok:
+    if result.ok:
+        typer.echo(f"{nodes} nodes, {iterations} iterations in {result.seconds:.0f} s")
+    else:
+        typer.echo(f"{nodes} nodes: the run failed after {result.seconds:.0f} s", err=True)
         for rank, code in sorted(result.codes.items()):
             if code != 0:
                 typer.echo(f"node {rank} exited {code}; see {path}/demo-logs/rank-{rank}.log",

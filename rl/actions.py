@@ -117,6 +117,7 @@ def check_run(config: RunConfig, num_nodes: int, weights: Weights) -> None:
 KIND = ActionKind(name="rl", build=build, resolve_sections=resolve_sections,
                   runs_on_buckets=True, run_section=RlRunSection, check_run=check_run,
                   node_local=NODE_LOCAL_KEYS, summarize=history.summarize,
-                  iteration_report=history.report, phases=phases_of)
+                  iteration_report=history.report, phases=phases_of,
+                  run_outputs=(layout.TRAIN_STATE_DIR, layout.TENSORBOARD_DIR))
 
 __all__ = ["KIND", "PHASE_WORK", "RlActions", "build"]

@@ -82,7 +82,9 @@ def _published(run_dir: Path, iteration: int) -> bool:
 
 
 def _listed(run_dir: Path) -> str:
-    found = keep_best.present(run_dir)
+    """The newest ten published checkpoints' iterations: those a choice may name (one
+    without its manifest, still publishing or left by a failed publish, is refused)."""
+    found = [k for k in keep_best.present(run_dir) if _published(run_dir, k)]
     return ", ".join(f"{k}" for k in found[-10:]) or "none"
 
 

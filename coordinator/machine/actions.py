@@ -151,6 +151,10 @@ class ActionKind:
     # node count, the GPUs and the rank weights), made by the master before
     # run.json is written (coordinator/machine/runplan.py)
     check_run: Callable[[RunConfig, int, Weights], None] | None = None
+    # Names at the top of the run directory that the kind's actions write and that
+    # belong to one run (the rl kind's training state and TensorBoard events):
+    # `run --master --new-run` archives them with the run's own records
+    run_outputs: tuple[str, ...] = ()
 
     def phases_of(self, config: RunConfig) -> tuple[Phase, ...]:
         return tuple(Phase) if self.phases is None else self.phases(config)

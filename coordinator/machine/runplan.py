@@ -30,9 +30,15 @@ from coordinator.config.run_config import (
     load_file,
     pick_keys,
 )
-from coordinator.errors import UsageError
-from coordinator.machine import finished, membership, refusal
-from coordinator.machine.actions import kind, node_local_keys, resolve_config
+from coordinator.errors import RunCompleted, UsageError
+from coordinator.machine import finished, membership, refusal, regroup
+from coordinator.machine.actions import (
+    completed_run,
+    kind,
+    kind_of,
+    node_local_keys,
+    resolve_config,
+)
 from coordinator.machine.polling import Backoff
 from coordinator.ops.status import BEAT_SLACK_S, collect
 from coordinator.records import layout
@@ -181,8 +187,10 @@ def _archive(run_dir: Path, old: Manifest, config: RunConfig) -> None:
     # child of archive/, and every move below is resolved beneath the run
     # directory without following a symlink.
     target = run_dir / layout.ARCHIVE / old.run_id
+    # run.json last: a --new-run broken off midway finds the old run still there
+    # and archives the rest when started again.
     for name in (layout.SESSION, layout.RANKS, layout.ITERATIONS, layout.CHECKPOINTS,
-                 layout.MANIFEST):
+                 layout.RECOVERIES, *kind(config.run.actions).run_outputs, layout.MANIFEST):
         try:
             fsio.rename(run_dir / name, target / name)
         except FileNotFoundError:
@@ -192,6 +200,21 @@ def _archive(run_dir: Path, old: Manifest, config: RunConfig) -> None:
                 f"--new-run could not move {run_dir / name} to {target / name} "
                 f"({exc.strerror}): move or remove it by hand, then start again") from None
     log.info("archived run %s to %s", old.run_id, target)
+
+
+def _judge_completed(store: FsStore, req: RunRequest, *, retry_s: float) -> None:
+    """A worker started on a run already complete exits as the daemons that ran it
+    did: 0 with what the run did, or 4 (PhaseFailedError) when it did not learn."""
+    manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=retry_s)
+    if manifest is None:  # archived meanwhile: nothing left to judge
+        return
+    action_kind = kind_of(manifest.config)
+    config = RunConfig.from_dict(manifest.config, action_kind.run_section)
+    recoveries = len(regroup.read_log(store, manifest.run_id, retry_s=retry_s).recoveries)
+    summary = completed_run(action_kind, req.run_dir, config, run_id=manifest.run_id,
+                            recoveries=recoveries,
+                            last_phase=action_kind.phases_of(config)[-1])
+    log.info("rank %d: the run finished %s", req.rank, summary)
 
 
 def _check_bucket(run_dir: Path, config: RunConfig) -> None:
@@ -225,13 +248,17 @@ def _plan_worker(req: RunRequest) -> RunPlan:
         refused.check()
         done()
 
-    info = membership.wait_for_master(
-        store, run_dir=routing.display(req.run_dir), join_timeout_s=local.join_timeout_s,
-        backoff=Backoff(initial_s=local.poll_initial_s, factor=local.poll_factor,
-                        ceiling_s=local.poll_ceiling_s),
-        progress_interval_s=local.progress_interval_s, retry_s=local.read_retry_s,
-        probe_timeout_s=local.probe_timeout_s, check=check, note=refused.note,
-    )
+    try:
+        info = membership.wait_for_master(
+            store, run_dir=routing.display(req.run_dir), join_timeout_s=local.join_timeout_s,
+            backoff=Backoff(initial_s=local.poll_initial_s, factor=local.poll_factor,
+                            ceiling_s=local.poll_ceiling_s),
+            progress_interval_s=local.progress_interval_s, retry_s=local.read_retry_s,
+            probe_timeout_s=local.probe_timeout_s, check=check, note=refused.note,
+        )
+    except RunCompleted:
+        _judge_completed(store, req, retry_s=local.read_retry_s)
+        raise
     manifest = info.manifest
     if req.rank >= manifest.num_nodes:
         raise UsageError(

@@ -71,13 +71,21 @@ def _furthest_iteration(store: FsStore, manifest: Manifest, limit: int) -> int:
 
 
 def failed_iteration(run_dir: Path) -> tuple[int, str]:
-    """The iteration to recover when none is given, from the journals, and why: the
-    lowest one a rank has not completed (ranks of the last session only, when the
-    group had gone on without some: coordination.on_failure "shrink")."""
+    """The iteration to recover, from the journals, and why: the lowest one a rank
+    has not completed (ranks of the last session only, when the group had gone on
+    without some: coordination.on_failure "shrink"), where a restart resumes."""
     store = FsStore(run_dir)
+    return _resume_point(store, run_dir, _manifest(store, run_dir))
+
+
+def _manifest(store: FsStore, run_dir: Path) -> Manifest:
     manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
     if manifest is None:
         raise UsageError(f"--run-dir {routing.display(run_dir)} holds no run (no run.json): nothing to recover")
+    return manifest
+
+
+def _resume_point(store: FsStore, run_dir: Path, manifest: Manifest) -> tuple[int, str]:
     iterations = resolve_config(manifest.config).run.iterations
     session = read_record(store, layout.SESSION, Session, retry_s=2.0)
     ranks = [r for r in range(manifest.num_nodes)
@@ -105,16 +113,17 @@ def plan(run_dir: Path, iteration: int, *, force: bool, window_s: float | None) 
             "that failed, as shown by `coordinator status` (0 is the first)"
         )
     store = FsStore(run_dir)
-    manifest = read_record(store, layout.MANIFEST, Manifest, retry_s=2.0)
-    if manifest is None:
-        raise UsageError(f"--run-dir {routing.display(run_dir)} holds no run (no run.json): nothing to recover")
+    manifest = _manifest(store, run_dir)
     config = resolve_config(manifest.config)
     furthest = _furthest_iteration(store, manifest, config.run.iterations)
-    if iteration > max(furthest, 0):
+    # A restart resumes where the journals say, whatever was cleaned: recovering
+    # any other iteration would leave that one's unfinished outputs in place (a
+    # later one) or remove records of iterations every rank completed (an earlier).
+    resume, why = _resume_point(store, run_dir, manifest)
+    if iteration != resume:
         raise UsageError(
-            f"--iteration {iteration} was never reached by run {manifest.run_id} (it got as far as "
-            f"iteration {furthest}): give an iteration between 0 and {max(furthest, 0)}"
-        )
+            f"--iteration {iteration} is not where run {manifest.run_id} resumes: {why}, and "
+            f"a restart resumes there; give --iteration {resume}, or leave it out")
     live = _live_daemons(run_dir, config.coordination.heartbeat_interval_s + BEAT_SLACK_S
                          if window_s is None else window_s)
     if live and not force:
@@ -170,8 +179,8 @@ def _protocol_records(store: FsStore, root: Path, iteration: int,
     # os.walk never descends into a symlinked directory; a symlink named like
     # a temporary file is removed itself, never its target.
     for dirpath, _dirs, files in os.walk(root):
-        if os.path.relpath(dirpath, root).startswith(layout.ARCHIVE):
-            continue
+        if Path(os.path.relpath(dirpath, root)).parts[:1] == (layout.ARCHIVE,):
+            continue  # archive/ itself only: a directory merely named archive-... is the run's
         remove.extend(Path(dirpath) / f for f in files
                       if f.startswith(".") and f.endswith(fsio.TMP_SUFFIX))
     return remove

@@ -114,6 +114,11 @@ def test_three_ranks_run_every_phase_through_the_bucket_and_the_tools_read_it(
     assert f"each rank's log: {bucket.url}/ranks/<R>/logs/daemon.log" in status.stdout
     timeline = cli(bucket, tmp_path, "timeline")
     assert timeline.returncode == 0 and "3 ranks, 2 iterations" in timeline.stdout
+    # Rank 2's journal set back into iteration 1, as a rank lost in it leaves it: a
+    # complete run has nothing to recover.
+    journal = json.loads(bucket.read("ranks/2/journal.json") or b"{}")
+    bucket.put("ranks/2/journal.json", json.dumps(
+        {**journal, "completed_iteration": 0, "iteration": 1, "done": []}).encode())
     recover = cli(bucket, tmp_path, "recover", "--iteration", "1")
     assert recover.returncode == 0, recover.stderr
     assert bucket.read("iterations/000001/phase-13/release.json") is None  # removed

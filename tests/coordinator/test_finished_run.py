@@ -107,6 +107,8 @@ def test_every_node_started_again_on_a_finished_run_exits_0_and_more_iterations_
         c.start(1)
         assert c.wait(1, timeout=at_once) == 0, c.output(1)[-3000:]
         assert "no master is running it, so rank 1 has nothing to do" in c.output(1)
+        # ...with the run's verdict, as its daemons gave it (a run that did not learn: 4).
+        assert "rank 1: the run finished 2 iterations of run" in c.output(1), c.output(1)[-2000:]
         assert "error" not in c.output(1).lower(), c.output(1)[-3000:]
 
         # Every node at once (a requeue of the whole job) passed on 59f1c69 too: the

@@ -131,16 +131,36 @@ def test_a_worker_beyond_the_masters_node_count_exits_2(tmp_path) -> None:
         master.wait()
 
 
-def test_recover_rejects_a_negative_or_unreached_iteration(tmp_path) -> None:
+def test_recover_rejects_a_negative_iteration_a_complete_run_and_any_but_the_resume_point(
+        tmp_path) -> None:
     code, out = invoke("recover", "--run-dir", str(tmp_path), "--iteration", "-1")
     assert code == 2 and "--iteration -1 is outside 0..999999" in out
     subprocess.run(
         [sys.executable, "-m", "coordinator_cli", "run", "--master", "--num-nodes", "1",
          "--actions", "scripted", "--iterations", "2", "--run-dir", str(tmp_path)],
         check=True, capture_output=True, timeout=60)
-    code, out = invoke("recover", "--run-dir", str(tmp_path), "--iteration", "7")
-    assert code == 2 and "--iteration 7 was never reached" in out
-    assert "between 0 and 2" in out
+    # Complete: nothing to recover, whichever iteration is named (it used to bump the
+    # generation for an iteration 2 the 2-iteration run never had).
+    for iteration in ("7", "2", "1"):
+        code, out = invoke("recover", "--run-dir", str(tmp_path), "--iteration", iteration)
+        assert code == 2 and "is complete (every journal completed its 2 iterations)" in out
+    # Rank 0's journal back at iteration 1: a restart resumes there, so only 1 is recovered.
+    from coordinator.records import layout
+    from coordinator.records.records import Journal, Manifest
+    from coordinator.storage.store import FsStore, publish_record, read_record
+
+    store = FsStore(tmp_path)
+    run_id = read_record(store, layout.MANIFEST, Manifest, retry_s=0).run_id  # type: ignore[union-attr]
+    publish_record(store, layout.journal(0), Journal(run_id=run_id, rank=0,
+                                                     completed_iteration=0, iteration=1, done=()))
+    for iteration in ("0", "7"):
+        code, out = invoke("recover", "--run-dir", str(tmp_path), "--iteration", iteration)
+        assert code == 2, out
+        assert f"--iteration {iteration} is not where run {run_id} resumes: the lowest " \
+            "iteration a journal has not completed: rank(s) [0] stopped in iteration 1, and a " \
+            "restart resumes there; give --iteration 1, or leave it out" in " ".join(out.split())
+    code, out = invoke("recover", "--run-dir", str(tmp_path), "--iteration", "1", "--dry-run")
+    assert code == 0 and "at iteration 1" in out, out
 
 
 def test_recover_without_a_run_exits_2(tmp_path) -> None:

@@ -265,3 +265,18 @@ def test_a_delta_checkpoint_exports_whole_as_the_trainer_wrote_it(
     with torch.no_grad():
         assert torch.equal(logits(out), model.eval()(input_ids=INPUT).logits)
     assert [p.name for p in out.parent.iterdir()] == ["newest"]  # no staging left
+
+
+def test_a_checkpoint_without_its_manifest_is_never_offered(tmp_path: Path) -> None:
+    """iter-3 still publishing (or left by a failed publish): refused, and the list of
+    what may be given names only the published ones (it used to offer 3 too)."""
+    run = tmp_path / "run"
+    for iteration in (1, 2):
+        small_checkpoint(run, iteration)
+    layout.checkpoint(run, 3).mkdir()
+    (layout.checkpoint(run, 3) / "config.json").write_text("{}")
+    result = CliRunner().invoke(app, ["export", "--run-dir", str(run), "--out",
+                                      str(tmp_path / "out"), "--iteration", "3"])
+    assert result.exit_code == 2, result.output
+    assert "is not a published checkpoint" in result.output
+    assert "give one of the checkpoints present: 1, 2" in " ".join(result.output.split())

@@ -138,3 +138,46 @@ def test_metrics_that_stay_unreadable_past_the_deadline_fail_the_run_naming_the_
     assert problem is not None
     assert "iteration 0: " in problem and "rollout.json could not be read" in problem
     assert "Input/output error" in problem
+
+
+def test_a_worker_started_again_on_a_finished_run_exits_as_the_run_did(tmp_path: Path) -> None:
+    """No master comes to a finished run: the worker exits once rank 0 stayed still a
+    lease, with the verdict its daemons gave: 4 when an iteration trained on nothing
+    (it used to exit 0 saying only that the run was complete), 0 once it learned."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from coordinator.records import layout as records
+    from coordinator.records.records import Journal, Manifest
+    from coordinator.storage.store import FsStore, publish_record
+
+    run = tmp_path / "run"
+    run.mkdir()
+    resolved = resolve_config({"run": {"iterations": 2},
+                               "coordination": {"lease_s": 1.0, "heartbeat_interval_s": 0.5}})
+    store = FsStore(run)
+    manifest = Manifest(run_id="a1b2c3d4e5f6", generation=0, num_nodes=2, weights=(1.0, 1.0),
+                        config=resolved.experiment(), config_hash=resolved.hash(),
+                        created=time.time())
+    publish_record(store, records.MANIFEST, manifest)
+    for rank in (0, 1):
+        publish_record(store, records.journal(rank), Journal(
+            run_id=manifest.run_id, rank=rank, completed_iteration=1, iteration=2, done=()))
+    iteration(run, 0, kept=0, trained=0)  # an empty batch: the run did not learn
+    iteration(run, 1)
+
+    def worker() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "coordinator_cli", "run", "--worker", "1",
+                               "--run-dir", str(run)], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    failed = worker()
+    assert failed.returncode == 4, failed.stdout + failed.stderr
+    assert "completed, but not as asked: iteration 0: an empty train batch" in failed.stderr
+    iteration(run, 0)
+    learned = worker()
+    assert learned.returncode == 0, learned.stdout + learned.stderr
+    assert "rank 1: the run finished 2 iterations of run a1b2c3d4e5f6: 2048 samples trained" \
+        in learned.stderr, learned.stderr
