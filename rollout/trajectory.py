@@ -39,7 +39,7 @@ import torch
 
 from coordinator.errors import IntegrityError, MalformedRecordError, UnsafeFileError
 from coordinator.storage import trees
-from coordinator.storage.fsio import ensure_dir, publish_bytes
+from coordinator.storage.fsio import ensure_dir, publish_bytes, remove
 from coordinator.storage.verified import read_verified
 from rollout.chunk_format import (
     TrajectorySample,
@@ -286,9 +286,10 @@ class RankCheckpointWriter:
     def _remove_stale_temp_files(self) -> None:
         # Leftovers of a publish killed half-way: ours by name, in our own
         # directory, and never the target of a rename any more.
-        for path in self.directory.glob(".*.tmp"):
-            if path.name.startswith((".chunk-", f".{MANIFEST_NAME}.")):
-                path.unlink(missing_ok=True)
+        # Listed and removed beneath the run directory, never through a symlink.
+        for name in trees.listdir(self.directory):
+            if name.endswith(".tmp") and name.startswith((".chunk-", f".{MANIFEST_NAME}.")):
+                remove(self.directory / name)
 
 
 def verified_chunks(directory: Path, manifest: RankManifest) -> tuple[ChunkEntry, ...]:

@@ -60,8 +60,9 @@ class PhaseSpec:
 
 
 PHASES: Final[tuple[PhaseSpec, ...]] = (
-    PhaseSpec(phase=Phase.SYNC, who=Who.MASTER, timeout=TimeoutKey.SYNC, release_carries="-",
-              what="sync all nodes at iteration start; the master publishes the iteration's shard plan"),
+    PhaseSpec(phase=Phase.SYNC, who=Who.ALL, timeout=TimeoutKey.SYNC, release_carries="-",
+              what="sync all nodes at iteration start, each checking its reward; the master "
+                   "publishes the iteration's shard plan"),
     PhaseSpec(phase=Phase.ROLLOUT, who=Who.ALL, timeout=TimeoutKey.ROLLOUT, release_carries="-",
               what="rollout of the train split, each rank its shard"),
     PhaseSpec(phase=Phase.ROLLOUT_DONE, who=Who.ALL, timeout=TimeoutKey.ROLLOUT, release_carries="-",
@@ -84,7 +85,9 @@ PHASES: Final[tuple[PhaseSpec, ...]] = (
     PhaseSpec(phase=Phase.TRAIN, who=Who.COLLECTIVE, timeout=TimeoutKey.TRAIN, release_carries="-",
               what="multi-node training"),
     PhaseSpec(phase=Phase.PUBLISH_CHECKPOINT, who=Who.MASTER, timeout=TimeoutKey.AGGREGATE,
-              release_carries="`checkpoint`", what="master publishes the new checkpoint"),
+              release_carries="`checkpoint`",
+              what="master checks the checkpoint training published (manifest, file names) "
+                   "and announces it"),
     PhaseSpec(phase=Phase.RESTART_ENGINE, who=Who.ALL, timeout=TimeoutKey.ENGINE, release_carries="-",
               what="every engine serves it (reloaded in place, or restarted), probes checked"),
     PhaseSpec(phase=Phase.FINAL_SYNC, who=Who.ALL, timeout=TimeoutKey.SYNC, release_carries="-",

@@ -49,7 +49,7 @@ from typing import Final
 
 import tenacity
 
-from coordinator.storage.fsio import publish_bytes
+from coordinator.storage.fsio import publish_bytes, remove
 from rollout.engines import process as proc_mod
 from rollout.engines.config import (
     EngineConfig,
@@ -309,8 +309,8 @@ class ServerEngine:
         report = proc.stop(
             grace_s=self.config.stop_grace_s, kill_timeout_s=self.config.kill_timeout_s
         )
-        if self.port_file is not None:
-            self.port_file.unlink(missing_ok=True)
+        if self.port_file is not None:  # beneath the run directory (or its bucket's object)
+            remove(self.port_file)
         if report.survivors:
             self._set_state(EngineState.FAILED)
             raise EngineError(

@@ -82,3 +82,46 @@ def test_the_on_failure_table_covers_every_policy_and_the_doc_and_help_come_from
     assert check.returncode == 0, check.stderr
     for mode, p in POLICIES.items():
         assert f"{mode.value} ({p.summary}" in cli_help()
+
+
+def test_every_protocol_record_is_documented_field_by_field_and_only_with_its_fields() -> None:
+    """Each record's paragraph ("**name** `file`: ...") names every field of its
+    dataclass; a field named there that the record lacks (the release's old
+    `reason`, since in `abort`) is caught by the dataclass's own list."""
+    import re
+
+    from coordinator.records.records import (
+        Abort,
+        AbortKind,
+        Arrival,
+        ArrivalStatus,
+        Claim,
+        Decision,
+        Heartbeat,
+        Journal,
+        Manifest,
+        NodeState,
+        Refusal,
+        Release,
+        Session,
+    )
+
+    text = DOC.read_text()
+    records = {"manifest": Manifest, "claim": Claim, "heartbeat": Heartbeat, "session": Session,
+               "arrival": Arrival, "release": Release, "refusal": Refusal, "journal": Journal}
+    for name, record in records.items():
+        paragraph = re.search(rf"^\*\*{name}\*\* `[^`]+`: (.*?)(?:\n\n|\Z)", text, re.S | re.M)
+        assert paragraph is not None, f"no paragraph documents the {name} record"
+        body = paragraph[1]
+        fields = {f.name for f in dataclasses.fields(record)}
+        for field in sorted(fields):
+            assert f"`{field}`" in body, f"{name}: field {field} is not documented"
+        # Outside its parentheses (which explain a field: its values, a payload's
+        # keys), the paragraph lists only fields the record has.
+        flat = " ".join(body.split())
+        while (inner := re.sub(r"\([^()]*\)", "", flat)) != flat:
+            flat = inner
+        listed = re.findall(r"(?:^|, )`([a-z_]+)`", flat)
+        values = {v.value for e in (NodeState, AbortKind, Decision, ArrivalStatus) for v in e}
+        extra = set(listed) - fields - values - {f.name for f in dataclasses.fields(Abort)}
+        assert not extra, f"{name}: documented fields {sorted(extra)} are not in {record.__name__}"
