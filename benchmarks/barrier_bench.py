@@ -120,12 +120,22 @@ def strace_counts(path: Path) -> tuple[int, int]:
 
 def run_peers(modes: list[str], n: int, barriers: int, work: Path, *, late_s: float = 0.0,
               trace: str | None = None) -> dict[str, dict]:
-    """Run peer barriers, one process per rank doing `modes` in turn.
+    """Run peer barriers, one process per rank doing `modes` in turn: their latencies
+    from a run with no tracer attached, then, for the mode `trace` names, its
+    filesystem operations from a second run with strace on rank 0 (a traced
+    process stops at every syscall, filtered or not: its latency is not the peer's).
+    `filestore` counts only syscalls on the store's file (strace -P), so the gloo
+    sockets of the same process do not count; `anchor` counts all."""
+    results = _launch(modes, n, barriers, work / "timed", late_s=late_s, trace=None)
+    if trace is not None and shutil.which("strace"):
+        counted = _launch([trace], n, barriers, work / "traced", late_s=late_s, trace=trace)
+        results[trace]["meta"], results[trace]["data"] = (counted[trace]["meta"],
+                                                          counted[trace]["data"])
+    return results
 
-    `trace` names a mode whose filesystem operations strace counts on rank 0:
-    `filestore` counts only syscalls on the store's file (strace -P), so the
-    gloo sockets of the same process do not count; `anchor` counts all.
-    """
+
+def _launch(modes: list[str], n: int, barriers: int, work: Path, *, late_s: float,
+            trace: str | None) -> dict[str, dict]:
     work.mkdir(parents=True)
     if "gloo" in modes:
         import socket
@@ -236,7 +246,7 @@ def main() -> None:
     ours_ops = ours_wait["meta"] + ours_wait["data"]
     fs_ops = (fs_wait["meta"] or 0) + (fs_wait["data"] or 0)
     print(f"  ours:      {fmt_ops(ours_wait):>12} ops ({ours_wait['poll']:.0f} in barrier polls, "
-          f"the rest heartbeats and lease checks), release {ours_wait['lat'][1] * 1e3:.1f} ms")
+          f"the rest heartbeats, lease checks and the daemon's own start and join), release {ours_wait['lat'][1] * 1e3:.1f} ms")
     print(f"  FileStore: {fmt_ops(fs_wait):>12} ops, release {fs_wait['lat'][0] * 1e3:.1f} ms")
     print("\nratios")
     big = rows[-1]

@@ -5,8 +5,8 @@
 
 Both engines are driven by the project's own engine code (rollout/engines/engine.py)
 with the settings the demo gives them (float32, 128 positions; vLLM eager with
-a 256 MiB KV cache, the hf engine on one thread per process), alternating so
-that load hits both alike:
+a 256 MiB KV cache, the hf engine on one thread per process), one engine at a
+time (every hf measurement, then every vLLM one):
 
 1. Start: a cold start on the warm-started demo model until one completion
    answers (phase 1's first start), median of --starts.
@@ -83,7 +83,7 @@ def measure(kind: str, vllm: str, models: list[Path], prompts: list[str], work: 
         tokens_per_s = statistics.median(throughput(engine, prompts) for _ in range(3))
         serving = 0
         for _ in range(cycles):
-            engine.sleep()
+            engine.sleep()  # not timed: the reload from a sleeping engine is
             t0 = time.perf_counter()
             engine.load_weights(models[1 - serving])
             client(engine).complete_one("12>", n=1, max_tokens=1)
@@ -121,7 +121,7 @@ def main() -> None:
     for key, label, unit in [("start_s", "cold start to first completion", "s"),
                              ("tokens_per_s", f"tokens/s ({CONCURRENCY} groups of {GROUP} "
                               "in flight)", ""),
-                             ("reload_s", "sleep + reload to first completion", "s")]:
+                             ("reload_s", "reload after a sleep, to first completion", "s")]:
         print(f"{label:34s}{hf[key]:9.2f}{unit or ' '}{vl[key]:9.2f}{unit or ' '}"
               f"{vl[key] / hf[key]:9.2f}")
 

@@ -216,20 +216,26 @@ class Meter:
 
     def __init__(self, server: ServerIo) -> None:
         self.server = server
-        self.marks: list[tuple[float, ServerSample | None]] = []
+        # (time before the server sample, the sample, time after it): an interval runs
+        # from one mark's "after" to the next one's "before", so the sampling itself
+        # (a fork of `ss`, a scan of /proc) is in no timer.
+        self.marks: list[tuple[float, ServerSample | None, float]] = []
 
     def mark(self) -> None:
+        before = time.perf_counter()
         sample = None
         if self.server.problem is None:
             try:
                 sample = self.server.sample()
             except MEASURE_ERRORS as exc:
                 self.server.problem = f"{type(exc).__name__}: {exc}"
-        self.marks.append((time.perf_counter(), sample))
+        self.marks.append((before, sample, time.perf_counter()))
 
     def result(self, counted_written: int, counted_read: int) -> dict[str, Any]:
-        (t0, s0), (t1, s1), (t2, s2) = self.marks
-        out: dict[str, Any] = {"publish_s": t1 - t0, "fetch_s": t2 - t1, "update_s": t2 - t0,
+        (_, s0, after0), (before1, s1, after1), (before2, s2, _) = self.marks
+        publish_s, fetch_s = before1 - after0, before2 - after1
+        out: dict[str, Any] = {"publish_s": publish_s, "fetch_s": fetch_s,
+                               "update_s": publish_s + fetch_s,
                                "counted_written": counted_written, "counted_read": counted_read}
         if s0 is not None and s1 is not None and s2 is not None:
             publish, fetch = s1.minus(s0), s2.minus(s1)
@@ -628,7 +634,7 @@ def print_iteration(row: dict[str, Any], *, flush: bool = False) -> None:
                        ("d", "(d) floor: cp")):
         m = row["modes"][key]
         star = "" if m["measured"] else " (counted)"
-        own = row["modes"]["cd"]["update_s"] if key == "c" else floor
+        own = row["modes"]["cd"]["update_s"] if key in ("c", "cd") else floor  # its own floor
         print(f"  {label:<26}{m['publish_s']:>10.2f}{m['fetch_s']:>9.2f}{m['update_s']:>10.2f}"
               f"{m['written'] / MB:>12.1f}{m['read'] / MB:>9.1f}"
               f"{ratio(m['update_s'], own):>14.2f}{star}")
@@ -652,7 +658,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         return statistics.median(values) if values else None
 
     def over_floor(key: str) -> float | None:
-        floor = "cd" if key == "c" else "d"  # the floor of the bytes each mode moves
+        floor = "cd" if key in ("c", "cd") else "d"  # the floor of the bytes each mode moves
         values = [ratio(r["modes"][key]["update_s"], r["modes"][floor]["update_s"])
                   for r in later if "update_s" in r["modes"][key]]
         return statistics.median(values) if values else None
