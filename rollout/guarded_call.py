@@ -38,6 +38,7 @@ import contextlib
 import enum
 import importlib
 import json
+import logging
 import os
 import selectors
 import subprocess
@@ -55,6 +56,10 @@ DEFAULT_START_SECONDS: Final = 60.0
 # A child whose stdout closed is reaped within this, or taken for one still
 # running (then killed): exiting takes a dead process milliseconds.
 _EXIT_GRACE_S: Final = 2.0
+# A killed child is reaped within this, or left behind as stuck in the kernel.
+_KILL_WAIT_S: Final = 30.0
+
+log = logging.getLogger(__name__)
 
 
 class GuardedCallError(RuntimeError):
@@ -209,7 +214,15 @@ class GuardedWorker:
                 returncode = child.wait(_EXIT_GRACE_S)
         if returncode is None:
             child.kill()
-            child.wait()
+            try:
+                child.wait(_KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                # Never reaped: it is left behind, named, and the next call starts a new
+                # one; waiting on would hold every caller behind this worker's lock.
+                log.error("%s: the worker process (pid %d) did not end within %g s of "
+                          "SIGKILL: stuck in the kernel (e.g. reading a file of a shared "
+                          "filesystem whose server is gone); left behind", self.label,
+                          child.pid, _KILL_WAIT_S)
         for stream in (child.stdin, child.stdout):
             if stream is not None:
                 stream.close()
@@ -227,8 +240,11 @@ def _resolve(target: str, init: str | None = None) -> Callable[..., Any]:
 
 
 def _serve(target: str, init: str | None = None) -> int:
-    # Replies go to the real stdout only; whatever the function prints goes to stderr.
-    out = sys.stdout
+    # Replies go to a private copy of the reply pipe only; whatever the function
+    # writes goes to stderr, from Python (sys.stdout) or not (fd 1: a C library, a
+    # program it runs), so no stray output ever joins or splits a reply.
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     sys.stdout = sys.stderr
     try:
         fn = _resolve(target, init)

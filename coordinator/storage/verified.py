@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _BLOCK: Final = 4 << 20
 _AHEAD: Final = 4  # blocks read ahead of the hash and the write (16 MiB per copy)
+# A copy whose source gives no block for this long fails, naming it, rather than wait
+# forever on a shared filesystem whose server is gone (a hard NFS mount's read blocks
+# until it is back): the lock holders behind the copy would wait in silence.
+STALL_S: Final = 300.0
+_READER_EXIT_S: Final = 30.0  # a reader told to stop ends within its current read
 _THREADS: Final = 8  # files copied at once, at most
 # mmap refuses these on filesystems that cannot map (FUSE direct_io, some
 # network mounts): the file is then read into memory instead.
@@ -230,7 +235,7 @@ def copy_hashed(src: Path, dst: Path, *, limit: int | None = None,
     reader.start()
     try:
         with _new_file(dst) as out:
-            while (block := blocks.get()) is not None:
+            while (block := _next_block(blocks, src, copied)) is not None:
                 if isinstance(block, BaseException):
                     raise block
                 digest.update(block)
@@ -246,9 +251,22 @@ def copy_hashed(src: Path, dst: Path, *, limit: int | None = None,
         with contextlib.suppress(queue.Empty):
             while True:  # unblock a reader waiting to put
                 blocks.get_nowait()
-        reader.join()
-        os.close(fd)
+        reader.join(timeout=_READER_EXIT_S)
+        if reader.is_alive():  # still in a read that never returns: its descriptor stays
+            log.error("%s: the read of the shared filesystem never returned; its thread "
+                      "and descriptor are left behind", src)
+        else:
+            os.close(fd)
     return copied, digest.hexdigest()
+
+
+def _next_block(blocks: queue.Queue[bytes | BaseException | None], src: Path,
+                copied: int) -> bytes | BaseException | None:
+    try:
+        return blocks.get(timeout=STALL_S)
+    except queue.Empty:
+        raise OSError(errno.ETIMEDOUT, f"no data from the shared filesystem for {STALL_S:g} s "
+                      f"after {copied} bytes: is its server gone?", str(src)) from None
 
 
 def copy_verified(src: Path, dst: Path, *, size: int, sha256: str,

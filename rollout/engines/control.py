@@ -76,13 +76,19 @@ class EngineControl:
             raw = self.client.request(method, path, body, params=params, timeout_s=timeout_s,
                                       parse=False)
         except ClientError as exc:
-            raise WeightUpdateError(step, str(exc)) from exc
+            raise self._unanswered(step, exc) from exc
         if not raw:
             return None
         try:
             return json.loads(raw)
         except ValueError:
             raise WeightUpdateError(step, f"the answer is not JSON: {raw[:200]!r}") from None
+
+    def _unanswered(self, step: str, exc: ClientError) -> WeightUpdateError:
+        # Each control request waits at most engine.request_timeout_s (the engine's
+        # client's bound, the reload's too): named, as a hung GPU shows up here.
+        return WeightUpdateError(step, f"{exc} (a control request waits at most "
+                                 f"engine.request_timeout_s={self.reload_timeout_s:g} s)")
 
     def is_sleeping(self) -> bool:
         answer = self._call("GET /is_sleeping", "GET", "/is_sleeping")
@@ -155,7 +161,7 @@ class EngineControl:
         try:
             answer = self.client.request("POST", "/v1/completions", body, headers=headers)
         except ClientError as exc:
-            raise WeightUpdateError(step, str(exc)) from exc
+            raise self._unanswered(step, exc) from exc
         try:
             choices = sorted(answer["choices"], key=lambda c: c["index"])
             out = [_prompt_part(c["logprobs"]["token_logprobs"], len(s))

@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +75,10 @@ _READY_PROMPT: Final = "1"  # one character: valid for every tokenizer, tiny one
 READY_SERVER_ERRORS: Final = 3
 # How far back a dead server's log is searched for the cause it stated.
 CAUSE_SEARCH_LINES: Final = 400
+
+
+# While an engine starts, a line at most this often says it still waits, and on what.
+READY_PROGRESS_S: Final = 30.0
 
 
 class _NotReady(Exception):
@@ -240,6 +245,8 @@ class ServerEngine:
         )
 
         server_errors = [0]  # in a row, from a server whose /health says it is up
+        last = ["none answered yet"]  # the last probe's error, for the progress lines
+        done = threading.Event()
 
         def probe() -> None:
             self._check_cancel()  # not retried: start() stops the server and raises it
@@ -262,6 +269,7 @@ class ServerEngine:
                         f"but answered the readiness completion with HTTP {e.status} "
                         f"{server_errors[0]} times in a row: {e}",
                         log_path=self.log_path, log_tail=self._tail()) from e
+                last[0] = str(e)
                 raise _NotReady(str(e)) from e
             except HttpError as e:
                 raise EngineStartError(
@@ -271,6 +279,17 @@ class ServerEngine:
                     log_tail=self._tail(),
                 ) from e
 
+        # A start takes minutes on a large model, and one probe may wait a whole request
+        # timeout: a thread says every READY_PROGRESS_S that it still waits, and on what.
+        def progress() -> None:
+            started = time.monotonic()
+            while not done.wait(READY_PROGRESS_S):
+                pid = self._proc.pid if self._proc is not None else None
+                log.info("%s server (pid %s) not serving yet after %.0f s of ready_timeout_s=%g "
+                         "(last probe: %s); its log: %s", self.kind.value, pid,
+                         time.monotonic() - started, cfg.ready_timeout_s, last[0], self.log_path)
+
+        threading.Thread(target=progress, name="engine-start-progress", daemon=True).start()
         try:
             tenacity.Retrying(
                 stop=tenacity.stop_after_delay(cfg.ready_timeout_s),
@@ -287,6 +306,8 @@ class ServerEngine:
                 log_path=self.log_path,
                 log_tail=self._tail(),
             ) from None
+        finally:
+            done.set()
 
     def _fail_start(self) -> None:
         # Leave nothing running behind a failed start; keep the error of start().

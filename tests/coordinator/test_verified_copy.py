@@ -74,3 +74,31 @@ def test_every_call_runs_at_once_and_the_first_failure_is_raised_after_all_end()
     with pytest.raises(ValueError, match="a failed"):
         in_parallel({"a": fail, "b": slow}, threads=2)
     assert ended[-1] == "slow"  # raised only once the other call had ended
+
+
+def test_a_source_that_stops_answering_fails_the_copy_naming_it_and_never_hangs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hard NFS mount whose server is gone: the read blocks until it is back.  The
+    copy fails once no block came for STALL_S (300 s; 0.3 s here), naming the file."""
+    (tmp_path / "src").write_bytes(b"z" * (12 << 20))
+    real_read, reads, gone = os.read, [], threading.Event()
+
+    def stalling_read(fd: int, n: int) -> bytes:
+        reads.append(n)
+        if len(reads) == 2:
+            gone.wait(30)  # the server is gone, until the test ends
+        return real_read(fd, n)
+
+    monkeypatch.setattr(coordinator.storage.verified, "STALL_S", 0.3)
+    monkeypatch.setattr(coordinator.storage.verified, "_READER_EXIT_S", 0.3)
+    monkeypatch.setattr(coordinator.storage.verified.os, "read", stalling_read)
+    started = time.monotonic()
+    try:
+        with pytest.raises(OSError, match=r"no data from the shared filesystem for 0.3 s "
+                           r"after 4194304 bytes: is its server gone\?") as stalled:
+            copy_hashed(tmp_path / "src", tmp_path / "dst")
+        assert stalled.value.errno == errno.ETIMEDOUT
+        assert stalled.value.filename == str(tmp_path / "src")
+        assert time.monotonic() - started < 10
+    finally:
+        gone.set()

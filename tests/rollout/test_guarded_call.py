@@ -104,3 +104,17 @@ def test_a_worker_that_dies_during_a_call_is_named_never_taken_for_a_timeout() -
         assert worker.pid not in (None, pid)
     finally:
         worker.close()
+
+
+def test_output_written_to_fd_1_by_the_function_never_joins_or_hides_a_reply() -> None:
+    """A reward that runs a program (or a C library writing to fd 1): its output goes
+    to stderr.  On the reply pipe, a partial line joined the reply (lost, then a
+    timeout scored 0) and a whole line read with it hid the reply in a buffer."""
+    worker = GuardedWorker("os:system")
+    try:
+        start = time.monotonic()
+        assert worker.call("printf stray-without-a-newline", seconds=20) == 0
+        assert worker.call("echo a-stray-line", seconds=20) == 0
+        assert time.monotonic() - start < 15  # answered, not waited out
+    finally:
+        worker.close()

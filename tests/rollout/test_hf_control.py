@@ -157,8 +157,10 @@ def test_a_reload_while_asleep_or_of_a_wrong_checkpoint_fails_naming_the_step(
     with pytest.raises(WeightUpdateError, match=r"reload_weights.*wake_up \(tags weights\)"):
         served.reload_weights(str(models[1]))
     served.wake_up(["weights"])
-    with pytest.raises(WeightUpdateError, match=r"reload_weights.*cannot read the weights"):
+    with pytest.raises(WeightUpdateError, match=r"reload_weights.*cannot read the weights") \
+            as refused:
         served.reload_weights(str(tmp_path))  # no safetensors there
+    assert "(a control request waits at most engine.request_timeout_s=" in str(refused.value)
     served.reload_weights(str(models[1]))  # the engine survived and still reloads
     assert _differs(served, models[1]) < 1e-4
 
@@ -282,3 +284,27 @@ def test_a_server_that_is_up_but_fails_every_completion_fails_its_start_at_once(
         engine.close()
     # Three probes 0.1 s apart after the model loads, not the 120 s readiness deadline.
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow
+def test_a_start_that_takes_a_while_says_what_it_waits_for(
+        tmp_path: Path, models: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A vLLM start takes minutes on a large model: a line at most every
+    READY_PROGRESS_S (30 s) names the pid, the time so far against
+    ready_timeout_s, the last probe's error and the log.  Here every 0.2 s: the hf
+    server takes seconds to import torch before it answers."""
+    from rollout.engines import server
+
+    monkeypatch.setattr(server, "READY_PROGRESS_S", 0.2)
+    engine = _engine(tmp_path)
+    try:
+        with caplog.at_level("INFO", logger="rollout.engines.engine"):
+            engine.start(models[0])
+        pid = engine.pid
+    finally:
+        engine.close()
+    lines = [r.getMessage() for r in caplog.records if "not serving yet" in r.getMessage()]
+    assert lines, caplog.text
+    assert f"hf server (pid {pid}) not serving yet after" in lines[0]
+    assert "of ready_timeout_s=120 (last probe: " in lines[0] and "its log: " in lines[0]
