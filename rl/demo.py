@@ -200,6 +200,28 @@ def node_line(run_dir: Path, rank: int) -> str:
     return text
 
 
+# Ctrl-C: the daemons stop their engines and trainers, then exit; killed after this.
+STOP_S: Final = 120.0
+
+
+def stop_daemons(procs: dict[int, subprocess.Popen[bytes]], console: Any) -> None:
+    """SIGTERM every daemon still running, wait STOP_S for them, saying so; a second
+    Ctrl-C, or the deadline, SIGKILLs the rest (their engines die with them)."""
+    running = [p for p in procs.values() if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGTERM)
+    console.print(f"stopping {len(running)} daemon(s): each stops its engine and trainer "
+                  f"first (at most {STOP_S:.0f} s; Ctrl-C again kills them now)")
+    deadline = time.monotonic() + STOP_S
+    try:
+        for p in running:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        for p in running:
+            if p.poll() is None:
+                p.kill()
+
+
 def run_demo(*, run_dir: Path, nodes: int, iterations: int, eval_interval: int,
              extra_args: list[str], node_env: list[dict[str, str]] | None = None,
              ) -> DemoResult:
@@ -237,9 +259,7 @@ def run_demo(*, run_dir: Path, nodes: int, iterations: int, eval_interval: int,
                 live.update(plain("\n".join(lines)))  # heartbeat text is not markup
                 time.sleep(0.5)
     except KeyboardInterrupt:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        stop_daemons(procs, console)
     codes = {r: p.wait() for r, p in procs.items()}
     rows = iteration_rows(run_dir, iterations, nodes)
     png = plot_rewards(rows, run_dir / "reward-curve.png")
