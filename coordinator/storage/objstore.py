@@ -60,6 +60,11 @@ RETRY: Final[Any] = {"max_retries": 4, "retry_timeout": datetime.timedelta(secon
 # One request's whole time, body included: room for a 5 MB part of a large upload
 # on a slow link; a checkpoint's large GET streams (objstore.download).
 CLIENT: Final[dict[str, Any]] = {"connect_timeout": "5s", "timeout": "120s"}
+# That time bounds a GET's body too: an object larger than this is read in ranges of
+# it, each its own request under the 120 s (0.6 MB/s at least), all of the version
+# the first answer named (if-match its ETag), so a checkpoint's 10 GB file is not
+# lost to the clock on every try.
+RANGE_BYTES: Final = 64 << 20
 _MISSING_CONTAINER: Final = ("ContainerNotFound", "NoSuchBucket")
 # What a server answers to a wrong or missing credential (obstore reports a refused
 # listing as a generic error: the status and the code say which).
@@ -259,18 +264,46 @@ class ObjectStore:
         if max_bytes is not None and size > max_bytes:
             raise UnsafeFileError(Path(f"{self.url}/{key}"),
                                   f"is {size} bytes, over the {max_bytes}-byte limit")
+        etag = result.meta.get("e_tag")
+        if size > RANGE_BYTES and etag:
+            result = None  # its body is not read: dropped, the ranges below read it
         beneath.make_dirs(target.parent)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
                                    suffix=fsio.TMP_SUFFIX)
         try:
             with os.fdopen(fd, "wb") as out:
-                for chunk in result:
-                    out.write(chunk)
+                if result is not None:
+                    self._stream(key, result, out)
+                else:
+                    for start in range(0, size, RANGE_BYTES):
+                        end = min(size, start + RANGE_BYTES)
+                        self._stream(key, self._range(key, start, end, etag), out)
+                        if out.tell() != end:
+                            raise OSError(errno.EIO, f"bytes {start}..{end} of {size} came "
+                                          f"back as {out.tell() - start}", f"{self.url}/{key}")
             os.chmod(tmp, fsio.FILE_MODE)
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+    def _range(self, key: str, start: int, end: int, etag: str) -> Any:
+        """Bytes [start, end) of the object's version `etag`; ESTALE once it was replaced."""
+        try:
+            return self._call("get", key, obstore.get, self._key(key),
+                              options={"range": (start, end), "if_match": etag})
+        except PreconditionError:
+            raise OSError(errno.ESTALE, "replaced while it was being read",
+                          f"{self.url}/{key}") from None
+
+    def _stream(self, key: str, result: Any, out: Any) -> None:
+        """A GET's body into `out`: an error mid-body is the protocol's, as at its start."""
+        try:
+            for chunk in result:
+                out.write(chunk)
+        except BaseError as exc:
+            raise self._fail(exc, key) from None
 
 
 def local_dir(url: BucketURL) -> PrivateDir:
