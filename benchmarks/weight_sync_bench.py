@@ -308,13 +308,19 @@ def remove_shared(nodes: list[Node], rel: str) -> None:
     parents as (c) began)."""
     for node in nodes:
         base = node.share / rel
-        for path in sorted(base.rglob("*")) if base.is_dir() else [base]:
-            if path.is_file():
+        # A mount's listing is cached (30 s, as NFS's): a name it shows may be gone
+        # (a temporary directory renamed since), so what vanished is skipped.
+        files = [Path(d) / f for d, _, names in os.walk(base) for f in names] \
+            if base.is_dir() else [base]
+        for path in files:
+            try:
                 fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
     remove(nodes[0].share / rel)
 
 
