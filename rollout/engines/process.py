@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from coordinator.machine.lifetime import (
 )
 from coordinator.machine.lifetime import spawn
 from coordinator.storage.fsio import open_append, open_regular
+from rollout.errors import RolloutError
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +284,37 @@ def free_port(host: str = "127.0.0.1") -> int:
 GpuQuery = Callable[[], dict[int, int]]
 """Returns {pid: used MiB} for every process holding accelerator memory."""
 
+# One query of the GPUs' processes answers within this, or the driver is taken for
+# hung: NVML is called in-process, where a wedged driver (an Xid or GSP hang, in which
+# nvidia-smi hangs too) would block the wait that asked for ever.
+GPU_QUERY_S: Final = 30.0
+
+
+class GpuQueryHung(RolloutError, TimeoutError):
+    """The GPU driver did not answer a query of its processes within GPU_QUERY_S."""
+
+
+def _bounded(query: GpuQuery, seconds: float) -> dict[int, int]:
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = query()
+        except BaseException as exc:  # raised in the caller's thread below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="gpu-query", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise GpuQueryHung(
+            f"the GPU driver did not answer a query of its processes (NVML or nvidia-smi) "
+            f"within {seconds:g} s: it may be hung (check `nvidia-smi` and the kernel log "
+            "for Xid errors); the node may need a GPU reset")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
 
 def _nvml_query() -> dict[int, int]:
     import pynvml
@@ -396,7 +429,8 @@ def wait_gpu_released(
         return {}
     deadline = clock() + timeout_s
     while True:
-        holders = {p: m for p, m in q().items() if p in watched and m > allowed_mib}
+        holders = {p: m for p, m in _bounded(q, GPU_QUERY_S).items()
+                   if p in watched and m > allowed_mib}
         if not holders or clock() >= deadline:
             return holders
         sleep(poll_s)

@@ -243,3 +243,28 @@ def test_wait_gpu_released_names_the_pids_still_holding_memory_then_sees_release
     assert wait_gpu_released(
         [4242, 7], 2.0, query=nvidia_smi_query(str(smi)), sleep=sleep, clock=lambda: now[0]
     ) == {}
+
+
+def test_a_gpu_query_that_never_answers_is_named_as_a_hung_driver_not_waited_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NVML runs in-process: a wedged driver blocks the call.  Each query answers within
+    GPU_QUERY_S (30 s; 0.3 s here) or the wait fails naming the driver."""
+    import threading
+
+    from rollout.engines import process
+
+    monkeypatch.setattr(process, "GPU_QUERY_S", 0.3)
+    hung = threading.Event()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(process.GpuQueryHung, match=r"did not answer a query of its "
+                           r"processes \(NVML or nvidia-smi\) within 0.3 s: it may be hung"):
+            wait_gpu_released([4242], 600.0, query=lambda: hung.wait(60) and {})  # type: ignore[return-value,arg-type]
+        assert time.monotonic() - t0 < 10
+    finally:
+        hung.set()
+    # A query that raises: its own error, as before.
+    with pytest.raises(subprocess.CalledProcessError):
+        wait_gpu_released([4242], 1.0, query=lambda: (_ for _ in ()).throw(
+            subprocess.CalledProcessError(9, "nvidia-smi")))
