@@ -39,6 +39,7 @@ STOP_GRACE_S: Final = 5.0
 # signal handler interrupts, up to 300 s), which their daemons end when they stop.
 AGENT_GRACE_S: Final = 2.0
 HELLO_TIMEOUT_S: Final = 10.0  # a connection that says nothing this long is not ours
+CONNECT_PROGRESS_S: Final = 30.0  # while a group's processes connect, a line this often
 
 Message = tuple[int, dict[str, Any] | None, str]  # local rank, message (None: closed), why
 
@@ -89,9 +90,18 @@ class TrainerGroup:
         """Accept `expected` processes that prove themselves with `token`; `check()` is
         called between tries and raises to give up (cancel, deadline, torchrun gone)."""
         server = listen(server_name)
+        started = said = time.monotonic()
         try:
             while len(self.channels) < expected:
                 check()
+                if time.monotonic() - said >= CONNECT_PROGRESS_S:  # a slow start, said why
+                    said = time.monotonic()
+                    log.info("trainer %s: %d of %d local process(es) connected after %.0f s "
+                             "(torchrun pid %s, log %s): each connects once torch is imported "
+                             "and every node's torchrun has joined the rendezvous; a node whose "
+                             "daemon has not started its torchrun holds every other", self.name,
+                             len(self.channels), expected, said - started, self.proc.pid,
+                             self.proc.log_path)
                 channel = accept(server, 0.2)
                 if channel is None:
                     continue
