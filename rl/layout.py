@@ -98,8 +98,9 @@ def train_state(run_dir: Path) -> Path:
     return run_dir / TRAIN_STATE_DIR
 
 
-def initial_model(run_dir: Path) -> Path:
-    return run_dir / INITIAL_MODEL
+def initial_model(run_dir: Path, model_path: str = "") -> Path:
+    """The run's initial model: model.path when given, else the model the run built."""
+    return Path(model_path) if model_path else run_dir / INITIAL_MODEL
 
 
 def child_log(run_dir: Path, rank: int, name: str) -> Path:

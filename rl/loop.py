@@ -188,7 +188,7 @@ class Loop:
         return self._by_id[split.value]
 
     def initial_model(self) -> Path:
-        return Path(self.s.model.path) if self.s.model.path else layout.initial_model(self.run_dir)
+        return layout.initial_model(self.run_dir, self.s.model.path)
 
     def relative(self, path: Path) -> str:
         return path.relative_to(self.run_dir).as_posix()

@@ -53,7 +53,7 @@ from rl import layout
 from rl.config import RlSections
 from rl.trainer_group import TrainerGroup
 from rollout.engines.process import describe_exit, wait_gpu_released
-from trainer.channel import SOCKET_ENV, TOKEN_ENV, ChannelClosed
+from trainer.channel import MODEL_DIR_ENV, SOCKET_ENV, TOKEN_ENV, ChannelClosed
 from trainer.lifeline import LAUNCHER_PID_ENV
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ class TrainerHost:
         env.setdefault("OMP_NUM_THREADS", "1")  # one CPU thread per trainer process
         env[LAUNCHER_PID_ENV] = str(os.getpid())  # lets a trainer see that torchrun died early
         env[RUN_DIR_ENV] = str(self.run_dir)  # the trainer confines itself to it
+        # ... and reads no model outside it but the initial one (a forged job's, refused)
+        env[MODEL_DIR_ENV] = str(layout.initial_model(self.run_dir, self.s.model.path))
         env[fsio.READ_RETRY_ENV] = str(fsio.read_retry(None))  # coordination.read_retry_s
         env[SOCKET_ENV], env[TOKEN_ENV] = channel_name, token
         if self.cuda_visible_devices is not None:

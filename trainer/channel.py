@@ -39,6 +39,9 @@ from typing import Any, Final
 
 SOCKET_ENV: Final = "COORDINATOR_TRAINER_SOCKET"
 TOKEN_ENV: Final = "COORDINATOR_TRAINER_TOKEN"
+# The initial model this node's daemon was configured with (model.path, or the run's
+# built model): the one directory outside the run a job may read (trainer/worker.py).
+MODEL_DIR_ENV: Final = "COORDINATOR_INITIAL_MODEL"
 MAX_LINE: Final = 64 * 1024  # a failure message with its traceback's last lines fits
 OPS: Final = frozenset({"train", "ping", "save", "stop", "hello", "done", "failed", "pong",
                         "saved"})

@@ -145,6 +145,26 @@ class TrainJob:
                 f"directory {root}: the job file is forged or from another run",
             )
 
+    def check_reads_from(self, run_dir: Path, model: Path) -> None:
+        """Every model the job reads lies inside the run directory or is `model`, the
+        initial model this node was configured with (model.path).  A forged job
+        naming another directory would have the trainer load it and carry its files
+        (tokenizer, config: every non-weight file) into a checkpoint the run shares."""
+        root = os.path.normpath(os.path.abspath(run_dir))
+        allowed = os.path.normpath(os.path.abspath(model))
+        for name in ("model_dir", "ref_model_dir", "resume_model_dir"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            path = os.path.normpath(os.path.abspath(value))
+            check(
+                path == allowed or (".." not in Path(value).parts
+                                    and os.path.commonpath([root, path]) == root),
+                f"train job field {name}={str(value)!r} is neither inside the run directory "
+                f"{root} nor this node's model.path {allowed}: the job file is forged or "
+                "from another run",
+            )
+
     def to_json(self, run_dir: Path | None = None) -> str:
         """The job file; paths inside `run_dir` are written relative to it, so that
         every node resolves them against its own mount of the run directory."""

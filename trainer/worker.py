@@ -24,6 +24,7 @@ import torch.distributed
 from coordinator.storage import beneath, fsio
 from coordinator.storage.beneath import RUN_DIR_ENV
 from rollout.errors import CheckpointError
+from trainer.channel import MODEL_DIR_ENV
 from trainer.config import TrainerError
 from trainer.distributed import DistContext, init_distributed
 from trainer.job import TrainJob
@@ -73,6 +74,9 @@ def read_job(path: Path, run_dir: Path | None) -> TrainJob:
     job = TrainJob.load(path, run_dir=run_dir)
     if run_dir is not None:
         job.check_writes_inside(run_dir)
+        model = os.environ.get(MODEL_DIR_ENV)  # set by the daemon that starts the trainer
+        if model:
+            job.check_reads_from(run_dir, Path(model))
     return job
 
 
