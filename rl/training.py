@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import sys
 import time
@@ -178,6 +179,8 @@ def _train_here(loop: Loop, ctx: StepContext) -> Mapping[str, Any]:
     if not loop.s.torchrun.resident:
         trainers.stop("torchrun.resident is false: one group per iteration")
     loss = _train_metrics(loop, ctx.iteration).get("loss") if ctx.is_master else None
+    if not (isinstance(loss, float) and math.isfinite(loss)):
+        loss = None  # the arrival record carries a finite number or nothing
     return {"seconds": time.monotonic() - started, "loss": loss,
             "trainer": "started" if rendezvous.start else "kept", **done}
 

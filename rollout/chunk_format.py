@@ -362,6 +362,10 @@ def _check_lengths(
     for name in ("response_logprobs", "response_mask"):
         if tensors[name].numel() != tensors["response_tokens"].numel():
             raise bad(f"{name} and response_tokens differ in length")
+    if not bool(torch.isfinite(tensors["rewards"]).all()):
+        # A reward is a number: NaN or inf would pass into the metrics (which JSON
+        # refuses, stopping the merge outside its checks) or the batch.
+        raise bad("rewards must be finite")
 
 
 def read_verified_chunk(path: Path, entry: ChunkEntry, *,

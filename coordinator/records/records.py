@@ -151,8 +151,11 @@ class Record:
     def from_bytes(cls: type[T], data: bytes, path: Path) -> T:
         try:
             obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise MalformedRecordError(path, f"not valid JSON ({exc})") from exc
+        # ValueError: JSON's own errors, and an integer of more digits than Python
+        # converts; RecursionError: arrays or objects nested thousands deep.
+        except (ValueError, RecursionError) as exc:
+            raise MalformedRecordError(path, f"not valid JSON ({type(exc).__name__}: "
+                                       f"{str(exc)[:200]})") from exc
         return cls.from_json(obj, path)
 
 

@@ -135,3 +135,14 @@ def test_the_read_deadline_defaults_to_the_daemons_setting_and_reaches_its_child
 
 def test_read_record_returns_none_for_an_absent_file() -> None:
     assert read_record(MemoryStore(), "nope.json", Heartbeat) is None
+
+
+@pytest.mark.parametrize(("data", "error"), [
+    (b"[" * 100_000, "RecursionError"),  # nested past the interpreter's limit
+    (b'{"counter": ' + b"9" * 5000 + b"}", "ValueError"),  # more digits than int() takes
+    (b"\xff\xfe", "JSONDecodeError"),
+])
+def test_json_no_parser_survives_is_a_malformed_record_naming_the_file(
+        data: bytes, error: str) -> None:
+    with pytest.raises(MalformedRecordError, match=rf"x\.json: not valid JSON \({error}"):
+        Heartbeat.from_bytes(data, P)

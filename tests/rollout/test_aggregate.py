@@ -4,12 +4,13 @@ import hashlib
 import io
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
+from coordinator.errors import MalformedRecordError
 from rollout.accumulator import BATCH_KEYS, AggregateMetrics
 from rollout.aggregate import aggregate_iteration, merge_eval_metrics
 from rollout.batch_format import TrainBatch, TrainBatchError
@@ -84,13 +85,18 @@ def write_raw_rank(
     *,
     iteration: int = 0,
     complete: bool = True,
+    tamper: Callable[[dict], None] | None = None,
 ) -> None:
-    """A rank directory written by hand, to plant outputs the writer would refuse."""
+    """A rank directory written by hand, to plant outputs the writer would refuse
+    (`tamper` alters each chunk's payload before it is saved)."""
     directory.mkdir(parents=True, exist_ok=True)
     entries = []
     for index, groups in enumerate(chunks):
         buffer = io.BytesIO()
-        torch.save(encode_chunk(groups, rank=rank, iteration=iteration), buffer)
+        payload = encode_chunk(groups, rank=rank, iteration=iteration)
+        if tamper is not None:
+            tamper(payload)
+        torch.save(payload, buffer)
         data = buffer.getvalue()
         (directory / chunk_file_name(index)).write_bytes(data)
         entries.append(
@@ -571,3 +577,17 @@ def test_the_merge_stops_as_soon_as_the_ranks_failures_sum_past_the_budget(
                 r"now instead of going through the other 8; first: timeout")):
             merge()
     assert not (tmp_path / "b.pt").exists()
+
+
+def test_a_chunk_with_a_reward_that_is_no_number_is_refused_naming_it(tmp_path: Path) -> None:
+    """NaN in a hostile or corrupt chunk: refused as the chunk's fault, where it went into
+    the eval metrics (JSON refuses NaN: the merge's decision crashed, exit 1) or the batch
+    (refused naming the batch, not the chunk)."""
+    def nan_reward(payload: dict) -> None:
+        payload["rewards"][0] = float("nan")
+
+    write_raw_rank(tmp_path / "r0", 0, [[make_group("a", 2, rewards=[0.0, 1.0])]],
+                   tamper=nan_reward)
+    with pytest.raises((AggregationError, MalformedRecordError),
+                       match=r"chunk-000000\.pt.*rewards must be finite"):
+        merge_eval_metrics({0: tmp_path / "r0"}, {0: ["a"]}, iteration=0, group_size=2)
