@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout.hf.weights import shard_file
 from trainer.distributed import DistContext, wrap_model
 from trainer.errors import TrainError
 
@@ -70,7 +71,11 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         mapping = json.loads(index.read_text()).get("weight_map", {})
         if not isinstance(mapping, dict):
             raise TrainError(f"{index} has no weight_map object")
-        return {str(name): model_dir / str(file) for name, file in mapping.items()}
+        try:
+            return {str(name): model_dir / shard_file(index, file)
+                    for name, file in mapping.items()}
+        except ValueError as exc:
+            raise TrainError(str(exc)) from None
     single = model_dir / SAFETENSORS_SINGLE
     if not single.is_file():
         raise TrainError(f"{model_dir} has neither {SAFETENSORS_INDEX} nor {SAFETENSORS_SINGLE}:"

@@ -123,6 +123,17 @@ def _tied_to_saved(model: Any, name: str, state: dict[str, Any]) -> bool:
         params.get(other) is target for other in state if other != name)
 
 
+def shard_file(index: Path, name: object) -> str:
+    """A shard named by a safetensors index's weight_map: a plain file name beside the
+    index (model-00001-of-00004.safetensors), or ValueError naming the index.  The index
+    may come from the shared run directory: no other path is opened for it."""
+    if not isinstance(name, str) or not name.endswith(".safetensors") or \
+            name.startswith(".") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"{index}: weight_map names {name!r}, not a .safetensors file "
+                         "beside it")
+    return name
+
+
 def load_safetensors(directory: Path, *, torch: Any) -> dict[str, Any]:
     """Every tensor of a checkpoint directory (one file or an index of shards)."""
     from safetensors.torch import load_file
@@ -131,7 +142,8 @@ def load_safetensors(directory: Path, *, torch: Any) -> dict[str, Any]:
     index = directory / "model.safetensors.index.json"
     try:
         if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            shards = sorted({shard_file(index, name) for name in
+                             json.loads(index.read_text())["weight_map"].values()})
             state: dict[str, Any] = {}
             for shard in shards:
                 state.update(load_file(str(directory / shard), device="cpu"))

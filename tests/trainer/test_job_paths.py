@@ -1,7 +1,8 @@
-"""A train job comes from the shared run directory, which others may write: what it
-makes the trainer write stays inside the run directory, and what it makes the trainer
-read (a model whose non-weight files are carried into the published checkpoint) is
-inside it or the node's own initial model (trainer/job.py, trainer/worker.py)."""
+"""Paths the trainer takes from the shared run directory, which others may write.  A
+train job: what it makes the trainer write stays inside the run directory, and what it
+makes the trainer read (a model whose non-weight files are carried into the published
+checkpoint) is inside it or the node's own initial model (trainer/job.py,
+trainer/worker.py).  A sharded model's index: it names only shards beside it."""
 
 from __future__ import annotations
 
@@ -44,3 +45,25 @@ def test_a_job_reads_only_the_run_directory_and_the_nodes_initial_model(
     # A trainer started by hand (no daemon set the variable) reads what its job names.
     monkeypatch.delenv(MODEL_DIR_ENV)
     assert read_job(job_file(run, model_dir=private), run).model_dir == private
+
+
+@pytest.mark.parametrize("name", ["../../../../etc/hostname", "/etc/hostname", "sub/x.safetensors",
+                                  ".model.safetensors.tmp", "model.bin", 7])
+def test_a_sharded_index_naming_anything_but_a_shard_beside_it_is_refused(
+        tmp_path: Path, name: object) -> None:
+    """model.safetensors.index.json may come from the share: its weight_map opens no
+    other file (a FIFO named there blocked the read for ever)."""
+    import json
+
+    import torch
+
+    from rollout.hf.weights import WeightsError, load_safetensors
+    from trainer.errors import TrainError
+    from trainer.sharded_load import weight_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": name}}))
+    with pytest.raises(TrainError, match=r"model\.safetensors\.index\.json: weight_map names "):
+        weight_files(tmp_path)
+    with pytest.raises(WeightsError, match=r"weight_map names .*not a \.safetensors file"):
+        load_safetensors(tmp_path, torch=torch)
