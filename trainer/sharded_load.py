@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.hf.weights import shard_file
+from rollout.shard_index import shard_file
 from trainer.distributed import DistContext, wrap_model
 from trainer.errors import TrainError
 

@@ -21,6 +21,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from rollout.shard_index import shard_file
+
 log = logging.getLogger("rollout.hf.server")
 
 
@@ -121,17 +123,6 @@ def _tied_to_saved(model: Any, name: str, state: dict[str, Any]) -> bool:
     target = params.get(name)
     return target is not None and any(
         params.get(other) is target for other in state if other != name)
-
-
-def shard_file(index: Path, name: object) -> str:
-    """A shard named by a safetensors index's weight_map: a plain file name beside the
-    index (model-00001-of-00004.safetensors), or ValueError naming the index.  The index
-    may come from the shared run directory: no other path is opened for it."""
-    if not isinstance(name, str) or not name.endswith(".safetensors") or \
-            name.startswith(".") or "/" in name or "\\" in name or "\0" in name:
-        raise ValueError(f"{index}: weight_map names {name!r}, not a .safetensors file "
-                         "beside it")
-    return name
 
 
 def load_safetensors(directory: Path, *, torch: Any) -> dict[str, Any]:
